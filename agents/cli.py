@@ -1,0 +1,430 @@
+"""`gpupool`: the one console script."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import csv
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+from pathlib import Path
+
+from infra import config as config_mod
+from infra import kafka_local
+
+# ---------------------------------------------------------------- stack plumbing
+
+
+def ensure_broker(cfg) -> str:
+    """GPUPOOL_KAFKA if set, else the project's own local broker (fetched and started on demand)."""
+    if cfg.kafka:
+        return cfg.kafka
+    kafka_local.fetch(cfg.home)
+    kafka_local.default_broker(cfg).start()
+    return cfg.bootstrap
+
+
+def produce(cfg, envelopes) -> None:
+    from aiokafka import AIOKafkaProducer
+
+    from schemas.envelope import encode
+    from schemas.routing import route
+
+    async def go():
+        producer = AIOKafkaProducer(bootstrap_servers=cfg.bootstrap, acks="all", enable_idempotence=True)
+        await producer.start()
+        try:
+            for env in envelopes:
+                spec, key = route(env)
+                await producer.send(spec.name, key=key, value=encode(env))
+            await producer.flush()
+        finally:
+            await producer.stop()
+
+    asyncio.run(go())
+
+
+def web_up(cfg) -> bool:
+    return kafka_local.port_open("127.0.0.1", cfg.web_port, timeout=0.3)
+
+
+def query(cfg, sql: str, parameters: dict | None = None) -> tuple[list[str], list[list]]:
+    """Ask the running worker (which owns the embedded engine), else open ClickHouse directly."""
+    if web_up(cfg):
+        req = urllib.request.Request(f"http://127.0.0.1:{cfg.web_port}/query/", method="POST",
+                                     data=json.dumps({"sql": sql, "parameters": parameters or {}}).encode(),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=30) as resp:
+                doc = json.loads(resp.read())
+        except urllib.error.HTTPError as exc:
+            raise SystemExit(f"query failed: {exc.read().decode()[:500]}") from None
+        return doc["columns"], doc["rows"]
+    from infra.clickhouse import connect
+
+    result = connect(cfg.clickhouse).query(sql, parameters=parameters or None)
+    return list(result.column_names), [list(r) for r in result.result_rows]
+
+
+def emit(columns, rows, fmt: str) -> None:
+    if fmt == "json":
+        print(json.dumps([dict(zip(columns, r)) for r in rows], default=str))
+    elif fmt == "csv":
+        buf = io.StringIO()
+        w = csv.writer(buf)
+        w.writerow(columns)
+        w.writerows(rows)
+        print(buf.getvalue(), end="")
+    else:
+        widths = [max(len(str(c)), *(len(str(r[i])) for r in rows)) if rows else len(str(c))
+                  for i, c in enumerate(columns)]
+        print("  ".join(str(c).ljust(w) for c, w in zip(columns, widths)))
+        for r in rows:
+            print("  ".join(str(v).ljust(w) for v, w in zip(r, widths)))
+
+
+# ---------------------------------------------------------------- queries
+
+JOBS_SQL = """
+SELECT job_id, argMaxIf(tenant, event_time, kind = 'job.requested') AS tenant,
+       multiIf(countIf(kind = 'job.completed') > 0, 'completed', countIf(kind = 'job.failed') > 0, 'failed',
+               countIf(kind = 'job.cancelled') > 0, 'cancelled',
+               argMaxIf(kind, (event_time, offset), kind IN ('job.started', 'job.stopped')) = 'job.started', 'running',
+               countIf(kind = 'cmd.place') > countIf(kind = 'cmd.release'), 'placed', 'pending') AS state,
+       argMaxIf(node, (event_time, offset), kind = 'cmd.place') AS node,
+       minIf(event_time, kind = 'job.requested') AS submitted
+FROM gpupool.events FINAL WHERE job_id != '' GROUP BY job_id ORDER BY submitted, job_id
+"""
+
+BILLING_GROUPS = {"tenant": "tenant", "project": "tenant, project", "job": "tenant, project, job_id",
+                  "model": "tenant, gpu_model", "day": "tenant, toDate(fromUnixTimestamp64Milli(toInt64(end_ms))) AS day"}
+
+
+def billing_sql(by: str, tenant: str | None, project: str | None, since_ms: int | None, until_ms: int | None):
+    where, params = ["1"], {}
+    if tenant:
+        where.append("tenant = {tenant:String}")
+        params["tenant"] = tenant
+    if project:
+        where.append("project = {project:String}")
+        params["project"] = project
+    if since_ms is not None:
+        where.append("end_ms >= {since:UInt64}")
+        params["since"] = since_ms
+    if until_ms is not None:
+        where.append("start_ms < {until:UInt64}")
+        params["until"] = until_ms
+    group = BILLING_GROUPS[by]
+    keys = group.replace(" AS day", "").replace("toDate(fromUnixTimestamp64Milli(toInt64(end_ms)))", "day")
+    sql = (f"SELECT {group}, sum(gpu_milli_ms) AS milli_gpu_ms, round(sum(gpu_milli_ms) / 1e6, 3) AS gpu_seconds, "
+           f"round(sumIf(gpu_milli_ms, borrowed) / 1e6, 3) AS borrowed_gpu_seconds, uniqExact(job_id) AS jobs "
+           f"FROM gpupool.usage FINAL WHERE {' AND '.join(where)} GROUP BY {keys} ORDER BY {keys}")
+    return sql, params
+
+
+def parse_time(s: str | None) -> int | None:
+    if s is None:
+        return None
+    if s.isdigit():
+        return int(s)
+    from datetime import datetime, timezone
+
+    dt = datetime.fromisoformat(s)
+    if dt.tzinfo is None:
+        dt = dt.replace(tzinfo=timezone.utc)
+    return int(dt.timestamp() * 1000)
+
+
+# ---------------------------------------------------------------- commands
+
+
+def cmd_kafka(cfg, args) -> int:
+    broker = kafka_local.default_broker(cfg)
+    if args.action == "fetch":
+        print(kafka_local.fetch(cfg.home))
+    elif args.action == "start":
+        kafka_local.fetch(cfg.home)
+        broker.start()
+        asyncio.run(kafka_local.ensure_topics(broker.bootstrap))
+        print(f"kafka on {broker.bootstrap}")
+    elif args.action == "stop":
+        broker.stop()
+    return 0
+
+
+def cmd_worker(cfg, args) -> int:
+    from faust.worker import Worker as FaustWorker
+
+    from streams.app import Worker
+
+    asyncio.run(kafka_local.ensure_topics(cfg.bootstrap))
+    w = Worker(cfg, with_scheduler=not args.no_scheduler, with_sink=not args.no_sink)
+    FaustWorker(w.app, loglevel=args.loglevel, quiet=True).execute_from_commandline()
+    return 0
+
+
+def cmd_agent(cfg, args) -> int:
+    from agents.node import fleet
+    from agents.node.sim_agent import SimFleetAgent
+
+    if not args.simulate:
+        from agents.node.nvml_agent import run_nvml_agent  # real cards
+        return run_nvml_agent(cfg, args)
+    agent = SimFleetAgent(cfg, fleet.load(args.simulate), telemetry_interval_s=args.interval,
+                          group_id=args.group or "gpupool-sim-agent")
+    for f in args.fault or []:
+        agent.inject(f)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, agent.stopping.set)
+        task = asyncio.create_task(agent.run())
+        await agent.stopping.wait()
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+
+    asyncio.run(main())
+    return 0
+
+
+def job_request(args, job_id: str):
+    from schemas.events import Constraints, JobRequested, Tier
+
+    return JobRequested(
+        job_id=job_id, tenant=args.tenant, project=args.project, tier=Tier(args.tier),
+        compute_milli=args.compute, gpu_memory_mib=int(args.memory_gib * 1024), cpu_milli=args.cpu,
+        memory_mib=args.host_memory_mib, duration_s=args.duration,
+        constraints=Constraints(models=tuple(args.model or ())))
+
+
+def cmd_submit(cfg, args) -> int:
+    from schemas.envelope import envelope
+
+    job_id = args.job_id or f"job-{uuid.uuid4().hex[:10]}"
+    t = time.time_ns() // 1_000_000
+    produce(cfg, [envelope(job_request(args, job_id), source=f"cli/{job_id}", seq=1, time_ms=t)])
+    print(job_id)
+    return 0
+
+
+def cmd_quota(cfg, args) -> int:
+    from schemas.envelope import envelope
+    from schemas.events import QuotaSet
+
+    t = time.time_ns() // 1_000_000
+    q = QuotaSet(tenant=args.tenant, project=args.project, gpu_milli=args.compute,
+                 overcommit_pct=args.overcommit_pct)
+    produce(cfg, [envelope(q, source=f"cli/quota/{args.tenant}/{args.project or ''}", seq=t, time_ms=t)])
+    return 0
+
+
+def cmd_jobs(cfg, args) -> int:
+    cols, rows = query(cfg, JOBS_SQL)
+    emit(cols, rows, args.format)
+    return 0
+
+
+def cmd_billing(cfg, args) -> int:
+    sql, params = billing_sql(args.by, args.tenant, args.project, parse_time(args.since), parse_time(args.until))
+    cols, rows = query(cfg, sql, params)
+    emit(cols, rows, args.format)
+    return 0
+
+
+def cmd_explain(cfg, args) -> int:
+    cols, rows = query(cfg, "SELECT event_time, kind, node, reasons FROM gpupool.scheduling FINAL "
+                            "WHERE job_id = {job:String} ORDER BY event_time, event_id", {"job": args.job})
+    if not rows:
+        print(f"no scheduling decisions recorded for {args.job}")
+        return 1
+    for at, kind, node, reasons in rows:
+        print(f"{at}  {kind}  {node or '-'}")
+        for r in json.loads(reasons):
+            extra = " ".join(f"{k}={v}" for k, v in sorted(r.get("data", {}).items()))
+            plugin = f"[{r['plugin']}] " if r.get("plugin") else ""
+            print(f"    {plugin}{r['code']}: {r.get('message', '')} {extra}".rstrip())
+    return 0
+
+
+def cmd_simulate(cfg, args, rest: list[str]) -> int:
+    if args.protocol == "fgd":
+        from agents.sim.fgd_protocol import run_cli
+        return run_cli(rest)
+    raise SystemExit(f"unknown protocol {args.protocol}")
+
+
+# ---------------------------------------------------------------- up / down / demo
+
+def _pidfile(cfg, name: str) -> Path:
+    return cfg.home / "run" / f"{name}.pid"
+
+
+def spawn(cfg, name: str, argv: list[str], env: dict | None = None) -> subprocess.Popen:
+    (cfg.home / "run").mkdir(parents=True, exist_ok=True)
+    log = open(cfg.home / "run" / f"{name}.log", "ab")
+    proc = subprocess.Popen([sys.executable, "-m", "agents.cli", *argv], stdout=log, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, env={**os.environ, **(env or {})}, start_new_session=True)
+    _pidfile(cfg, name).write_text(str(proc.pid))
+    return proc
+
+
+def stop_pid(pid: int, timeout: float = 20.0) -> None:
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except OSError:
+        return
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                return
+        except ChildProcessError:
+            try:
+                os.kill(pid, 0)
+            except OSError:
+                return
+        time.sleep(0.2)
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+def wait_web(cfg, proc: subprocess.Popen, timeout: float = 90.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"worker exited early; see {cfg.home / 'run' / 'worker.log'}")
+        if web_up(cfg):
+            try:
+                query(cfg, "SELECT 1")
+                return
+            except SystemExit:
+                pass
+        time.sleep(0.5)
+    raise SystemExit("worker did not come up")
+
+
+def cmd_up(cfg, args) -> int:
+    ensure_broker(cfg)
+    asyncio.run(kafka_local.ensure_topics(cfg.bootstrap))
+    worker = spawn(cfg, "worker", ["worker"])
+    wait_web(cfg, worker)
+    if args.simulate:
+        spawn(cfg, "agent", ["agent", "--simulate", args.simulate])
+    print(f"gpupool up: kafka {cfg.bootstrap}, worker http://127.0.0.1:{cfg.web_port}, home {cfg.home}")
+    return 0
+
+
+def cmd_down(cfg, args) -> int:
+    for name in ("agent", "worker"):
+        pf = _pidfile(cfg, name)
+        if pf.exists():
+            stop_pid(int(pf.read_text()))
+            pf.unlink()
+    if not cfg.kafka:
+        kafka_local.default_broker(cfg).stop()
+    print("gpupool down")
+    return 0
+
+
+def cmd_demo(cfg, args) -> int:
+    from agents.demo import run_demo
+    return run_demo(cfg, args)
+
+
+# ---------------------------------------------------------------- argument parsing
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="gpupool", description="Event-sourced control plane for a shared GPU pool")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    k = sub.add_parser("kafka", help="fetch, start or stop the local Kafka broker")
+    k.add_argument("action", choices=["fetch", "start", "stop"])
+
+    w = sub.add_parser("worker", help="run the Faust worker (folds, scheduler, ClickHouse sink) in the foreground")
+    w.add_argument("--no-scheduler", action="store_true")
+    w.add_argument("--no-sink", action="store_true")
+    w.add_argument("--loglevel", default="warn", choices=["crit", "error", "warn", "info", "debug"])
+
+    a = sub.add_parser("agent", help="run node agents: real GPUs through NVML, or --simulate FLEET")
+    a.add_argument("--simulate", metavar="FLEET", help="fleet YAML, openb node CSV, or demo:N")
+    a.add_argument("--interval", type=float, default=1.0, help="telemetry interval in seconds")
+    a.add_argument("--fault", action="append", help="ecc:NODE:INDEX | lose:NODE | slow:NODE:FACTOR")
+    a.add_argument("--group", help="consumer group for commands")
+    a.add_argument("--allow-mig-reconfigure", action="store_true")
+
+    s = sub.add_parser("submit", help="produce a job request")
+    s.add_argument("--tenant", required=True)
+    s.add_argument("--project", default="default")
+    s.add_argument("--tier", default="offline", choices=["inference", "online-training", "offline"])
+    s.add_argument("--compute", type=int, required=True, help="compute units in milli-CU (1000 = one A100)")
+    s.add_argument("--memory-gib", type=float, required=True, help="GPU memory")
+    s.add_argument("--cpu", type=int, default=1000, help="milli-CPU")
+    s.add_argument("--host-memory-mib", type=int, default=1024)
+    s.add_argument("--duration", type=int, help="simulated run time in seconds")
+    s.add_argument("--model", action="append", help="allowed card model (repeatable)")
+    s.add_argument("--job-id")
+
+    q = sub.add_parser("quota", help="set a tenant's (or project's) quota")
+    q.add_argument("action", choices=["set"])
+    q.add_argument("tenant")
+    q.add_argument("--project")
+    q.add_argument("--compute", type=int, required=True, help="quota in milli-CU")
+    q.add_argument("--overcommit-pct", type=int, default=120)
+
+    j = sub.add_parser("jobs", help="list jobs with state and node")
+    j.add_argument("--format", default="table", choices=["table", "json", "csv"])
+
+    b = sub.add_parser("billing", help="GPU-seconds per tenant/project/job/model/day")
+    b.add_argument("--tenant")
+    b.add_argument("--project")
+    b.add_argument("--since")
+    b.add_argument("--until")
+    b.add_argument("--by", default="tenant", choices=list(BILLING_GROUPS))
+    b.add_argument("--format", default="table", choices=["table", "json", "csv"])
+
+    e = sub.add_parser("explain", help="why a job was placed where it is, or why it waits")
+    e.add_argument("job")
+
+    sim = sub.add_parser("simulate", help="offline trace evaluation")
+    sim.add_argument("--protocol", required=True, choices=["fgd"])
+
+    u = sub.add_parser("up", help="start broker, worker (and a simulated fleet) in the background")
+    u.add_argument("--simulate", metavar="FLEET", default="demo:4")
+    sub.add_parser("down", help="stop what `up` started")
+
+    d = sub.add_parser("demo", help="the end-to-end scenario on the embedded defaults")
+    d.add_argument("--jobs", type=int, default=20)
+    d.add_argument("--nodes", type=int, default=4)
+    d.add_argument("--keep", action="store_true", help="leave the demo's data directory in place")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args, rest = parser().parse_known_args(argv)
+    if rest and args.command != "simulate":
+        parser().error(f"unrecognized arguments: {' '.join(rest)}")
+    cfg = config_mod.load()
+    handlers = {"kafka": cmd_kafka, "worker": cmd_worker, "agent": cmd_agent, "submit": cmd_submit,
+                "quota": cmd_quota, "jobs": cmd_jobs, "billing": cmd_billing, "explain": cmd_explain,
+                "up": cmd_up, "down": cmd_down, "demo": cmd_demo}
+    if args.command == "simulate":
+        return cmd_simulate(cfg, args, rest)
+    return handlers[args.command](cfg, args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

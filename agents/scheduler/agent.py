@@ -1,0 +1,129 @@
+"""The scheduler agent: the single writer of scheduling decisions.
+
+Exclusivity comes from Kafka: the scheduler input has one partition, and only the member of consumer group
+`gpupool-scheduler` that owns it decides. On taking ownership it rebuilds its state by replaying the input up to the
+group's committed offset without emitting (the outputs of those records are already in the log), then goes live.
+Outputs are produced (acks=all, idempotent producer) before the input offset is committed; a crash in between
+re-emits identical envelopes (same ids), which every consumer ignores as duplicates.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka.abc import ConsumerRebalanceListener
+
+from agents.scheduler.core import Scheduler
+from infra.config import Config
+from schemas.envelope import DecodeError, decode, encode
+from schemas.routing import route
+from schemas.topics import SCHEDULER_INPUT
+
+log = logging.getLogger("gpupool.scheduler")
+GROUP = "gpupool-scheduler"
+TP = TopicPartition(SCHEDULER_INPUT.name, 0)
+
+
+class _Ownership(ConsumerRebalanceListener):
+    def __init__(self):
+        self.changed = asyncio.Event()
+        self.owned = False
+
+    async def on_partitions_revoked(self, revoked):
+        self.owned = False
+        self.changed.set()
+
+    async def on_partitions_assigned(self, assigned):
+        self.owned = TP in assigned
+        self.changed.set()
+
+
+async def replay_input(bootstrap: str, until: int | None = None, on_record=None) -> int:
+    """Read the scheduler input from offset 0 up to `until` (exclusive; None = the end now). Returns records read."""
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, auto_offset_reset="earliest")
+    await consumer.start()
+    try:
+        consumer.assign([TP])
+        end = (await consumer.end_offsets([TP]))[TP] if until is None else until
+        await consumer.seek_to_beginning(TP)
+        n = 0
+        while (await consumer.position(TP)) < end:
+            batch = await consumer.getmany(TP, timeout_ms=1000, max_records=5000)
+            for msg in batch.get(TP, []):
+                if msg.offset >= end:
+                    break
+                n += 1
+                if on_record:
+                    on_record(msg)
+        return n
+    finally:
+        await consumer.stop()
+
+
+class SchedulerAgent:
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.state = Scheduler()
+        self.position = 0
+        self.emitted = 0
+        self.bad_input = 0
+        self.live = False
+
+    def stats(self) -> dict:
+        return {"position": self.position, "emitted": self.emitted, "live": self.live, "cycle": self.state.cycle,
+                "bad_input": self.bad_input,
+                "pending": [r.request.job_id for r in self.state.pending_order()][:50]}
+
+    def _step(self, raw: bytes) -> list:
+        try:
+            env = decode(raw)
+        except DecodeError:
+            self.bad_input += 1  # the folds already dead-lettered it; the scheduler only skips
+            return []
+        return self.state.step(env)
+
+    async def _rebuild(self, committed: int) -> None:
+        self.state = Scheduler()
+        await replay_input(self.cfg.bootstrap, committed, lambda msg: self._step(msg.value))
+        self.position = committed
+
+    async def run(self) -> None:
+        ownership = _Ownership()
+        consumer = AIOKafkaConsumer(bootstrap_servers=self.cfg.bootstrap, group_id=GROUP, enable_auto_commit=False,
+                                    auto_offset_reset="earliest", max_poll_records=1000)
+        producer = AIOKafkaProducer(bootstrap_servers=self.cfg.bootstrap, acks="all", enable_idempotence=True,
+                                    linger_ms=5)
+        await consumer.start()
+        await producer.start()
+        consumer.subscribe([SCHEDULER_INPUT.name], listener=ownership)
+        try:
+            while True:
+                if not ownership.owned:
+                    self.live = False
+                    ownership.changed.clear()
+                    await consumer.getmany(timeout_ms=500)  # drives the group protocol while standing by
+                    continue
+                if not self.live:
+                    committed = await consumer.committed(TP) or 0
+                    await self._rebuild(committed)
+                    consumer.seek(TP, committed)
+                    self.live = True
+                    log.info("scheduler live at input offset %d", committed)
+                batch = await consumer.getmany(TP, timeout_ms=500, max_records=1000)
+                msgs = batch.get(TP, [])
+                if not msgs or not ownership.owned:
+                    continue
+                sends = []
+                for msg in msgs:
+                    for out in self._step(msg.value):
+                        spec, key = route(out)
+                        sends.append(await producer.send(spec.name, key=key, value=encode(out)))
+                    self.position = msg.offset + 1
+                for fut in sends:
+                    await fut
+                self.emitted += len(sends)
+                await consumer.commit({TP: self.position})
+        finally:
+            await consumer.stop()
+            await producer.stop()

@@ -1,0 +1,195 @@
+"""The scheduler as a deterministic fold over its one input stream.
+
+`Scheduler.step(envelope)` applies one input record and returns the envelopes the scheduler emits in response
+(commands, pending reasons, ledger events). The outputs are a function of the input sequence alone: time comes from
+event times and ticks, ids from a counter, ties from sorted keys. The live agent, the simulator and the audit replayer
+all drive this same class, so replaying the input reproduces every decision bit for bit.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from agents.scheduler.placement import Placement, place
+from agents.scheduler.quota import Ledger
+from schemas.envelope import Envelope, envelope
+from schemas.events import (
+    TIER_RANK, GpuHealth, JobCancelled, JobCompleted, JobFailed, JobPending, JobRequested, JobStarted, JobStopped,
+    NodeCordon, NodeInventory, NodeLiveness, PlaceJob, QuotaSet, Reason, ReleaseJob, SchedulerTick, UsageAccrued,
+)
+from streams import node_view
+
+SOURCE = "scheduler"
+
+
+@dataclass
+class JobRecord:
+    request: JobRequested
+    arrival: int
+    state: str = "pending"  # pending | placed | running | done
+    node: str = ""
+    placement: PlaceJob | None = None
+    started_ms: int = 0
+    preemptions: int = 0
+    checkpoint: str = ""
+    pending_codes: tuple[str, ...] = ()
+
+
+@dataclass
+class Scheduler:
+    nodes: dict[str, node_view.NodeView] = field(default_factory=dict)
+    jobs: dict[str, JobRecord] = field(default_factory=dict)
+    ledger: Ledger = field(default_factory=Ledger)
+    applied: dict[str, int] = field(default_factory=dict)
+    now_ms: int = 0
+    cycle: int = 0
+    out_seq: int = 0
+    arrivals: int = 0
+
+    # ---------------------------------------------------------------- emitting
+
+    def _emit(self, out: list[Envelope], payload, cause: Envelope) -> None:
+        self.out_seq += 1
+        env = envelope(payload, source=SOURCE, seq=self.out_seq, time_ms=self.now_ms, causation_id=cause.event_id,
+                       correlation_id=getattr(payload, "job_id", None))
+        out.append(env)
+        if env.is_command:
+            self._fold_node(env)
+
+    def _fold_node(self, env: Envelope) -> None:
+        p = env.payload
+        name = getattr(p, "node", None)
+        if name is not None:
+            self.nodes[name] = node_view.evolve(self.nodes.get(name), env)
+
+    def _command_id(self) -> str:
+        return f"c{self.out_seq + 1}"
+
+    # ---------------------------------------------------------------- input
+
+    def step(self, env: Envelope) -> list[Envelope]:
+        if env.seq <= self.applied.get(env.source, -1):
+            return []  # duplicate or stale: at-least-once delivery made exact
+        self.applied[env.source] = env.seq
+        self.now_ms = max(self.now_ms, env.event_time_ms)
+        out: list[Envelope] = []
+        p = env.payload
+        match p:
+            case NodeInventory() | NodeCordon() | NodeLiveness() | GpuHealth():
+                self._fold_node(env)
+                self._cycle(out, env)
+            case JobRequested():
+                if p.job_id not in self.jobs:
+                    self.arrivals += 1
+                    self.jobs[p.job_id] = JobRecord(request=p, arrival=self.arrivals)
+                    self._cycle(out, env)
+            case JobCancelled():
+                self._finish(out, env, p.job_id, release=True)
+            case JobStarted():
+                rec = self.jobs.get(p.job_id)
+                if rec and rec.state == "placed" and rec.placement and rec.placement.command_id == p.command_id:
+                    rec.state, rec.started_ms = "running", env.event_time_ms
+            case JobCompleted() | JobFailed():
+                self._finish(out, env, p.job_id, release=True)
+                self._cycle(out, env)
+            case JobStopped():
+                self._requeue(out, env, p)
+                self._cycle(out, env)
+            case QuotaSet():
+                self.ledger.set_quota(p)
+                self._cycle(out, env)
+            case SchedulerTick():
+                self._cycle(out, env)
+        return out
+
+    # ---------------------------------------------------------------- lifecycle
+
+    def _accrue(self, out: list[Envelope], env: Envelope, rec: JobRecord) -> None:
+        if rec.state != "running" or rec.placement is None:
+            return
+        end = max(env.event_time_ms, rec.started_ms)
+        pl = rec.placement
+        milli = sum(a.milli for a in pl.assignments)
+        inv = self.nodes[pl.node].inventory
+        card_model = self.card_model(pl.node, pl.assignments[0].gpu_uuid)
+        r = rec.request
+        self._emit(out, UsageAccrued(
+            tenant=r.tenant, project=r.project, job_id=r.job_id, tier=r.tier, node=pl.node, gpu_model=card_model,
+            datacenter=inv.datacenter if inv else "", start_ms=rec.started_ms, end_ms=end, gpu_milli=milli,
+            gpu_milli_ms=milli * (end - rec.started_ms), borrowed=pl.borrowed), env)
+
+    def _release(self, out: list[Envelope], env: Envelope, rec: JobRecord, why: str) -> None:
+        if rec.placement is None:
+            return
+        self._emit(out, ReleaseJob(command_id=self._command_id(), job_id=rec.request.job_id, node=rec.placement.node,
+                                   reasons=(Reason(code=why),)), env)
+        for ev in self.ledger.release(rec.request, rec.placement.borrowed):
+            self._emit(out, ev, env)
+        rec.placement = None
+        rec.node = ""
+
+    def _finish(self, out: list[Envelope], env: Envelope, job_id: str, release: bool) -> None:
+        rec = self.jobs.get(job_id)
+        if rec is None or rec.state == "done":
+            return
+        self._accrue(out, env, rec)
+        self._release(out, env, rec, {"job.cancelled": "Cancelled", "job.failed": "Failed"}.get(env.kind, "Completed"))
+        rec.state = "done"
+
+    def _requeue(self, out: list[Envelope], env: Envelope, p: JobStopped) -> None:
+        rec = self.jobs.get(p.job_id)
+        if rec is None or rec.state not in ("placed", "running"):
+            return
+        self._accrue(out, env, rec)
+        self._release(out, env, rec, "Stopped")
+        rec.state, rec.preemptions, rec.checkpoint = "pending", rec.preemptions + 1, p.checkpoint
+
+    # ---------------------------------------------------------------- the cycle
+
+    def pending_order(self) -> list[JobRecord]:
+        """Tier first; within a tier, preempted work resumes before newer work; then arrival order."""
+        pending = [r for r in self.jobs.values() if r.state == "pending"]
+        return sorted(pending, key=lambda r: (TIER_RANK[r.request.tier], 0 if r.preemptions else 1, r.arrival))
+
+    def _cycle(self, out: list[Envelope], cause: Envelope) -> None:
+        self.cycle += 1
+        nodes = [self.nodes[n] for n in sorted(self.nodes)]
+        for rec in self.pending_order():
+            r = rec.request
+            quota = self.ledger.admit(r)
+            if quota.blocked:
+                self._pending(out, cause, rec, quota.reasons)
+                continue
+            result = place(nodes, r)
+            if not isinstance(result, Placement):
+                self._pending(out, cause, rec, result.reasons)
+                continue
+            cmd = PlaceJob(
+                command_id=self._command_id(), job_id=r.job_id, tenant=r.tenant, node=result.node,
+                assignments=result.assignments, cpu_milli=r.cpu_milli, memory_mib=r.memory_mib,
+                duration_s=r.duration_s, resume_from=rec.checkpoint, borrowed=quota.borrowed,
+                reasons=result.reasons + quota.reasons + (Reason(code="Cycle", data={"cycle": self.cycle}),))
+            self._emit(out, cmd, cause)
+            for ev in self.ledger.hold(r, quota.borrowed):
+                self._emit(out, ev, cause)
+            rec.state, rec.node, rec.placement, rec.pending_codes = "placed", result.node, cmd, ()
+            nodes = [self.nodes[n] for n in sorted(self.nodes)]
+
+    def _pending(self, out: list[Envelope], cause: Envelope, rec: JobRecord, reasons: tuple[Reason, ...]) -> None:
+        codes = tuple(f"{r.plugin}:{r.code}" for r in reasons)
+        if codes != rec.pending_codes:  # say it once per change, not every cycle
+            rec.pending_codes = codes
+            self._emit(out, JobPending(job_id=rec.request.job_id, reasons=reasons), cause)
+
+    def card_model(self, node: str, gpu_uuid: str) -> str:
+        inv = self.nodes[node].inventory
+        return next((g.model for g in inv.gpus if g.uuid == gpu_uuid), "unknown") if inv else "unknown"
+
+
+def replay(inputs: list[Envelope]) -> tuple[Scheduler, list[Envelope]]:
+    """Run the scheduler over a recorded input stream; returns its final state and every output."""
+    s = Scheduler()
+    outs: list[Envelope] = []
+    for env in inputs:
+        outs.extend(s.step(env))
+    return s, outs
+

@@ -1,0 +1,26 @@
+"""ClickHouse through clickhouse-connect only: the embedded chdb engine by default, any server by URL."""
+from __future__ import annotations
+
+from importlib import resources
+
+import clickhouse_connect
+
+
+def statements() -> list[str]:
+    sql = resources.files("infra").joinpath("ddl.sql").read_text()
+    lines = [ln for ln in sql.splitlines() if not ln.lstrip().startswith("--")]
+    return [s.strip() for s in "\n".join(lines).split(";") if s.strip()]
+
+
+def connect(dsn: str, apply_ddl: bool = True):
+    """A client for `dsn` (chdb:///path or http(s)://...). chdb allows one process per data path."""
+    if dsn.startswith("chdb://"):
+        path = dsn[len("chdb://"):]
+        if path.startswith("/") or path.startswith("."):
+            from pathlib import Path
+            Path(path).mkdir(parents=True, exist_ok=True)
+    client = clickhouse_connect.get_client(dsn=dsn)
+    if apply_ddl:
+        for stmt in statements():
+            client.command(stmt)
+    return client

@@ -1,0 +1,48 @@
+-- gpupool's ClickHouse schema. Applied idempotently at start by infra/clickhouse.py.
+-- The raw mirror is keyed by Kafka coordinates (topic, partition, offset); the ledger tables by event id, because a
+-- scheduler that re-runs after a crash re-emits the same event ids at new offsets. ReplacingMergeTree collapses a
+-- record written twice (queries use FINAL), and non_replicated_deduplication_window lets non-replicated MergeTree
+-- honour the sink's offset-derived insert_deduplication_token, so a retried batch is not even written twice.
+CREATE DATABASE IF NOT EXISTS gpupool;
+
+-- Every fact the sink consumed, as it was on the wire.
+CREATE TABLE IF NOT EXISTS gpupool.events (
+    topic LowCardinality(String), partition UInt16, offset UInt64,
+    event_id String, kind LowCardinality(String), source String, seq UInt64,
+    event_time_ms UInt64,
+    event_time DateTime64(3, 'UTC') MATERIALIZED fromUnixTimestamp64Milli(toInt64(event_time_ms), 'UTC'), tenant String, job_id String, node String, command_id String,
+    payload String
+) ENGINE = ReplacingMergeTree ORDER BY (topic, partition, offset)
+SETTINGS non_replicated_deduplication_window = 100000;
+
+-- GPU time, accrued by the scheduler's fold on event times (never the sink's clock).
+CREATE TABLE IF NOT EXISTS gpupool.usage (
+    topic LowCardinality(String), partition UInt16, offset UInt64, event_id String,
+    tenant String, project String, job_id String, tier LowCardinality(String), node String,
+    gpu_model LowCardinality(String), datacenter LowCardinality(String),
+    start_ms UInt64, end_ms UInt64, gpu_milli UInt32, gpu_milli_ms UInt64, borrowed Bool
+) ENGINE = ReplacingMergeTree ORDER BY (tenant, event_id)
+SETTINGS non_replicated_deduplication_window = 100000;
+
+-- Quota ledger changes: set, changed, borrowed, returned.
+CREATE TABLE IF NOT EXISTS gpupool.quota_events (
+    topic LowCardinality(String), partition UInt16, offset UInt64, event_id String,
+    event_time_ms UInt64,
+    event_time DateTime64(3, 'UTC') MATERIALIZED fromUnixTimestamp64Milli(toInt64(event_time_ms), 'UTC'), kind LowCardinality(String), tenant String, project String, job_id String,
+    quota_milli Int64, used_milli Int64, borrowed_milli Int64, milli Int64, overcommit_pct UInt16
+) ENGINE = ReplacingMergeTree ORDER BY (tenant, event_id)
+SETTINGS non_replicated_deduplication_window = 100000;
+
+-- Scheduler decisions (placement, preemption, resize, migration, release, pending, rejection) with their reasons.
+CREATE TABLE IF NOT EXISTS gpupool.scheduling (
+    topic LowCardinality(String), partition UInt16, offset UInt64, event_id String,
+    event_time_ms UInt64,
+    event_time DateTime64(3, 'UTC') MATERIALIZED fromUnixTimestamp64Milli(toInt64(event_time_ms), 'UTC'), kind LowCardinality(String), command_id String, job_id String,
+    tenant String, node String, reasons String
+) ENGINE = ReplacingMergeTree ORDER BY (job_id, event_id)
+SETTINGS non_replicated_deduplication_window = 100000;
+
+-- Where the sink is, per partition: written after the data it covers is acknowledged.
+CREATE TABLE IF NOT EXISTS gpupool.sink_progress (
+    topic LowCardinality(String), partition UInt16, last_offset UInt64
+) ENGINE = ReplacingMergeTree(last_offset) ORDER BY (topic, partition);

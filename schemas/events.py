@@ -1,0 +1,371 @@
+"""Event and command contracts: frozen pydantic v2 models in one discriminated union on `kind`.
+
+Quantities are integers: milli-GPU, milli-CPU, MiB, milliseconds. A compute unit (CU) is defined in
+schemas/gpu_models.py: 1000 milli-CU = one A100-class GPU's dense throughput.
+"""
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Annotated, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+NonNeg = Annotated[int, Field(ge=0)]
+Pos = Annotated[int, Field(gt=0)]
+Ident = Annotated[str, Field(min_length=1, max_length=200)]
+
+
+class Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class Tier(StrEnum):
+    """Seed 001's three tiers; lower value = more important."""
+    INFERENCE = "inference"
+    ONLINE_TRAINING = "online-training"
+    OFFLINE = "offline"  # offline training and batch inference: preemptible
+
+
+TIER_RANK = {Tier.INFERENCE: 0, Tier.ONLINE_TRAINING: 1, Tier.OFFLINE: 2}
+
+
+class Reason(Frozen):
+    """A machine-readable explanation: which check said what, about what."""
+    code: Ident
+    message: str = ""
+    plugin: str = ""
+    nodes: tuple[str, ...] = ()
+    data: dict[str, int | str] = {}
+
+
+# ---------------------------------------------------------------- inventory and health
+
+class MigInstance(Frozen):
+    uuid: Ident
+    profile: Ident  # e.g. "1g.10gb"
+    start: NonNeg  # first memory slice of the placement
+    size: Pos  # memory slices
+    job_id: str | None = None
+
+
+class GpuCard(Frozen):
+    uuid: Ident
+    index: NonNeg
+    model: Ident
+    memory_mib: Pos
+    compute_capability: str = "8.0"
+    nvlink_domain: str | None = None
+    nvlink_peers: tuple[str, ...] = ()
+    pci_bus: str = ""
+    numa_node: int = 0
+    mig_capable: bool = False
+    mig_enabled: bool = False
+    mig_profiles: tuple[str, ...] = ()
+    mig_layout: tuple[MigInstance, ...] = ()
+    driver_version: str = ""
+    cuda_version: str = ""
+    firmware_version: str = ""
+
+
+class NodeInventory(Frozen):
+    kind: Literal["node.inventory"] = "node.inventory"
+    node: Ident
+    rack: str = "rack-0"
+    datacenter: str = "dc-0"
+    cpu_milli: NonNeg
+    memory_mib: NonNeg
+    gpus: tuple[GpuCard, ...] = ()
+    labels: dict[str, str] = {}
+
+
+class NodeHeartbeat(Frozen):
+    kind: Literal["node.heartbeat"] = "node.heartbeat"
+    node: Ident
+
+
+class GpuSample(Frozen):
+    gpu_uuid: Ident
+    mig_uuid: str | None = None
+    util_pct: Annotated[int, Field(ge=0, le=100)]
+    mem_used_mib: NonNeg
+    mem_total_mib: NonNeg
+    temperature_c: int = 0
+    power_mw: NonNeg = 0
+    ecc_corrected: NonNeg = 0
+    ecc_uncorrected: NonNeg = 0
+    xid_errors: tuple[int, ...] = ()
+    job_ids: tuple[str, ...] = ()
+
+
+class GpuTelemetry(Frozen):
+    kind: Literal["gpu.telemetry"] = "gpu.telemetry"
+    node: Ident
+    samples: tuple[GpuSample, ...]
+
+
+class NodeCordon(Frozen):
+    kind: Literal["node.cordon"] = "node.cordon"
+    node: Ident
+    cordoned: bool = True
+    drain: bool = False
+    reason: str = ""
+
+
+class NodeLiveness(Frozen):
+    """Emitted by the telemetry fold when a node's liveness flips (2 missed heartbeats)."""
+    kind: Literal["node.liveness"] = "node.liveness"
+    node: Ident
+    alive: bool
+    last_heartbeat_ms: NonNeg = 0
+
+
+class GpuHealth(Frozen):
+    """A card removed from (or returned to) service; `cleared` events come from an operator."""
+    kind: Literal["gpu.health"] = "gpu.health"
+    node: Ident
+    gpu_uuid: Ident
+    healthy: bool
+    reason: str = ""
+
+
+# ---------------------------------------------------------------- jobs
+
+class Constraints(Frozen):
+    models: tuple[str, ...] = ()  # allowed models; empty = any
+    min_compute_capability: str | None = None
+    mig_allowed: bool = True
+    interconnect: Literal["any", "nvlink"] = "any"
+    datacenter: str | None = None
+    min_driver: str | None = None
+    min_cuda: str | None = None
+
+
+class JobRequested(Frozen):
+    kind: Literal["job.requested"] = "job.requested"
+    job_id: Ident
+    tenant: Ident
+    project: Ident = "default"
+    tier: Tier = Tier.OFFLINE
+    # What the user asks for: compute units (milli-CU) and GPU memory, never a card model.
+    compute_milli: Pos
+    gpu_memory_mib: Pos
+    cpu_milli: NonNeg = 1000
+    memory_mib: NonNeg = 1024
+    gang: bool = True  # several cards: all or nothing
+    constraints: Constraints = Constraints()
+    duration_s: NonNeg | None = None  # simulation: how long the work runs
+    checkpoint_interval_s: NonNeg = 0
+    command: tuple[str, ...] = ()  # real hardware: what the node agent runs
+
+
+class JobCancelled(Frozen):
+    kind: Literal["job.cancelled"] = "job.cancelled"
+    job_id: Ident
+    reason: str = ""
+
+
+class JobScaleRequested(Frozen):
+    kind: Literal["job.scale_requested"] = "job.scale_requested"
+    job_id: Ident
+    compute_milli: Pos
+    gpu_memory_mib: Pos
+
+
+class JobStarted(Frozen):
+    kind: Literal["job.started"] = "job.started"
+    job_id: Ident
+    node: Ident
+    command_id: Ident
+
+
+class JobCheckpointed(Frozen):
+    kind: Literal["job.checkpointed"] = "job.checkpointed"
+    job_id: Ident
+    node: Ident
+    progress_ms: NonNeg
+    checkpoint: str = ""
+    command_id: str | None = None
+
+
+class JobCompleted(Frozen):
+    kind: Literal["job.completed"] = "job.completed"
+    job_id: Ident
+    node: Ident
+    command_id: Ident
+
+
+class JobFailed(Frozen):
+    kind: Literal["job.failed"] = "job.failed"
+    job_id: Ident
+    node: str = ""
+    reason: str
+    command_id: str | None = None
+
+
+class JobStopped(Frozen):
+    """The node agent stopped the job on a preempt/release command (after checkpointing)."""
+    kind: Literal["job.stopped"] = "job.stopped"
+    job_id: Ident
+    node: Ident
+    command_id: Ident
+    progress_ms: NonNeg = 0
+    checkpoint: str = ""
+
+
+# ---------------------------------------------------------------- scheduler commands
+
+class Assignment(Frozen):
+    """One slice of one card given to a job."""
+    gpu_uuid: Ident
+    milli: Annotated[int, Field(gt=0, le=1000)]  # share of the card
+    memory_mib: Pos
+    mig_profile: str | None = None
+    mig_uuid: str | None = None  # the MIG instance, when the slice is one
+
+
+class PlaceJob(Frozen):
+    kind: Literal["cmd.place"] = "cmd.place"
+    command_id: Ident
+    job_id: Ident
+    tenant: Ident
+    node: Ident
+    assignments: tuple[Assignment, ...]
+    cpu_milli: NonNeg = 0
+    memory_mib: NonNeg = 0
+    duration_s: NonNeg | None = None
+    resume_from: str = ""
+    borrowed: bool = False
+    reasons: tuple[Reason, ...] = ()
+
+
+class ResizeJob(Frozen):
+    kind: Literal["cmd.resize"] = "cmd.resize"
+    command_id: Ident
+    job_id: Ident
+    node: Ident
+    assignments: tuple[Assignment, ...]
+    reasons: tuple[Reason, ...] = ()
+
+
+class PreemptJob(Frozen):
+    kind: Literal["cmd.preempt"] = "cmd.preempt"
+    command_id: Ident
+    job_id: Ident
+    node: Ident
+    grace_s: NonNeg = 30
+    reasons: tuple[Reason, ...] = ()
+
+
+class MigrateJob(Frozen):
+    kind: Literal["cmd.migrate"] = "cmd.migrate"
+    command_id: Ident
+    job_id: Ident
+    from_node: Ident
+    to_node: Ident
+    assignments: tuple[Assignment, ...]
+    reasons: tuple[Reason, ...] = ()
+
+
+class MigReconfigure(Frozen):
+    kind: Literal["cmd.mig_reconfigure"] = "cmd.mig_reconfigure"
+    command_id: Ident
+    node: Ident
+    gpu_uuid: Ident
+    layout: tuple[MigInstance, ...]
+    reasons: tuple[Reason, ...] = ()
+
+
+class ReleaseJob(Frozen):
+    kind: Literal["cmd.release"] = "cmd.release"
+    command_id: Ident
+    job_id: Ident
+    node: Ident
+    reasons: tuple[Reason, ...] = ()
+
+
+class JobPending(Frozen):
+    """Why a job still waits, as data; emitted when the reason changes."""
+    kind: Literal["job.pending"] = "job.pending"
+    job_id: Ident
+    reasons: tuple[Reason, ...]
+
+
+class Rejected(Frozen):
+    kind: Literal["job.rejected"] = "job.rejected"
+    job_id: Ident
+    code: Ident
+    reasons: tuple[Reason, ...] = ()
+
+
+class SchedulerTick(Frozen):
+    """A cycle tick: time enters the scheduler only through its input log."""
+    kind: Literal["scheduler.tick"] = "scheduler.tick"
+    now_ms: NonNeg
+
+
+# ---------------------------------------------------------------- quota and ledger
+
+class QuotaSet(Frozen):
+    kind: Literal["quota.set"] = "quota.set"
+    tenant: Ident
+    project: str | None = None  # None: the tenant level
+    gpu_milli: NonNeg  # quota in milli-CU
+    overcommit_pct: Annotated[int, Field(ge=100, le=300)] = 120
+
+
+class QuotaChanged(Frozen):
+    kind: Literal["quota.changed"] = "quota.changed"
+    tenant: Ident
+    project: str | None = None
+    used_milli: NonNeg
+    reserved_milli: NonNeg = 0
+    borrowed_milli: NonNeg = 0
+    job_id: str | None = None
+
+
+class QuotaBorrowed(Frozen):
+    kind: Literal["quota.borrowed"] = "quota.borrowed"
+    tenant: Ident
+    job_id: Ident
+    milli: Pos
+
+
+class QuotaReturned(Frozen):
+    kind: Literal["quota.returned"] = "quota.returned"
+    tenant: Ident
+    job_id: Ident
+    milli: Pos
+
+
+class UsageAccrued(Frozen):
+    """GPU time one job used on one node between two event times; the unit of billing."""
+    kind: Literal["usage.accrued"] = "usage.accrued"
+    tenant: Ident
+    project: Ident
+    job_id: Ident
+    tier: Tier
+    node: Ident
+    gpu_model: Ident
+    datacenter: str
+    start_ms: NonNeg
+    end_ms: NonNeg
+    gpu_milli: NonNeg  # milli-GPUs held during the interval (sum over assignments)
+    gpu_milli_ms: NonNeg  # gpu_milli * (end_ms - start_ms): exact; GPU-seconds = gpu_milli_ms / 1e6
+    borrowed: bool = False
+
+
+Event = Annotated[
+    Union[
+        NodeInventory, NodeHeartbeat, GpuTelemetry, NodeCordon, NodeLiveness, GpuHealth,
+        JobRequested, JobCancelled, JobScaleRequested, JobStarted, JobCheckpointed, JobCompleted,
+        JobFailed, JobStopped,
+        PlaceJob, ResizeJob, PreemptJob, MigrateJob, MigReconfigure, ReleaseJob, JobPending, Rejected,
+        SchedulerTick,
+        QuotaSet, QuotaChanged, QuotaBorrowed, QuotaReturned, UsageAccrued,
+    ],
+    Field(discriminator="kind"),
+]
+
+EVENT_TYPES: tuple[type[Frozen], ...] = Event.__origin__.__args__  # type: ignore[attr-defined]
+KINDS: dict[str, type[Frozen]] = {t.model_fields["kind"].default: t for t in EVENT_TYPES}
+COMMAND_KINDS = frozenset(k for k in KINDS if k.startswith("cmd."))

@@ -1,0 +1,35 @@
+"""Upcasters: each lifts a document of version N to N+1, so folds only ever see the current contract.
+
+Version 1 (the first wire format) named the event time `time_ms` and asked for GPU memory in whole GiB
+(`gpu_memory_gib`) on job requests; version 2 uses `event_time_ms` and MiB everywhere.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from schemas.envelope import SCHEMA_VERSION
+
+
+def _v1_to_v2(doc: dict) -> dict:
+    doc = dict(doc)
+    if "time_ms" in doc and "event_time_ms" not in doc:
+        doc["event_time_ms"] = doc.pop("time_ms")
+    payload = doc.get("payload")
+    if isinstance(payload, dict) and "gpu_memory_gib" in payload:
+        payload = dict(payload)
+        gib = payload.pop("gpu_memory_gib")
+        payload["gpu_memory_mib"] = gib * 1024 if isinstance(gib, int) else gib
+        doc["payload"] = payload
+    doc["schema_version"] = 2
+    return doc
+
+
+UPCASTERS: dict[int, Callable[[dict], dict]] = {1: _v1_to_v2}
+
+
+def upcast(doc: dict) -> dict:
+    version = doc.get("schema_version", 1)
+    while version < SCHEMA_VERSION:
+        doc = UPCASTERS[version](doc)
+        version = doc["schema_version"]
+    return doc

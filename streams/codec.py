@@ -1,0 +1,42 @@
+"""Wire helpers for the edges: orjson as a Faust codec, view (de)serialization for changelog-backed tables,
+and dead-letter records."""
+from __future__ import annotations
+
+import base64
+from typing import Any
+
+import orjson
+from faust.serializers import codecs
+from pydantic import TypeAdapter
+
+from streams.job_view import JobView
+from streams.node_view import NodeView
+
+
+class OrjsonCodec(codecs.Codec):
+    def _dumps(self, obj: Any) -> bytes:
+        return orjson.dumps(obj)
+
+    def _loads(self, s: bytes) -> Any:
+        return orjson.loads(s)
+
+
+codecs.register("orjson", OrjsonCodec())
+
+NODE_VIEW = TypeAdapter(NodeView)
+JOB_VIEW = TypeAdapter(JobView)
+
+
+def dump_view(adapter: TypeAdapter, view) -> dict:
+    return adapter.dump_python(view, mode="json")
+
+
+def load_view(adapter: TypeAdapter, doc: dict | None):
+    return None if doc is None else adapter.validate_python(doc)
+
+
+def dead_letter(reason: str, detail: str, topic: str, partition: int, offset: int, raw: bytes | None) -> bytes:
+    return orjson.dumps({
+        "reason": reason, "detail": detail[:2000], "topic": topic, "partition": partition, "offset": offset,
+        "original_b64": base64.b64encode(raw or b"").decode()[:1 << 20],
+    })

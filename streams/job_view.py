@@ -1,0 +1,77 @@
+"""The materialized view of one job: a pure, idempotent fold over the job-keyed topics."""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from schemas.envelope import Envelope
+from schemas.events import (
+    JobCancelled, JobCheckpointed, JobCompleted, JobFailed, JobPending, JobRequested, JobScaleRequested, JobStarted,
+    JobStopped, Reason, Rejected,
+)
+
+TERMINAL = frozenset({"completed", "failed", "cancelled", "rejected"})
+
+
+@dataclass(frozen=True)
+class JobView:
+    job_id: str
+    request: JobRequested | None = None
+    state: str = "unknown"  # pending | running | completed | failed | cancelled | rejected
+    node: str = ""
+    command_id: str = ""
+    started_ms: int = 0
+    ended_ms: int = 0
+    progress_ms: int = 0
+    checkpoint: str = ""
+    preemptions: int = 0
+    reasons: tuple[Reason, ...] = ()
+    applied: tuple[tuple[str, int], ...] = ()  # (source, last seq); a job hears from few sources
+
+    def last_seq(self, source: str) -> int:
+        for s, seq in self.applied:
+            if s == source:
+                return seq
+        return -1
+
+
+def _mark(view: JobView, env: Envelope, **changes) -> JobView:
+    applied = tuple(sorted({**dict(view.applied), env.source: env.seq}.items()))
+    return replace(view, applied=applied, **changes)
+
+
+def evolve(view: JobView | None, env: Envelope) -> JobView:
+    p = env.payload
+    job_id = getattr(p, "job_id", None)
+    if view is None:
+        view = JobView(job_id=job_id or "")
+    if job_id != view.job_id or env.seq <= view.last_seq(env.source):
+        return view
+    finished = view.state in TERMINAL
+    match p:
+        case JobRequested():
+            return _mark(view, env, request=p, state="pending" if view.state == "unknown" else view.state)
+        case JobScaleRequested() if view.request is not None:
+            req = view.request.model_copy(update={"compute_milli": p.compute_milli,
+                                                  "gpu_memory_mib": p.gpu_memory_mib})
+            return _mark(view, env, request=req)
+        case JobCancelled() if not finished:
+            return _mark(view, env, state="cancelled", ended_ms=env.event_time_ms)
+        case JobStarted() if not finished:
+            return _mark(view, env, state="running", node=p.node, command_id=p.command_id,
+                         started_ms=env.event_time_ms, reasons=())
+        case JobCheckpointed():
+            return _mark(view, env, progress_ms=max(view.progress_ms, p.progress_ms),
+                         checkpoint=p.checkpoint or view.checkpoint)
+        case JobCompleted() if not finished:
+            return _mark(view, env, state="completed", node=p.node, ended_ms=env.event_time_ms)
+        case JobFailed() if not finished:
+            return _mark(view, env, state="failed", ended_ms=env.event_time_ms,
+                         reasons=(Reason(code="failed", message=p.reason),))
+        case JobStopped() if not finished:
+            return _mark(view, env, state="pending", node="", preemptions=view.preemptions + 1,
+                         progress_ms=max(view.progress_ms, p.progress_ms), checkpoint=p.checkpoint)
+        case JobPending() if not finished:
+            return _mark(view, env, reasons=p.reasons)
+        case Rejected() if not finished:
+            return _mark(view, env, state="rejected", reasons=p.reasons)
+    return _mark(view, env)
