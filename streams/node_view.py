@@ -42,16 +42,35 @@ class Held:
 
 @dataclass(frozen=True)
 class NodeView:
+    """Every field is a per-source fact or a max/latest-by-event-time merge of such facts, so the fold gives the same
+    view for any interleaving of the sources (each source's own order kept): the property tests hold it to that."""
     node: str
     inventory: NodeInventory | None = None
-    cordoned: bool = False
-    drain: bool = False
-    alive: bool = True
-    last_heartbeat_ms: int = 0
-    unhealthy: dict[str, str] = field(default_factory=dict)  # card uuid -> why
+    cordon: tuple[int, bool, bool] = (-1, False, False)  # (event time, cordoned, drain): the latest wins
+    last_heartbeat_ms: int = -1
+    silent_since_ms: int = -2  # a liveness fold saw no heartbeat after this time; a later heartbeat overrides
+    faults: dict[str, tuple[int, str]] = field(default_factory=dict)  # card uuid -> (latest fault time, why)
+    cleared: dict[str, int] = field(default_factory=dict)  # card uuid -> latest operator clear time
     allocations: dict[str, "Held"] = field(default_factory=dict)  # job id -> what it holds here
     telemetry: dict[str, GpuSample] = field(default_factory=dict)  # card or MIG uuid -> latest sample
     applied: dict[str, int] = field(default_factory=dict)  # source -> last seq applied
+
+    @property
+    def cordoned(self) -> bool:
+        return self.cordon[1]
+
+    @property
+    def drain(self) -> bool:
+        return self.cordon[2]
+
+    @property
+    def alive(self) -> bool:
+        return self.last_heartbeat_ms > self.silent_since_ms
+
+    @property
+    def unhealthy(self) -> dict[str, str]:
+        """Cards out of service: a fault newer than the last clear. A card stays out until an operator clears it."""
+        return {u: why for u, (t, why) in sorted(self.faults.items()) if t > self.cleared.get(u, -1)}
 
     # ---------------------------------------------------------------- derived facts
 
@@ -111,20 +130,18 @@ def _mark(view: NodeView, env: Envelope, **changes) -> NodeView:
     return replace(view, applied=applied, **changes)
 
 
-def _health_from_sample(unhealthy: dict[str, str], s: GpuSample) -> dict[str, str]:
-    card = s.gpu_uuid
-    if card in unhealthy:
-        return unhealthy  # stays out until cleared by a gpu.health(healthy=True)
-    why = ""
+def _sample_fault(s: GpuSample) -> str:
     if s.ecc_uncorrected > 0:
-        why = f"uncorrectable ECC errors: {s.ecc_uncorrected}"
+        return f"uncorrectable ECC errors: {s.ecc_uncorrected}"
     fatal = sorted(FATAL_XIDS.intersection(s.xid_errors))
-    if fatal:
-        why = f"fatal XID {fatal[0]}"
-    if not why:
-        return unhealthy
-    out = dict(unhealthy)
-    out[card] = why
+    return f"fatal XID {fatal[0]}" if fatal else ""
+
+
+def _fault(faults: dict[str, tuple[int, str]], card: str, at: int, why: str) -> dict[str, tuple[int, str]]:
+    if card in faults and faults[card][0] >= at:
+        return faults
+    out = dict(faults)
+    out[card] = (at, why)
     return out
 
 
@@ -136,32 +153,33 @@ def evolve(view: NodeView | None, env: Envelope) -> NodeView:
         view = NodeView(node=node or "")
     if node != view.node or not _fresh(view, env):
         return view
+    t = env.event_time_ms
     match p:
         case NodeInventory():
-            keep = {u: why for u, why in view.unhealthy.items() if any(c.uuid == u for c in p.gpus)}
-            return _mark(view, env, inventory=p, unhealthy=keep, alive=True,
-                         last_heartbeat_ms=max(view.last_heartbeat_ms, env.event_time_ms))
+            return _mark(view, env, inventory=p, last_heartbeat_ms=max(view.last_heartbeat_ms, t))
         case NodeHeartbeat():
-            return _mark(view, env, last_heartbeat_ms=max(view.last_heartbeat_ms, env.event_time_ms), alive=True)
+            return _mark(view, env, last_heartbeat_ms=max(view.last_heartbeat_ms, t))
         case GpuTelemetry():
             telemetry = dict(view.telemetry)
-            unhealthy = view.unhealthy
+            faults = view.faults
             for s in p.samples:
                 telemetry[s.mig_uuid or s.gpu_uuid] = s
-                unhealthy = _health_from_sample(unhealthy, s)
-            return _mark(view, env, telemetry=telemetry, unhealthy=unhealthy,
-                         last_heartbeat_ms=max(view.last_heartbeat_ms, env.event_time_ms), alive=True)
+                why = _sample_fault(s)
+                if why:
+                    faults = _fault(faults, s.gpu_uuid, t, why)
+            return _mark(view, env, telemetry=telemetry, faults=faults, last_heartbeat_ms=max(view.last_heartbeat_ms, t))
         case NodeCordon():
-            return _mark(view, env, cordoned=p.cordoned, drain=p.drain)
+            return _mark(view, env, cordon=max(view.cordon, (t, p.cordoned, p.drain)))
         case NodeLiveness():
-            return _mark(view, env, alive=p.alive)
+            if p.alive:
+                return _mark(view, env, last_heartbeat_ms=max(view.last_heartbeat_ms, p.last_heartbeat_ms))
+            return _mark(view, env, silent_since_ms=max(view.silent_since_ms, p.last_heartbeat_ms))
         case GpuHealth():
-            unhealthy = dict(view.unhealthy)
             if p.healthy:
-                unhealthy.pop(p.gpu_uuid, None)
-            else:
-                unhealthy[p.gpu_uuid] = p.reason or "reported unhealthy"
-            return _mark(view, env, unhealthy=unhealthy)
+                cleared = dict(view.cleared)
+                cleared[p.gpu_uuid] = max(cleared.get(p.gpu_uuid, -1), t)
+                return _mark(view, env, cleared=cleared)
+            return _mark(view, env, faults=_fault(view.faults, p.gpu_uuid, t, p.reason or "reported unhealthy"))
         case PlaceJob():
             allocations = dict(view.allocations)
             allocations[p.job_id] = Held(p.assignments, p.cpu_milli, p.memory_mib)

@@ -1,0 +1,104 @@
+"""Declarative scheduler scenarios (Volcano/KAI style): a cluster and a script of events in YAML, the expected
+commands out. Each `expect` lists (a subset of fields of) the envelopes the previous step must emit, in order;
+`expect: []` asserts the step emitted nothing (a converged state stays converged)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from agents.node.fleet import make_node
+from agents.scheduler.core import Scheduler
+from schemas.events import (
+    Constraints, GpuHealth, JobCancelled, JobCompleted, JobStarted, JobStopped, NodeCordon, NodeLiveness, QuotaSet,
+    SchedulerTick,
+)
+from tests.builders import Clock, job
+
+
+def _match(env, want: dict) -> bool:
+    p = env.payload
+    for key, value in want.items():
+        if key == "kind":
+            got = p.kind
+        elif key == "reason":
+            got = value if any(r.code == value for r in getattr(p, "reasons", ())) else None
+        elif key == "cards":
+            got = len(p.assignments)
+        elif key == "milli":
+            got = [a.milli for a in p.assignments]
+        elif key == "mig":
+            got = p.assignments[0].mig_profile
+        else:
+            got = getattr(p, key, None)
+            got = got.value if hasattr(got, "value") else got
+        if got != value:
+            return False
+    return True
+
+
+def run(path: Path) -> None:
+    doc = yaml.safe_load(path.read_text())
+    clock = Clock()
+    s = Scheduler()
+    placed: dict[str, object] = {}
+    last: list = []
+    for n in doc.get("nodes", []):
+        inv = make_node(n["name"], n["model"], n["gpus"], cpu_milli=n.get("cpu_milli", 64000),
+                        memory_mib=n.get("memory_mib", 256 * 1024), rack=n.get("rack", "rack-0"), mig=n.get("mig"),
+                        driver=n.get("driver", "550.54.15"))
+        s.step(clock.env(inv, f"{inv.node}/inventory"))
+    for q in doc.get("quotas", []):
+        s.step(clock.env(QuotaSet(tenant=q["tenant"], project=q.get("project"), gpu_milli=q["compute"],
+                                  overcommit_pct=q.get("overcommit_pct", 120)), "operator"))
+    for i, st in enumerate(doc["steps"]):
+        st = dict(st)
+        dt = st.pop("after", 0)
+        ((op, arg),) = st.items()
+        if op == "expect":
+            want = arg or []
+            assert len(last) >= len(want) if want else not last, \
+                f"{path.name} step {i}: expected {want}, got {[e.payload for e in last]}"
+            pos = 0
+            for w in want:
+                while pos < len(last) and not _match(last[pos], w):
+                    pos += 1
+                assert pos < len(last), f"{path.name} step {i}: {w} not in {[e.payload for e in last]}"
+                pos += 1
+            continue
+        if op == "submit":
+            a = dict(arg)
+            cons = Constraints(**a.pop("constraints", {}))
+            req = job(a.pop("job_id"), a.pop("tenant", "t1"), a.pop("compute"), a.pop("mem_gib"),
+                      constraints=cons, **a)
+            last = s.step(clock.env(req, f"cli/{req.job_id}"))
+        elif op in ("start", "complete", "stop"):
+            cmd = placed[arg].payload
+            src = f"{cmd.node}/job/{arg}"
+            ev = {"start": JobStarted, "complete": JobCompleted}.get(op)
+            if ev:
+                last = s.step(clock.env(ev(job_id=arg, node=cmd.node, command_id=cmd.command_id), src, dt=dt))
+            else:
+                last = s.step(clock.env(JobStopped(job_id=arg, node=cmd.node, command_id=cmd.command_id,
+                                                   checkpoint=f"ckpt:{arg}:1000"), src, dt=dt))
+        elif op == "cancel":
+            last = s.step(clock.env(JobCancelled(job_id=arg), f"cli/{arg}", dt=dt))
+        elif op == "tick":
+            last = s.step(clock.env(SchedulerTick(now_ms=clock.now + arg), "ticker", dt=arg))
+        elif op == "cordon":
+            last = s.step(clock.env(NodeCordon(node=arg), "operator"))
+        elif op == "node_down":
+            last = s.step(clock.env(NodeLiveness(node=arg, alive=False, last_heartbeat_ms=clock.now), f"{arg}/liveness"))
+        elif op == "gpu_fault":
+            node, idx = arg.split(":")
+            uuid = s.nodes[node].inventory.gpus[int(idx)].uuid
+            last = s.step(clock.env(GpuHealth(node=node, gpu_uuid=uuid, healthy=False, reason="ecc"), f"{node}/health"))
+        else:
+            raise ValueError(f"unknown step {op}")
+        for e in last:
+            if e.payload.kind == "cmd.place":
+                placed[e.payload.job_id] = e
+
+
+def scenario_files() -> list[Path]:
+    return sorted((Path(__file__).parent / "scenarios").glob("*.yaml"))

@@ -1,0 +1,28 @@
+from schemas.events import JobCompleted, JobPending, JobStarted, JobStopped, Reason
+from streams.job_view import evolve
+from tests.builders import Clock, job
+
+
+def test_lifecycle_and_preemption_count():
+    c = Clock()
+    v = evolve(None, c.env(job("j1"), "cli"))
+    assert v.state == "pending"
+    v = evolve(v, c.env(JobPending(job_id="j1", reasons=(Reason(code="InsufficientGPU"),)), "scheduler"))
+    assert v.reasons[0].code == "InsufficientGPU"
+    v = evolve(v, c.env(JobStarted(job_id="j1", node="n1", command_id="c1"), "n1/job/j1"))
+    assert (v.state, v.node, v.reasons) == ("running", "n1", ())
+    v = evolve(v, c.env(JobStopped(job_id="j1", node="n1", command_id="c2", progress_ms=500, checkpoint="k"),
+                        "n1/job/j1"))
+    assert (v.state, v.preemptions, v.checkpoint) == ("pending", 1, "k")
+    v = evolve(v, c.env(JobCompleted(job_id="j1", node="n2", command_id="c3"), "n2/job/j1"))
+    assert v.state == "completed"
+    # a late stop after completion does not resurrect the job
+    v2 = evolve(v, c.env(JobStopped(job_id="j1", node="n1", command_id="c9"), "n1/job/j1"))
+    assert v2.state == "completed"
+
+
+def test_duplicate_is_a_no_op():
+    c = Clock()
+    e = c.env(job("j1"), "cli")
+    v = evolve(None, e)
+    assert evolve(v, e) is v

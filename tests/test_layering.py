@@ -1,0 +1,47 @@
+"""schemas <- pure core <- edges: the core imports only schemas, the core itself and the standard library (plus
+numpy for packing); no Faust, aiokafka, ClickHouse, asyncio, clock or randomness. Parsed from source, so it fails on
+the first violating import."""
+import ast
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+SCHEMAS = sorted((REPO / "schemas").glob("*.py"))
+CORE = [REPO / p for p in ("streams/node_view.py", "streams/job_view.py", "streams/rows.py",
+                           "agents/scheduler/core.py", "agents/scheduler/placement.py", "agents/scheduler/quota.py",
+                           "agents/scheduler/packing.py")]
+CORE_MODULES = {"streams.node_view", "streams.job_view", "streams.rows", "agents.scheduler.core",
+                "agents.scheduler.placement", "agents.scheduler.quota", "agents.scheduler.packing"}
+PACKAGES = {"streams", "agents", "agents.scheduler", "agents.node", "schemas", "infra"}
+FORBIDDEN = {"faust", "aiokafka", "clickhouse_connect", "chdb", "asyncio", "time", "random", "datetime", "socket",
+             "subprocess", "os", "infra", "pynvml", "requests", "urllib"}
+
+
+def imports(path: Path) -> set[str]:
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if node.module in PACKAGES:  # `from streams import node_view` imports the module streams.node_view
+                out.update(f"{node.module}.{a.name}" for a in node.names)
+            else:
+                out.add(node.module)
+    return out
+
+
+def test_schemas_import_nothing_of_gpupool_but_schemas():
+    for path in SCHEMAS:
+        for mod in imports(path):
+            top = mod.split(".")[0]
+            assert top not in {"streams", "agents", "infra"}, f"{path.name} imports {mod}"
+            assert top not in FORBIDDEN - {"os"}, f"{path.name} imports {mod}"
+
+
+def test_core_imports_only_schemas_core_and_stdlib():
+    for path in CORE:
+        assert path.exists(), path
+        for mod in imports(path):
+            top = mod.split(".")[0]
+            assert top not in FORBIDDEN, f"{path.relative_to(REPO)} imports {mod}"
+            if top in {"streams", "agents"}:
+                assert mod in CORE_MODULES, f"{path.relative_to(REPO)} imports edge module {mod}"

@@ -1,0 +1,102 @@
+from schemas.events import (
+    Assignment, GpuHealth, GpuSample, GpuTelemetry, NodeCordon, NodeHeartbeat, NodeLiveness, PlaceJob, ReleaseJob,
+)
+from streams.node_view import evolve, missed_heartbeats
+from tests.builders import Clock, inventory
+
+
+def fold(envs):
+    v = None
+    for e in envs:
+        v = evolve(v, e)
+    return v
+
+
+def sample(uuid, **kw):
+    return GpuSample(gpu_uuid=uuid, util_pct=0, mem_used_mib=0, mem_total_mib=1, **kw)
+
+
+def test_inventory_gives_capacity_and_all_free():
+    c = Clock()
+    v = fold([c.env(inventory("n1", gpus=2), "n1/inventory")])
+    free = v.card_free()
+    assert [f.milli for f in free] == [1000, 1000]
+    assert v.schedulable and v.free_cpu_memory() == (64000, 256 * 1024)
+
+
+def test_placement_and_release_change_free_capacity():
+    c = Clock()
+    inv = inventory("n1", gpus=2)
+    a = Assignment(gpu_uuid=inv.gpus[0].uuid, milli=300, memory_mib=1024)
+    v = fold([c.env(inv, "n1/inventory"),
+              c.env(PlaceJob(command_id="c1", job_id="j", tenant="t", node="n1", assignments=(a,), cpu_milli=1000,
+                             memory_mib=2048), "scheduler")])
+    assert v.card_free()[0].milli == 700 and v.card_free()[0].memory_mib == inv.gpus[0].memory_mib - 1024
+    assert v.free_cpu_memory() == (63000, 256 * 1024 - 2048)
+    v = evolve(v, c.env(ReleaseJob(command_id="c2", job_id="j", node="n1"), "scheduler"))
+    assert v.card_free()[0].milli == 1000
+
+
+def test_seven_mig_instances_are_never_a_whole_free_card():
+    c = Clock()
+    inv = inventory("n1", model="A100-40GB", gpus=1, mig=["1g.5gb"] * 7)
+    v = fold([c.env(inv, "n1/inventory")])
+    (card,) = v.card_free()
+    assert card.mig and len(card.free_instances) == 7
+    assert card.milli == 7 * (1000 // 7) < 1000  # slice accounting, not a whole card
+    inst = card.free_instances[0]
+    v = evolve(v, c.env(PlaceJob(command_id="c1", job_id="j", tenant="t", node="n1", assignments=(
+        Assignment(gpu_uuid=inv.gpus[0].uuid, milli=142, memory_mib=5120, mig_profile="1g.5gb",
+                   mig_uuid=inst.uuid),)), "scheduler"))
+    assert len(v.card_free()[0].free_instances) == 6
+
+
+def test_uncorrectable_ecc_removes_card_until_cleared():
+    c = Clock()
+    inv = inventory("n1", gpus=2)
+    u = inv.gpus[1].uuid
+    v = fold([c.env(inv, "n1/inventory"),
+              c.env(GpuTelemetry(node="n1", samples=(sample(u, ecc_uncorrected=2),)), "n1/telemetry")])
+    assert u in v.unhealthy and not v.card_free()[1].healthy
+    # the error counter going back to 0 does not return it; only an explicit clear does
+    v = evolve(v, c.env(GpuTelemetry(node="n1", samples=(sample(u),)), "n1/telemetry"))
+    assert u in v.unhealthy
+    v = evolve(v, c.env(GpuHealth(node="n1", gpu_uuid=u, healthy=True, reason="cleared"), "operator"))
+    assert v.card_free()[1].healthy
+
+
+def test_fatal_xid_removes_card_but_benign_xid_does_not():
+    c = Clock()
+    inv = inventory("n1", gpus=2)
+    v = fold([c.env(inv, "n1/inventory"),
+              c.env(GpuTelemetry(node="n1", samples=(sample(inv.gpus[0].uuid, xid_errors=(13,)),
+                                                      sample(inv.gpus[1].uuid, xid_errors=(79,)))), "n1/telemetry")])
+    assert set(v.unhealthy) == {inv.gpus[1].uuid} and "79" in v.unhealthy[inv.gpus[1].uuid]
+
+
+def test_two_missed_heartbeats_and_cordon_make_node_unschedulable():
+    c = Clock()
+    v = fold([c.env(inventory("n1"), "n1/inventory"), c.env(NodeHeartbeat(node="n1"), "n1/telemetry")])
+    assert not missed_heartbeats(v, c.now + 2000, 1000)
+    assert missed_heartbeats(v, c.now + 2001, 1000)
+    v2 = evolve(v, c.env(NodeLiveness(node="n1", alive=False, last_heartbeat_ms=v.last_heartbeat_ms), "n1/liveness"))
+    assert v2.alive is False
+    v2b = evolve(v2, c.env(NodeHeartbeat(node="n1"), "n1/telemetry", dt=5))
+    assert v2b.alive and v2b.schedulable
+    assert not v2.schedulable
+    v3 = evolve(v, c.env(NodeCordon(node="n1", cordoned=True), "operator"))
+    assert not v3.schedulable
+
+
+def test_duplicates_and_stale_sequence_numbers_change_nothing():
+    c = Clock()
+    e1 = c.env(inventory("n1"), "n1/inventory")
+    e2 = c.env(NodeCordon(node="n1", cordoned=True), "op")
+    v = fold([e1, e2])
+    assert evolve(v, e2) is v and evolve(v, e1) is v
+
+
+def test_other_nodes_records_are_ignored():
+    c = Clock()
+    v = fold([c.env(inventory("n1"), "n1/inventory")])
+    assert evolve(v, c.env(NodeCordon(node="n2"), "op")) is v
