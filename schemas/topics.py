@@ -31,9 +31,15 @@ COMMANDS = TopicSpec("gpupool.commands", 8, key="node id")
 LEDGER = TopicSpec("gpupool.ledger", 4, key="tenant")
 DEAD_LETTERS = TopicSpec("gpupool.dead-letters", 1, key="source topic", retention_ms=30 * DAY_MS)
 
+# Changelogs of the Faust tables (app id "gpupool"), created up front with the partition count of their source
+# topics: Faust would create them itself, but a table written before its changelog's metadata arrives fails.
+NODE_VIEW_CHANGELOG = TopicSpec("gpupool-node-view-changelog", 8, key="node id", cleanup="compact")
+JOB_VIEW_CHANGELOG = TopicSpec("gpupool-job-view-changelog", 4, key="job id", cleanup="compact")
+
 # inventory, telemetry and commands are co-partitioned (same key, same count): one Faust table folds all three.
 ALL_TOPICS: tuple[TopicSpec, ...] = (
     INVENTORY, TELEMETRY, JOB_REQUESTS, JOB_EVENTS, SCHEDULER_INPUT, COMMANDS, LEDGER, DEAD_LETTERS,
+    NODE_VIEW_CHANGELOG, JOB_VIEW_CHANGELOG,
 )
 
 

@@ -13,7 +13,8 @@ from schemas.envelope import DecodeError, Envelope, decode, encode, envelope
 from schemas.events import GpuHealth, NodeLiveness, SchedulerTick
 from schemas.routing import route
 from schemas.topics import (
-    COMMANDS, DEAD_LETTERS, INVENTORY, JOB_EVENTS, JOB_REQUESTS, LEDGER, SCHEDULER_INPUT, TELEMETRY,
+    COMMANDS, DEAD_LETTERS, INVENTORY, JOB_EVENTS, JOB_REQUESTS, JOB_VIEW_CHANGELOG, LEDGER, NODE_VIEW_CHANGELOG,
+    SCHEDULER_INPUT, TELEMETRY,
 )
 from streams import codec, job_view, node_view
 
@@ -28,6 +29,10 @@ LEDGER_FACTS_FOR_SCHEDULER = frozenset({"quota.set"})
 
 HEARTBEAT_INTERVAL_S = 1.0
 TICK_INTERVAL_S = 1.0
+
+
+def node_key(env: Envelope) -> str:
+    return getattr(env.payload, "node", None) or env.payload.to_node
 
 
 def now_ms() -> int:
@@ -50,8 +55,8 @@ class Worker:
             consumer_auto_offset_reset="earliest",
         )
         # Changelog-backed tables of serialized views (orjson on the changelog, like every other wire).
-        self.node_table = self.app.Table("node-view", default=None, partitions=INVENTORY.partitions)
-        self.job_table = self.app.Table("job-view", default=None, partitions=JOB_REQUESTS.partitions)
+        self.node_table = self.app.Table("node-view", default=None, partitions=NODE_VIEW_CHANGELOG.partitions)
+        self.job_table = self.app.Table("job-view", default=None, partitions=JOB_VIEW_CHANGELOG.partitions)
         for table in (self.node_table, self.job_table):
             table.value_serializer = "orjson"  # read lazily when the changelog topic and store are made
         raw = dict(key_serializer="raw", value_serializer="raw")
@@ -79,16 +84,37 @@ class Worker:
 
     # ---------------------------------------------------------------- ingest
 
-    async def _decode(self, event) -> Envelope | None:
+    async def _reject(self, event, code: str, detail: str) -> None:
         m = event.message
+        self.dead_letters[code] += 1
+        await self.dead_letter_topic.send(
+            key=m.topic.encode(), value=codec.dead_letter(code, detail, m.topic, m.partition, m.offset, event.value))
+
+    async def _decode(self, event) -> Envelope | None:
         try:
             return decode(event.value)
         except DecodeError as exc:
-            self.dead_letters[exc.code] += 1
-            await self.dead_letter_topic.send(
-                key=m.topic.encode(),
-                value=codec.dead_letter(exc.code, exc.detail, m.topic, m.partition, m.offset, event.value))
+            await self._reject(event, exc.code, exc.detail)
             return None
+
+    async def _fold(self, event, table, adapter, mod, key_of):
+        """Decode, fold, store. Returns (envelope, before, after) or None when nothing changed or the record was bad;
+        a record that breaks the fold is dead-lettered, never allowed to crash the agent."""
+        env = await self._decode(event)
+        if env is None:
+            return None
+        try:
+            key = key_of(env)
+            before = codec.load_view(adapter, table.get(key))
+            after = mod.evolve(before, env)
+        except Exception as exc:  # noqa: BLE001 - bad input must not stop the fold of what follows
+            await self._reject(event, "fold_error", f"{type(exc).__name__}: {exc}")
+            return None
+        if after is before:
+            return None
+        table[key] = codec.dump_view(adapter, after)
+        self.folded[env.kind] += 1
+        return env, before, after
 
     async def _send(self, env: Envelope) -> None:
         spec, key = route(env)
@@ -96,16 +122,11 @@ class Worker:
 
     async def fold_nodes(self, stream):
         async for event in stream.events():
-            env = await self._decode(event)
-            if env is None:
+            folded = await self._fold(event, self.node_table, codec.NODE_VIEW, node_view, node_key)
+            if folded is None:
                 continue
-            key = env.payload.node if hasattr(env.payload, "node") else getattr(env.payload, "to_node", "")
-            before = codec.load_view(codec.NODE_VIEW, self.node_table.get(key))
-            after = node_view.evolve(before, env)
-            if after is before:
-                continue
-            self.node_table[key] = codec.dump_view(codec.NODE_VIEW, after)
-            self.folded[env.kind] += 1
+            env, before, after = folded
+            key = after.node
             if env.kind in NODE_FACTS_FOR_SCHEDULER:
                 await self.scheduler_input.send(key=env.source.encode(), value=event.value)
             for gpu, why in sorted(after.unhealthy.items()):
@@ -123,16 +144,10 @@ class Worker:
 
     async def fold_jobs(self, stream):
         async for event in stream.events():
-            env = await self._decode(event)
-            if env is None:
+            folded = await self._fold(event, self.job_table, codec.JOB_VIEW, job_view, lambda e: e.payload.job_id)
+            if folded is None:
                 continue
-            key = env.payload.job_id
-            before = codec.load_view(codec.JOB_VIEW, self.job_table.get(key))
-            after = job_view.evolve(before, env)
-            if after is before:
-                continue
-            self.job_table[key] = codec.dump_view(codec.JOB_VIEW, after)
-            self.folded[env.kind] += 1
+            env = folded[0]
             if env.kind in JOB_FACTS_FOR_SCHEDULER:
                 await self.scheduler_input.send(key=env.source.encode(), value=event.value)
 

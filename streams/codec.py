@@ -35,8 +35,13 @@ def load_view(adapter: TypeAdapter, doc: dict | None):
     return None if doc is None else adapter.validate_python(doc)
 
 
+DEAD_LETTER_KEEP_BYTES = 256 * 1024  # an oversized original must not make its dead letter oversized too
+
+
 def dead_letter(reason: str, detail: str, topic: str, partition: int, offset: int, raw: bytes | None) -> bytes:
+    raw = raw or b""
     return orjson.dumps({
         "reason": reason, "detail": detail[:2000], "topic": topic, "partition": partition, "offset": offset,
-        "original_b64": base64.b64encode(raw or b"").decode()[:1 << 20],
+        "original_size": len(raw), "truncated": len(raw) > DEAD_LETTER_KEEP_BYTES,
+        "original_b64": base64.b64encode(raw[:DEAD_LETTER_KEEP_BYTES]).decode(),
     })
