@@ -99,7 +99,9 @@ def typical_pods(
     """FGD's typical-pod set: most frequent types until they cover ``coverage``.
 
     A type is (CPU request, GPU milli, GPU count, allowed models).  With
-    ``with_memory`` the memory request is part of the type too.  Frequency ties
+    ``with_memory`` the memory request is part of the type too; otherwise
+    ``memory_mib`` carries the type's median memory request (FGD ignores it,
+    the gpupool policy uses it).  Frequency ties
     are broken by the type itself so that the set is deterministic.
     """
     def key(p: PodRequest) -> tuple:
@@ -107,7 +109,11 @@ def typical_pods(
         mem = p.memory_mib if with_memory else 0
         return (p.cpu_milli, p.gpu_milli, p.num_gpu, models, mem)
 
+    pods = list(pods)
     counts = Counter(key(p) for p in pods)
+    mems: dict[tuple, list[int]] = {}
+    for p in pods:
+        mems.setdefault(key(p), []).append(p.memory_mib)
     total = sum(counts.values())
     chosen: list[TypicalPod] = []
     covered = 0
@@ -115,6 +121,8 @@ def typical_pods(
         if total and covered >= coverage * total:
             break
         cpu, milli, num, models, mem = k
+        if not with_memory:
+            mem = int(np.median(mems[k]))
         chosen.append(TypicalPod(cpu, milli, num, frozenset(models) or None, n, mem))
         covered += n
     return tuple(chosen)
@@ -255,7 +263,9 @@ class FragIndex:
         model_names: Sequence[str],
         gpu_width: int,
         use_memory: bool = False,
+        residue: bool = False,
     ) -> None:
+        self.residue = residue
         self.total_weight = int(sum(t.weight for t in typical)) or 1
         gpu_types = [t for t in typical if t.num_gpu > 0]
         self.thresholds = np.array(sorted({t.gpu_milli for t in gpu_types}), dtype=np.int64)
@@ -299,10 +309,22 @@ class FragIndex:
             mb = np.ones_like(cb)
         return cb, mb
 
+    def usable(self, gpu_free: np.ndarray) -> np.ndarray:
+        """Free milli of each GPU that a type of each threshold can use.
+
+        FGD: all of it once free >= m.  With ``residue``, only whole multiples
+        of m: what is left after packing that type as tightly as possible is
+        waste too (a full GPU still strands 190 milli for 810-milli pods).
+        """
+        f = gpu_free[..., None]
+        if self.residue:
+            return (f // self.thresholds) * self.thresholds
+        return f * (f >= self.thresholds)
+
     def gpu_stats(self, gpu_free: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(count, sum) of free milli on GPUs at or above each threshold."""
+        """Per threshold: GPUs with free >= it, and their usable free milli."""
         ge = gpu_free[..., None] >= self.thresholds
-        return ge.sum(axis=-2), (gpu_free[..., None] * ge).sum(axis=-2)
+        return ge.sum(axis=-2), self.usable(gpu_free).sum(axis=-2)
 
     def scaled(self, gfree: np.ndarray, cnt: np.ndarray, ssum: np.ndarray,
                model: np.ndarray, cpu: np.ndarray, mem: np.ndarray) -> np.ndarray:
@@ -326,8 +348,8 @@ def fragmentation(
     """FGD fragmentation (milli-GPU) of one node for a typical-pod set.
 
     ``model`` None means "allowed for every type".  FGD's measure looks at CPU
-    only; memory is accepted so callers can pass a node's whole free vector and
-    is used only by typical pods that carry a memory request.
+    only; memory is accepted so callers can pass a node's whole free vector
+    (and keep working if the measure learns about memory).
     """
     free = np.asarray(list(gpu_free_milli), dtype=np.int64)
     if (free < 0).any():
@@ -338,8 +360,7 @@ def fragmentation(
                    None if model is None else t.models, t.weight, t.memory_mib)
         for t in typical
     ]
-    index = FragIndex(any_model, names, max(1, len(free)),
-                      use_memory=any(t.memory_mib for t in typical))
+    index = FragIndex(any_model, names, max(1, len(free)))
     padded = np.zeros(max(1, len(free)), dtype=np.int64)
     padded[: len(free)] = free
     cnt, ssum = index.gpu_stats(padded[None, :])
@@ -376,10 +397,10 @@ class FragTracker:
         """W * frag of each node after taking ``pod``'s whole GPUs (or none)."""
         st = self.state
         k = pod.num_gpu
-        taken = k * GPU_MILLI
-        # Whole GPUs are >= every threshold: each count drops by k, each sum by k*1000.
-        return self.index.scaled(st.gpu_free_sum[nodes] - taken, self.cnt[nodes] - k,
-                                 self.ssum[nodes] - taken, st.model_idx[nodes],
+        # Whole GPUs are >= every threshold: each count drops by k.
+        usable_full = self.index.usable(np.array(GPU_MILLI))
+        return self.index.scaled(st.gpu_free_sum[nodes] - k * GPU_MILLI, self.cnt[nodes] - k,
+                                 self.ssum[nodes] - k * usable_full, st.model_idx[nodes],
                                  st.cpu_free[nodes] - pod.cpu_milli,
                                  st.mem_free[nodes] - pod.memory_mib)
 
@@ -393,7 +414,7 @@ class FragTracker:
         ge_old = f[..., None] >= thr
         ge_new = f2[..., None] >= thr
         cnt = self.cnt[nodes][:, None, :] - ge_old + ge_new
-        ssum = self.ssum[nodes][:, None, :] - f[..., None] * ge_old + f2[..., None] * ge_new
+        ssum = self.ssum[nodes][:, None, :] - ix.usable(f) + ix.usable(f2)
         per = ix.scaled((st.gpu_free_sum[nodes] - m)[:, None], cnt, ssum,
                         st.model_idx[nodes][:, None],
                         (st.cpu_free[nodes] - pod.cpu_milli)[:, None],
@@ -498,7 +519,20 @@ class FGDPolicy(Policy):
 
 
 class GpupoolPolicy(Policy):
-    """Product policy: placeholder filled in below."""
+    """Product policy: FGD with a CPU- and memory-capacity-aware fragment.
+
+    FGD asks, per typical pod type t, "does t fit on this node at all?" and
+    then counts every GPU with free >= m_t as usable by t.  But a node whose
+    CPU (or memory) can host only n more pods of type t can give t at most
+    n * k_t GPUs, however many are free: the rest is stranded for t exactly
+    like a too-small GPU share.  So the usable amount for t is capped at
+    n * k_t * 1000 milli, where n = min(free CPU // cpu_t, free mem // mem_t)
+    (mem_t is the type's median memory request).  Everything else -- the
+    typical-pod set, the sigmoid score, the GPU choice by lowest resulting
+    fragmentation, ties by node priority -- is FGD's.  Placements that would
+    leave GPUs free behind exhausted CPU or memory therefore score as the
+    fragmentation they really cause.
+    """
 
     name = "gpupool"
 
@@ -507,20 +541,71 @@ class GpupoolPolicy(Policy):
 
     def bind(self, state):
         super().bind(state)
-        self.tracker = FragTracker(FragIndex(self.typical, state.model_names, state.gpu_width), state)
+        self.index = FragIndex(self.typical, state.model_names, state.gpu_width)
+        gpu_types = [t for t in self.typical if t.num_gpu > 0]
+        self.weight_total = self.index.total_weight
+        self._m = np.array([t.gpu_milli for t in gpu_types], dtype=np.int64)
+        self._k = np.array([t.num_gpu for t in gpu_types], dtype=np.int64)
+        self._cpu = np.array([t.cpu_milli for t in gpu_types], dtype=np.int64)
+        self._mem = np.array([t.memory_mib for t in gpu_types], dtype=np.int64)
+        self._w = np.array([t.weight for t in gpu_types], dtype=np.int64)
+        self._u = np.searchsorted(self.index.thresholds, self._m)
+        self._allowed = np.array(
+            [[t.models is None or name in t.models for t in gpu_types] for name in state.model_names],
+            dtype=bool).reshape(len(state.model_names), len(gpu_types))
+        self.cnt, self.ssum = self.index.gpu_stats(state.gpu_free)
+        self.node_scaled = self._scaled(state.gpu_free_sum, self.cnt, self.ssum, state.model_idx,
+                                        state.cpu_free, state.mem_free)
+
+    def _scaled(self, gfree, cnt, ssum, model, cpu, mem) -> np.ndarray:
+        """W * capped fragmentation; leading axes broadcast, types are the last."""
+        if not len(self._w):
+            return gfree * self.weight_total
+        big = np.int64(1 << 40)
+        pods_cpu = np.where(self._cpu > 0, cpu[..., None] // np.maximum(self._cpu, 1), big)
+        pods_mem = np.where(self._mem > 0, mem[..., None] // np.maximum(self._mem, 1), big)
+        cap = np.minimum(pods_cpu, pods_mem) * self._k * GPU_MILLI
+        usable = np.minimum(ssum[..., self._u], cap)
+        fits = self._allowed[model] & (cnt[..., self._u] >= self._k)
+        return gfree * self.weight_total - (self._w * fits * usable).sum(axis=-1)
 
     def placed(self, node):
-        self.tracker.refresh(node)
+        st = self.state
+        c, s = self.index.gpu_stats(st.gpu_free[node])
+        self.cnt[node], self.ssum[node] = c, s
+        self.node_scaled[node] = self._scaled(st.gpu_free_sum[node], c, s, st.model_idx[node],
+                                              st.cpu_free[node], st.mem_free[node])
+
+    def _best_after(self, nodes: np.ndarray, pod: PodRequest) -> tuple[np.ndarray, np.ndarray | None]:
+        st, ix = self.state, self.index
+        cpu = st.cpu_free[nodes] - pod.cpu_milli
+        mem = st.mem_free[nodes] - pod.memory_mib
+        if not pod.is_sharing:
+            k = pod.num_gpu
+            after = self._scaled(st.gpu_free_sum[nodes] - k * GPU_MILLI, self.cnt[nodes] - k,
+                                 self.ssum[nodes] - k * ix.usable(np.array(GPU_MILLI)),
+                                 st.model_idx[nodes], cpu, mem)
+            return after, None
+        m = pod.gpu_milli
+        f = st.gpu_free[nodes]
+        f2 = f - m
+        thr = ix.thresholds
+        cnt = self.cnt[nodes][:, None, :] - (f[..., None] >= thr) + (f2[..., None] >= thr)
+        ssum = self.ssum[nodes][:, None, :] - ix.usable(f) + ix.usable(f2)
+        per = self._scaled((st.gpu_free_sum[nodes] - m)[:, None], cnt, ssum,
+                           st.model_idx[nodes][:, None], cpu[:, None], mem[:, None])
+        per = np.where(f >= m, per, np.iinfo(np.int64).max)
+        pick = per.argmin(axis=1)
+        return per[np.arange(len(nodes)), pick], pick
 
     def score(self, pod, nodes, rng):
-        after, _ = self.tracker.best_after(nodes, pod)
-        delta = (self.tracker.node_scaled[nodes] - after) / self.tracker.index.total_weight
-        return sigmoid_score(delta)
+        after, _ = self._best_after(nodes, pod)
+        return sigmoid_score((self.node_scaled[nodes] - after) / self.weight_total)
 
     def gpus(self, pod, node, rng):
         if not pod.is_sharing:
             return default_gpus(self.state, pod, node)
-        _, pick = self.tracker.best_after(np.array([node]), pod)
+        _, pick = self._best_after(np.array([node]), pod)
         return (int(pick[0]),)
 
 
