@@ -11,12 +11,13 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import pynvml as _real
-from pynvml import (  # noqa: F401 - tests import these from here; FakeNvml serves the rest via __getattr__
+# noqa below: tests import these from here; FakeNvml serves the rest of pynvml's names via __getattr__
+from pynvml import (  # noqa: F401
     NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED, NVML_DEVICE_MIG_DISABLE, NVML_DEVICE_MIG_ENABLE,
     NVML_GPU_INSTANCE_PROFILE_COUNT, NVML_MEMORY_ERROR_TYPE_CORRECTED, NVML_MEMORY_ERROR_TYPE_UNCORRECTED,
     NVML_NVLINK_MAX_LINKS, NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR,
     NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS, NVML_TEMPERATURE_GPU, NVML_VOLATILE_ECC, NVMLError,
-    NVMLError_FunctionNotFound, NVMLError_GpuIsLost, NVMLError_InvalidArgument, NVMLError_LibraryNotFound,
+    NVMLError_DriverNotLoaded, NVMLError_FunctionNotFound, NVMLError_GpuIsLost, NVMLError_InvalidArgument, NVMLError_LibraryNotFound,
     NVMLError_NoPermission, NVMLError_NotFound, NVMLError_NotSupported, NVMLError_Timeout, NVMLError_Unknown,
     NVMLError_Uninitialized, c_nvmlGpuInstancePlacement_t, nvmlEventTypeXidCriticalError,
 )

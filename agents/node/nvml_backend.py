@@ -145,6 +145,13 @@ class NvmlBackend:
         if not self._open:
             self.nv.nvmlInit()
             self._open = True
+            # Remember each card's UUID while it can still be read: a card that is lost later answers nothing,
+            # and its health event must name it.
+            for index, h in self._handles_or_none():
+                try:
+                    self._uuid_by_index[index] = _text(self.nv.nvmlDeviceGetUUID(h))
+                except self.nv.NVMLError:
+                    pass
             try:
                 self._events = self.nv.nvmlEventSetCreate()
             except self.nv.NVMLError as exc:

@@ -1,0 +1,431 @@
+"""The node agent for one real node: NVML for the cards, subprocesses for the jobs, Kafka for everything else.
+
+It publishes the node's inventory at start and whenever NVML's view of it changes, one telemetry batch per interval
+(the batch is also the heartbeat), and GpuHealth events for card faults. It carries out the scheduler's commands
+addressed to this node once per command id.
+
+What a placed job runs. A PlaceJob carries no command (the scheduler never needs one), so the agent looks it up:
+  * GPUPOOL_JOB_COMMANDS: inline JSON, or the path of a JSON file, mapping a job id (or "*" for any job) to an argv
+    list; `{job_id}`, `{duration_s}` and `{resume_from}` in an argument are replaced. Read at each placement, so an
+    operator can add jobs without restarting the agent.
+  * otherwise, when the placement has a duration: `sleep <remaining seconds>` (a stand-in job, as in the simulation);
+  * otherwise the job fails at once with a reason saying so.
+The job sees CUDA_VISIBLE_DEVICES (the card UUIDs, or the MIG instance UUID), GPUPOOL_JOB_ID, GPUPOOL_RESUME_FROM
+and GPUPOOL_PROGRESS_MS. SIGTERM is the checkpoint signal: a job that exits within the grace time is taken to have
+checkpointed; one that has to be killed resumes from its previous checkpoint.
+
+Node identity comes from GPUPOOL_NODE (default: the host name), GPUPOOL_RACK and GPUPOOL_DATACENTER.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from agents.node.sim_agent import parse_checkpoint, wall_ms
+from schemas.envelope import DecodeError, Envelope, decode, encode, envelope
+from schemas.events import (
+    Assignment, JobCheckpointed, JobCompleted, JobFailed, JobStarted, JobStopped, MigReconfigure, NodeInventory,
+    PlaceJob, PreemptJob, ReleaseJob, ResizeJob,
+)
+from schemas.routing import route
+
+log = logging.getLogger("gpupool.agent.nvml")
+
+JOB_COMMANDS_ENV = "GPUPOOL_JOB_COMMANDS"
+INVENTORY_EVERY_S = 30.0  # NVML has no change notification for most of the inventory; re-read and compare
+RELEASE_GRACE_S = 10.0  # a release is not a preemption: no checkpoint is owed, so the wait is short
+
+Publish = Callable[[object, str, "str | None"], Awaitable[None]]
+
+
+# ---------------------------------------------------------------- what to run, and where
+
+def job_argv(p: PlaceJob, environ: dict[str, str] | os._Environ = os.environ) -> list[str] | None:
+    spec = environ.get(JOB_COMMANDS_ENV, "").strip()
+    if spec:
+        doc = json.loads(spec if spec.startswith("{") else Path(spec).read_text())
+        argv = doc.get(p.job_id) or doc.get("*")
+        if argv:
+            subs = {"{job_id}": p.job_id, "{duration_s}": "" if p.duration_s is None else str(p.duration_s),
+                    "{resume_from}": p.resume_from}
+            out = []
+            for arg in argv:
+                for k, v in subs.items():
+                    arg = str(arg).replace(k, v)
+                out.append(arg)
+            return out
+    if p.duration_s is not None:
+        remaining_ms = max(0, p.duration_s * 1000 - parse_checkpoint(p.resume_from))
+        return ["sleep", f"{remaining_ms / 1000:g}"]
+    return None
+
+
+def visible_devices(assignments: tuple[Assignment, ...]) -> str:
+    """CUDA enumerates a MIG slice by its own UUID, a whole card by the card's; order kept, duplicates dropped.
+    (CUDA uses only the first MIG device a process is given; the scheduler never places one job on two.)"""
+    seen: dict[str, None] = {}
+    for a in assignments:
+        seen.setdefault(a.mig_uuid or a.gpu_uuid, None)
+    return ",".join(seen)
+
+
+# ---------------------------------------------------------------- command execution
+
+@dataclass
+class JobProc:
+    job_id: str
+    command_id: str
+    proc: asyncio.subprocess.Process
+    started_ms: int
+    base_progress_ms: int
+    resume_from: str
+    assignments: tuple[Assignment, ...]
+    stopping: bool = False
+    waiter: asyncio.Task | None = None
+
+    def progress(self, now: int) -> int:
+        return self.base_progress_ms + max(0, now - self.started_ms)
+
+
+class Executor:
+    """Carries out one node's commands; everything it reports goes through `publish(payload, source, cause)`."""
+
+    def __init__(self, node: str, publish: Publish, *, argv_for: Callable[[PlaceJob], list[str] | None] = job_argv,
+                 allow_mig_reconfigure: bool = False, reconfigure: Callable[[MigReconfigure], Awaitable[None]]
+                 | None = None, log_dir: Path | None = None, clock: Callable[[], int] = wall_ms):
+        self.node = node
+        self.publish = publish
+        self.argv_for = argv_for
+        self.allow_mig_reconfigure = allow_mig_reconfigure
+        self.reconfigure = reconfigure
+        self.log_dir = log_dir
+        self.clock = clock
+        self.seen: set[str] = set()
+        self.running: dict[str, JobProc] = {}
+        # A stop that found nothing to stop, per job: (source, seq). A placement of that job from the same source with
+        # a lower seq was overtaken by the stop and must not start.
+        self.fences: dict[str, tuple[str, int]] = {}
+        self.tasks: set[asyncio.Task] = set()
+
+    def _src(self, job_id: str) -> str:
+        return f"{self.node}/job/{job_id}"
+
+    def _background(self, coro) -> None:
+        # A preemption waits out its grace time; the command loop must not wait with it.
+        task = asyncio.create_task(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def drain(self) -> None:
+        """Wait for stops in progress and for every running job to end (tests; shutdown after stop_all)."""
+        while self.tasks or any(j.waiter and not j.waiter.done() for j in self.running.values()):
+            pending = set(self.tasks) | {j.waiter for j in self.running.values() if j.waiter}
+            await asyncio.gather(*pending, return_exceptions=True)
+
+    async def execute(self, env: Envelope) -> None:
+        p = env.payload
+        if not env.is_command or getattr(p, "node", None) != self.node or p.command_id in self.seen:
+            return  # not ours, or a redelivery: each command id is carried out once
+        self.seen.add(p.command_id)
+        match p:
+            case PlaceJob():
+                await self._place(env, p)
+            case PreemptJob():
+                self._background(self._stop(env, p.job_id, p.command_id, float(p.grace_s), report=True))
+            case ReleaseJob():
+                self._background(self._stop(env, p.job_id, p.command_id, RELEASE_GRACE_S, report=False))
+            case ResizeJob():
+                job = self.running.get(p.job_id)
+                if job:
+                    # A process's CUDA_VISIBLE_DEVICES is fixed at start; the new slices apply from its next start.
+                    log.info("resize of %s recorded; the running process keeps its devices", p.job_id)
+                    job.assignments = p.assignments
+            case MigReconfigure():
+                await self._mig(p)
+
+    async def _place(self, env: Envelope, p: PlaceJob) -> None:
+        if p.job_id in self.running:
+            return
+        fence = self.fences.get(p.job_id)
+        if fence is not None:
+            if fence[0] == env.source and env.seq < fence[1]:
+                log.warning("placement %s of %s was overtaken by a stop; not starting it", p.command_id, p.job_id)
+                return
+            del self.fences[p.job_id]
+        src = self._src(p.job_id)
+        try:
+            argv = self.argv_for(p)
+        except (OSError, ValueError) as exc:
+            argv, why = None, f"cannot read {JOB_COMMANDS_ENV}: {exc}"
+        else:
+            why = f"no command for this job: set {JOB_COMMANDS_ENV} or give the job a duration"
+        if not argv:
+            await self.publish(JobFailed(job_id=p.job_id, node=self.node, reason=why, command_id=p.command_id),
+                               src, p.command_id)
+            return
+        child_env = {**os.environ, "CUDA_VISIBLE_DEVICES": visible_devices(p.assignments),
+                     "GPUPOOL_JOB_ID": p.job_id, "GPUPOOL_RESUME_FROM": p.resume_from,
+                     "GPUPOOL_PROGRESS_MS": str(parse_checkpoint(p.resume_from))}
+        out = None
+        if self.log_dir is not None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            out = open(self.log_dir / f"{p.job_id}.log", "ab")
+        try:
+            # Its own session, so that a signal reaches the job's whole process tree.
+            proc = await asyncio.create_subprocess_exec(*argv, env=child_env, stdin=asyncio.subprocess.DEVNULL,
+                                                        stdout=out, stderr=out, start_new_session=True)
+        except OSError as exc:
+            await self.publish(JobFailed(job_id=p.job_id, node=self.node, reason=f"cannot start {argv[0]}: {exc}",
+                                         command_id=p.command_id), src, p.command_id)
+            return
+        finally:
+            if out is not None:
+                out.close()
+        job = JobProc(p.job_id, p.command_id, proc, self.clock(), parse_checkpoint(p.resume_from), p.resume_from,
+                      p.assignments)
+        self.running[p.job_id] = job
+        await self.publish(JobStarted(job_id=p.job_id, node=self.node, command_id=p.command_id), src, p.command_id)
+        job.waiter = asyncio.create_task(self._wait(job))
+
+    async def _wait(self, job: JobProc) -> None:
+        rc = await job.proc.wait()
+        if job.stopping:
+            return  # the stop reports
+        if self.running.get(job.job_id) is job:
+            del self.running[job.job_id]
+        src = self._src(job.job_id)
+        if rc == 0:
+            await self.publish(JobCompleted(job_id=job.job_id, node=self.node, command_id=job.command_id), src,
+                               job.command_id)
+        else:
+            why = f"killed by signal {-rc}" if rc < 0 else f"exit code {rc}"
+            await self.publish(JobFailed(job_id=job.job_id, node=self.node, reason=why, command_id=job.command_id),
+                               src, job.command_id)
+
+    async def _stop(self, env: Envelope | None, job_id: str, command_id: str, grace_s: float, *, report: bool) -> None:
+        job = self.running.get(job_id)
+        src = self._src(job_id)
+        if job is None or job.proc.returncode is not None:
+            if job is None and env is not None:
+                self.fences[job_id] = (env.source, env.seq)
+            if report and job is None:
+                # The scheduler holds the job's slices until it hears the job stopped; nothing ran here, so progress
+                # stays where it was.
+                await self.publish(JobStopped(job_id=job_id, node=self.node, command_id=command_id), src, command_id)
+            return
+        job.stopping = True
+        graceful = await terminate(job.proc, grace_s)
+        if self.running.get(job_id) is job:
+            del self.running[job_id]
+        if not report:
+            return
+        now = self.clock()
+        if graceful:
+            progress, ckpt = job.progress(now), f"ckpt:{job_id}:{job.progress(now)}"
+            await self.publish(JobCheckpointed(job_id=job_id, node=self.node, progress_ms=progress, checkpoint=ckpt,
+                                               command_id=command_id), src, command_id)
+        else:
+            progress, ckpt = job.base_progress_ms, job.resume_from  # killed: its last checkpoint is the old one
+        await self.publish(JobStopped(job_id=job_id, node=self.node, command_id=command_id, progress_ms=progress,
+                                      checkpoint=ckpt), src, command_id)
+
+    async def stop_all(self, grace_s: float) -> None:
+        """Agent shutdown: jobs are checkpointed and reported stopped, so the scheduler places them again rather than
+        waiting for completions no one will report."""
+        for job_id, job in list(self.running.items()):
+            self._background(self._stop(None, job_id, f"shutdown-{job.command_id}", grace_s, report=True))
+        await self.drain()
+
+    async def _mig(self, p: MigReconfigure) -> None:
+        layout = ", ".join(f"{i.profile}@{i.start}" for i in p.layout) or "(none)"
+        if not self.allow_mig_reconfigure or self.reconfigure is None:
+            log.warning("dry run: would reconfigure MIG on %s to %s (start the agent with --allow-mig-reconfigure)",
+                        p.gpu_uuid, layout)
+            return
+        if any(j for j in self.running.values() if any(a.gpu_uuid == p.gpu_uuid for a in j.assignments)):
+            log.error("MIG reconfigure of %s refused: jobs are running on it", p.gpu_uuid)
+            return
+        await self.reconfigure(p)
+
+    def job_of_pid(self, pid: int) -> str | None:
+        """Which job a GPU process belongs to: its process group, else its ancestry (a job that made new sessions)."""
+        by_pgid = {j.proc.pid: j.job_id for j in self.running.values()}
+        try:
+            job = by_pgid.get(os.getpgid(pid))
+        except OSError:
+            return None
+        for _ in range(32):
+            if job is not None or pid <= 1:
+                return job
+            try:
+                stat = Path(f"/proc/{pid}/stat").read_text()
+                pid = int(stat.rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                return None
+            job = by_pgid.get(pid)
+        return job
+
+
+async def terminate(proc: asyncio.subprocess.Process, grace_s: float) -> bool:
+    """SIGTERM the process group, SIGKILL it after grace_s; True when it went on SIGTERM."""
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, None)):
+        try:
+            os.killpg(proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            await asyncio.wait_for(proc.wait(), wait)
+            return sig == signal.SIGTERM
+        except asyncio.TimeoutError:
+            continue
+    return False
+
+
+# ---------------------------------------------------------------- the Kafka side
+
+class Sequencer:
+    """Per-source sequence numbers; a restarted process starts above the old one (sim_agent does the same)."""
+
+    def __init__(self):
+        self._seq: dict[str, int] = {}
+        self._base = time.time_ns() // 1000
+
+    def next(self, source: str) -> int:
+        self._seq[source] = self._seq.get(source, self._base) + 1
+        return self._seq[source]
+
+
+class NvmlAgent:
+    def __init__(self, cfg, args, backend, *, node: str | None = None):
+        self.cfg = cfg
+        self.node = node or os.environ.get("GPUPOOL_NODE") or socket.gethostname()
+        self.rack = os.environ.get("GPUPOOL_RACK", "rack-0")
+        self.datacenter = os.environ.get("GPUPOOL_DATACENTER", "dc-0")
+        self.interval = float(getattr(args, "interval", 1.0) or 1.0)
+        self.group_id = getattr(args, "group", None) or f"gpupool-agent-{self.node}"
+        self.backend = backend
+        self.seq = Sequencer()
+        self.producer = None
+        self.inventory: NodeInventory | None = None
+        self.stopping = asyncio.Event()
+        self.executor = Executor(self.node, self.publish,
+                                 allow_mig_reconfigure=bool(getattr(args, "allow_mig_reconfigure", False)),
+                                 reconfigure=self._reconfigure, log_dir=cfg.home / "jobs" / self.node)
+
+    async def publish(self, payload, source: str, cause: str | None = None) -> None:
+        env = envelope(payload, source=source, seq=self.seq.next(source), time_ms=wall_ms(), causation_id=cause)
+        spec, key = route(env)
+        await self.producer.send(spec.name, key=key, value=encode(env))
+        await self.producer.flush()  # job facts are rare and must not sit in a batch when the agent dies
+
+    async def publish_inventory(self, force: bool = False, cause: str | None = None) -> None:
+        inv = await asyncio.to_thread(self.backend.inventory, self.node, self.rack, self.datacenter)
+        if force or inv != self.inventory:
+            await self.publish(inv, f"{self.node}/inventory", cause)
+            self.inventory = inv
+
+    async def _reconfigure(self, p: MigReconfigure) -> None:
+        try:
+            await asyncio.to_thread(self.backend.reconfigure_mig, p.gpu_uuid, p.layout)
+        except Exception as exc:  # noqa: BLE001 - the published inventory below says what the card really is
+            log.error("MIG reconfigure of %s failed: %s", p.gpu_uuid, exc)
+        await self.publish_inventory(force=True, cause=p.command_id)
+
+    async def telemetry_loop(self) -> None:
+        last_inventory = time.monotonic()
+        while not self.stopping.is_set():
+            tel, health = await asyncio.to_thread(self.backend.telemetry, self.node, self.executor.job_of_pid)
+            for h in health:
+                log.warning("card %s unhealthy: %s", h.gpu_uuid, h.reason)
+                await self.publish(h, f"{self.node}/inventory")
+            await self.publish(tel, f"{self.node}/telemetry")
+            if time.monotonic() - last_inventory >= INVENTORY_EVERY_S:
+                last_inventory = time.monotonic()
+                await self.publish_inventory()
+            try:
+                await asyncio.wait_for(self.stopping.wait(), self.interval)
+            except asyncio.TimeoutError:
+                pass
+
+    async def command_loop(self) -> None:
+        from aiokafka import AIOKafkaConsumer
+
+        from schemas.topics import COMMANDS
+
+        consumer = AIOKafkaConsumer(COMMANDS.name, bootstrap_servers=self.cfg.bootstrap, group_id=self.group_id,
+                                    enable_auto_commit=False, auto_offset_reset="earliest")
+        await consumer.start()
+        try:
+            while not self.stopping.is_set():
+                batches = await consumer.getmany(timeout_ms=200)
+                for tp, msgs in batches.items():
+                    for msg in msgs:
+                        try:
+                            env = decode(msg.value)
+                        except DecodeError as exc:
+                            log.warning("skipping undecodable command at %s/%d: %s", tp, msg.offset, exc)
+                            continue
+                        await self.executor.execute(env)
+                if batches:
+                    await consumer.commit()
+        finally:
+            await consumer.stop()
+
+    async def run(self) -> None:
+        from aiokafka import AIOKafkaProducer
+
+        self.producer = AIOKafkaProducer(bootstrap_servers=self.cfg.bootstrap, acks="all", enable_idempotence=True,
+                                         linger_ms=10)
+        await self.producer.start()
+        try:
+            await self.publish_inventory(force=True)
+            await asyncio.gather(self.telemetry_loop(), self.command_loop())
+        finally:
+            try:
+                await asyncio.wait_for(self.executor.stop_all(grace_s=10.0), 30)
+            finally:
+                await self.producer.stop()
+
+
+def run_nvml_agent(cfg, args) -> int:
+    from agents.node.nvml_backend import NvmlBackend
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        backend = NvmlBackend().open()
+    except Exception as exc:  # noqa: BLE001 - NVMLError_LibraryNotFound, DriverNotLoaded, ...
+        print(f"gpupool agent: no usable NVIDIA driver: {exc}", file=sys.stderr)
+        return 2
+    agent = NvmlAgent(cfg, args, backend)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, agent.stopping.set)
+        task = asyncio.create_task(agent.run())
+        stop = asyncio.create_task(agent.stopping.wait())
+        await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
+        agent.stopping.set()
+        stop.cancel()
+        try:
+            await asyncio.wait_for(task, 60)
+        except (asyncio.CancelledError, asyncio.TimeoutError):
+            pass
+        except Exception as exc:  # noqa: BLE001 - a broker failure ends the agent with a line, not a trace
+            print(f"gpupool agent: {type(exc).__name__}: {exc}", file=sys.stderr)
+            return 1
+        return 0
+
+    try:
+        return asyncio.run(main())
+    finally:
+        backend.close()
