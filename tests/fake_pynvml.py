@@ -17,7 +17,8 @@ from pynvml import (  # noqa: F401
     NVML_GPU_INSTANCE_PROFILE_COUNT, NVML_MEMORY_ERROR_TYPE_CORRECTED, NVML_MEMORY_ERROR_TYPE_UNCORRECTED,
     NVML_NVLINK_MAX_LINKS, NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR,
     NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS, NVML_TEMPERATURE_GPU, NVML_VOLATILE_ECC, NVMLError,
-    NVMLError_DriverNotLoaded, NVMLError_FunctionNotFound, NVMLError_GpuIsLost, NVMLError_InvalidArgument, NVMLError_LibraryNotFound,
+    NVMLError_DriverNotLoaded, NVMLError_FunctionNotFound, NVMLError_GpuIsLost, NVMLError_InvalidArgument,
+    NVMLError_LibraryNotFound,
     NVMLError_NoPermission, NVMLError_NotFound, NVMLError_NotSupported, NVMLError_Timeout, NVMLError_Unknown,
     NVMLError_Uninitialized, c_nvmlGpuInstancePlacement_t, nvmlEventTypeXidCriticalError,
 )

@@ -3,8 +3,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -469,3 +472,78 @@ def test_fake_exposes_only_what_it_implements():
     # The backend must not lean on a pynvml function the fake silently lacks.
     with pytest.raises(AttributeError):
         FakeNvml([]).nvmlDeviceGetBrand  # noqa: B018
+
+
+def test_job_of_pid_follows_ancestry_out_of_a_new_session(tmp_path):
+    pidfile = tmp_path / "child"
+    code = (f"import subprocess, sys, time; c = subprocess.Popen(['sleep', '30'], start_new_session=True);"
+            f" open({str(pidfile)!r}, 'w').write(str(c.pid)); time.sleep(30)")
+
+    async def go():
+        ex = Executor("n1", Recorder(), argv_for=lambda p: py(code))
+        await ex.execute(cmd(place("j", "c1")))
+        while not pidfile.exists() or not pidfile.read_text():
+            await asyncio.sleep(0.02)
+        child = int(pidfile.read_text())
+        found = ex.job_of_pid(child)
+        await ex.execute(cmd(ReleaseJob(command_id="c2", job_id="j", node="n1")))
+        await ex.drain()
+        os.kill(child, signal.SIGKILL)  # its own session: the release's signal did not reach it
+        return found
+
+    assert run(go()) == "j"
+
+
+# ---------------------------------------------------------------- the agent's publishing, without a broker
+
+class FakeProducer:
+    def __init__(self):
+        self.sent: list[tuple[str, bytes, bytes]] = []
+
+    async def send(self, topic, key, value):
+        self.sent.append((topic, key, value))
+
+    async def flush(self):
+        pass
+
+
+def test_agent_publishes_inventory_on_change_telemetry_and_health_with_per_source_seqs(tmp_path):
+    from agents.node.nvml_agent import NvmlAgent
+    from infra.config import Config
+    from schemas.envelope import decode
+
+    cards = two_card_node()
+    nv, b = backend(cards)
+    cfg = Config(home=tmp_path, kafka="127.0.0.1:1", clickhouse="", kafka_port=1, web_port=1)
+    args = SimpleNamespace(interval=0.01, group=None, allow_mig_reconfigure=False)
+
+    async def go():
+        agent = NvmlAgent(cfg, args, b, node="n1")
+        agent.producer = FakeProducer()
+        await agent.publish_inventory(force=True)
+        await agent.publish_inventory()  # unchanged: nothing new
+        cards[1].vbios = "96.00.99"
+        await agent.publish_inventory()  # changed
+        cards[0].ecc_uncorrected = 1
+
+        async def stop_soon():
+            await asyncio.sleep(0.1)
+            agent.stopping.set()
+
+        await asyncio.gather(agent.telemetry_loop(), stop_soon())
+        return agent
+
+    agent = run(go())
+    envs = [(topic, key, decode(value)) for topic, key, value in agent.producer.sent]
+    assert agent.group_id == "gpupool-agent-n1"
+    kinds = [e.kind for _, _, e in envs]
+    assert kinds[:2] == ["node.inventory", "node.inventory"] and kinds[2] == "gpu.health"
+    assert kinds.count("gpu.health") == 1 and kinds.count("gpu.telemetry") >= 3
+    assert all(key == b"n1" for _, key, _ in envs)
+    assert {e.source for _, _, e in envs if e.kind == "gpu.telemetry"} == {"n1/telemetry"}
+    assert {e.source for _, _, e in envs if e.kind != "gpu.telemetry"} == {"n1/inventory"}
+    for source in ("n1/telemetry", "n1/inventory"):
+        seqs = [e.seq for _, _, e in envs if e.source == source]
+        assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
+    assert {topic for topic, _, e in envs if e.kind == "gpu.telemetry"} == {"gpupool.telemetry"}
+    assert {topic for topic, _, e in envs if e.kind != "gpu.telemetry"} == {"gpupool.inventory"}

@@ -256,23 +256,31 @@ class Executor:
             return
         await self.reconfigure(p)
 
-    def job_of_pid(self, pid: int) -> str | None:
-        """Which job a GPU process belongs to: its process group, else its ancestry (a job that made new sessions)."""
+    def job_lookup(self) -> Callable[[int], str | None]:
+        """pid -> job id over a snapshot of the running jobs, safe to call from the NVML worker thread."""
         by_pgid = {j.proc.pid: j.job_id for j in self.running.values()}
+        return lambda pid: job_of_pid(pid, by_pgid)
+
+    def job_of_pid(self, pid: int) -> str | None:
+        return self.job_lookup()(pid)
+
+
+def job_of_pid(pid: int, by_pgid: dict[int, str]) -> str | None:
+    """Which job a GPU process belongs to: its process group, else its ancestry (a job that made new sessions)."""
+    try:
+        job = by_pgid.get(os.getpgid(pid))
+    except OSError:
+        return None
+    for _ in range(32):
+        if job is not None or pid <= 1:
+            return job
         try:
-            job = by_pgid.get(os.getpgid(pid))
-        except OSError:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            pid = int(stat.rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
             return None
-        for _ in range(32):
-            if job is not None or pid <= 1:
-                return job
-            try:
-                stat = Path(f"/proc/{pid}/stat").read_text()
-                pid = int(stat.rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                return None
-            job = by_pgid.get(pid)
-        return job
+        job = by_pgid.get(pid)
+    return job
 
 
 async def terminate(proc: asyncio.subprocess.Process, grace_s: float) -> bool:
@@ -343,7 +351,7 @@ class NvmlAgent:
     async def telemetry_loop(self) -> None:
         last_inventory = time.monotonic()
         while not self.stopping.is_set():
-            tel, health = await asyncio.to_thread(self.backend.telemetry, self.node, self.executor.job_of_pid)
+            tel, health = await asyncio.to_thread(self.backend.telemetry, self.node, self.executor.job_lookup())
             for h in health:
                 log.warning("card %s unhealthy: %s", h.gpu_uuid, h.reason)
                 await self.publish(h, f"{self.node}/inventory")
