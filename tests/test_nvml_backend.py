@@ -549,3 +549,17 @@ def test_agent_publishes_inventory_on_change_telemetry_and_health_with_per_sourc
         assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
     assert {topic for topic, _, e in envs if e.kind == "gpu.telemetry"} == {"gpupool.telemetry"}
     assert {topic for topic, _, e in envs if e.kind != "gpu.telemetry"} == {"gpupool.inventory"}
+
+
+def test_preempt_during_a_release_still_reports_the_stop():
+    async def go():
+        rec = Recorder()
+        ex = Executor("n1", rec, argv_for=lambda p: ["sleep", "30"])
+        await ex.execute(cmd(place("j", "c1")))
+        await ex.execute(cmd(ReleaseJob(command_id="c2", job_id="j", node="n1")))
+        await ex.execute(cmd(PreemptJob(command_id="c3", job_id="j", node="n1", grace_s=5)))
+        await ex.drain()
+        return rec
+
+    rec = run(go())
+    assert rec.kinds() == ["job.started", "job.stopped"] and rec.events[1][0].command_id == "c3"

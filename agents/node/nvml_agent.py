@@ -222,6 +222,14 @@ class Executor:
                 # stays where it was.
                 await self.publish(JobStopped(job_id=job_id, node=self.node, command_id=command_id), src, command_id)
             return
+        if job.stopping:
+            # Another stop is already under way (a preemption after a release): it signals; this one only reports.
+            await job.proc.wait()
+            if report:
+                await self.publish(JobStopped(job_id=job_id, node=self.node, command_id=command_id,
+                                              progress_ms=job.base_progress_ms, checkpoint=job.resume_from),
+                                   src, command_id)
+            return
         job.stopping = True
         graceful = await terminate(job.proc, grace_s)
         if self.running.get(job_id) is job:
