@@ -11,6 +11,7 @@ import asyncio
 import logging
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
+from infra.kafka_client import stop_consumer
 
 from infra.clickhouse import connect
 from infra.config import Config
@@ -101,4 +102,4 @@ class Sink:
                     await consumer.commit({tp: msgs[-1].offset + 1})
                     self.positions[f"{tp.topic}/{tp.partition}"] = msgs[-1].offset + 1
         finally:
-            await consumer.stop()
+            await stop_consumer(consumer)

@@ -15,8 +15,10 @@ import time
 import orjson
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from infra.kafka_client import stop_consumer
 
 from agents.cli import JOBS_SQL
+from agents.scheduler.agent import read_partition
 from schemas.envelope import decode
 from schemas.topics import DEAD_LETTERS, INVENTORY, JOB_EVENTS, JOB_REQUESTS, TELEMETRY, COMMANDS
 from streams import codec, job_view, node_view
@@ -49,29 +51,52 @@ def job_states(stack) -> dict[str, dict]:
 
 def read_topic(bootstrap: str, topic: str) -> list:
     async def go():
-        consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
+        consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap)
         await consumer.start()
         try:
-            parts = [TopicPartition(topic, p) for p in (consumer.partitions_for_topic(topic) or
-                                                        await _partitions(consumer, topic))]
-            consumer.assign(parts)
-            ends = await consumer.end_offsets(parts)
-            await consumer.seek_to_beginning(*parts)
-            out = []
-            for tp in parts:
-                while await consumer.position(tp) < ends[tp]:
-                    batch = await consumer.getmany(tp, timeout_ms=2000)
-                    out.extend(batch.get(tp, []))
-            return out
+            parts = sorted(await _partitions(consumer, topic))
         finally:
-            await consumer.stop()
+            await stop_consumer(consumer)
+        out = []
+        for p in parts:
+            await read_partition(bootstrap, TopicPartition(topic, p), None, out.append)
+        return out
 
     return asyncio.run(go())
 
 
-async def _partitions(consumer, topic):
-    await consumer._client.force_metadata_update()
-    return consumer.partitions_for_topic(topic) or set()
+async def _partitions(consumer, topic) -> set[int]:
+    """A fresh consumer's metadata can lag a topic's creation; ask until every partition is known."""
+    from schemas.topics import ALL_TOPICS
+
+    want = next((s.partitions for s in ALL_TOPICS if s.name == topic), 1)
+    for _ in range(50):
+        await consumer._client.force_metadata_update()
+        parts = consumer.partitions_for_topic(topic) or set()
+        if len(parts) >= want:
+            return parts
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"metadata for {topic} never showed {want} partitions")
+
+
+def caught_up(bootstrap: str, group: str, specs) -> bool:
+    async def go():
+        from aiokafka.admin import AIOKafkaAdminClient
+
+        admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+        consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap)
+        await admin.start()
+        await consumer.start()
+        try:
+            committed = await admin.list_consumer_group_offsets(group)
+            parts = [TopicPartition(s.name, p) for s in specs for p in range(s.partitions)]
+            ends = await consumer.end_offsets(parts)
+            return all(ends[tp] == 0 or (tp in committed and committed[tp].offset >= ends[tp]) for tp in parts)
+        finally:
+            await stop_consumer(consumer)
+            await admin.close()
+
+    return asyncio.run(go())
 
 
 def test_whole_path_submit_to_bill(stack):
@@ -79,7 +104,7 @@ def test_whole_path_submit_to_bill(stack):
     stack.start_agent("demo:2")
     # node-000 is A100-80GB x4 (1000 milli-CU a card), node-001 H100-80GB x4.
     cli(stack, "submit", "--tenant", "acme", "--compute", "500", "--memory-gib", "10", "--duration", "2",
-        "--job-id", "frac-1")
+        "--job-id", "frac-1", "--model", "A100-80GB")
     cli(stack, "submit", "--tenant", "acme", "--compute", "2000", "--memory-gib", "100", "--duration", "3",
         "--job-id", "gang-1", "--model", "A100-80GB")
     cli(stack, "submit", "--tenant", "zeta", "--compute", "250", "--memory-gib", "8", "--duration", "1",
@@ -189,7 +214,11 @@ def test_refolding_from_offset_zero_equals_the_live_tables(stack):
              90, "six completed jobs", stack)
     time.sleep(2)  # a few more telemetry rounds
     stack.stop_process("agent")
-    stack.stop_process("worker")  # a clean stop flushes the tables' changelogs
+    time.sleep(4)  # the liveness timer marks the silent nodes down (2 missed heartbeats): the last derived facts
+    # Faust flushes a table's changelog before it commits the source offsets, so once the worker's group has
+    # committed up to the end of every source topic, the changelogs hold the live tables.
+    wait_for(lambda: caught_up(stack.bootstrap, "gpupool", [INVENTORY, TELEMETRY, COMMANDS, JOB_REQUESTS,
+                                                           JOB_EVENTS]), 60, "the worker to commit everything", stack)
 
     def latest(topic):
         out = {}
@@ -203,7 +232,9 @@ def test_refolding_from_offset_zero_equals_the_live_tables(stack):
     def refold(topics, mod, key_of):
         views = {}
         for topic in topics:
-            for m in read_topic(stack.bootstrap, topic):
+            records = read_topic(stack.bootstrap, topic)
+            assert records, f"nothing read back from {topic}"
+            for m in records:
                 try:
                     env = decode(m.value)
                 except Exception:  # noqa: BLE001 - dead-lettered live too

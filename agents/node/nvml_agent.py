@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from agents.node.sim_agent import parse_checkpoint, wall_ms
+from infra.kafka_client import stop_consumer
 from schemas.envelope import DecodeError, Envelope, decode, encode, envelope
 from schemas.events import (
     Assignment, JobCheckpointed, JobCompleted, JobFailed, JobStarted, JobStopped, MigReconfigure, NodeInventory,
@@ -394,7 +395,7 @@ class NvmlAgent:
                 if batches:
                     await consumer.commit()
         finally:
-            await consumer.stop()
+            await stop_consumer(consumer)
 
     async def run(self) -> None:
         from aiokafka import AIOKafkaProducer

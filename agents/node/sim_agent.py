@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from infra.kafka_client import stop_consumer
 
 from infra.config import Config
 from schemas.envelope import DecodeError, Envelope, decode, encode, envelope
@@ -199,7 +200,7 @@ class SimFleetAgent:
                 if batches:
                     await consumer.commit()
         finally:
-            await consumer.stop()
+            await stop_consumer(consumer)
 
     # ---------------------------------------------------------------- faults
 

@@ -12,6 +12,7 @@ import asyncio
 import logging
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from infra.kafka_client import stop_consumer
 from aiokafka.abc import ConsumerRebalanceListener
 
 from agents.scheduler.core import Scheduler
@@ -39,26 +40,38 @@ class _Ownership(ConsumerRebalanceListener):
         self.changed.set()
 
 
-async def replay_input(bootstrap: str, until: int | None = None, on_record=None) -> int:
-    """Read the scheduler input from offset 0 up to `until` (exclusive; None = the end now). Returns records read."""
+async def read_partition(bootstrap: str, tp: TopicPartition, until: int | None = None, on_record=None) -> int:
+    """Read one partition from offset 0 up to `until` (exclusive; None = its end now); returns records read.
+
+    Progress is tracked from the records themselves: aiokafka's position() after a seek can wait on a reset that
+    never comes."""
     consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, auto_offset_reset="earliest")
     await consumer.start()
     try:
-        consumer.assign([TP])
-        end = (await consumer.end_offsets([TP]))[TP] if until is None else until
-        await consumer.seek_to_beginning(TP)
+        consumer.assign([tp])
+        end = (await consumer.end_offsets([tp]))[tp] if until is None else until
+        if end <= 0:
+            return 0
+        consumer.seek(tp, 0)  # reset to earliest if retention removed offset 0
         n = 0
-        while (await consumer.position(TP)) < end:
-            batch = await consumer.getmany(TP, timeout_ms=1000, max_records=5000)
-            for msg in batch.get(TP, []):
+        next_offset = 0
+        while next_offset < end:
+            batch = await consumer.getmany(tp, timeout_ms=1000, max_records=5000)
+            for msg in batch.get(tp, []):
                 if msg.offset >= end:
-                    break
+                    return n
                 n += 1
+                next_offset = msg.offset + 1
                 if on_record:
                     on_record(msg)
         return n
     finally:
-        await consumer.stop()
+        await stop_consumer(consumer)
+
+
+async def replay_input(bootstrap: str, until: int | None = None, on_record=None) -> int:
+    """The scheduler input from offset 0 up to `until`."""
+    return await read_partition(bootstrap, TP, until, on_record)
 
 
 class SchedulerAgent:
@@ -125,5 +138,5 @@ class SchedulerAgent:
                 self.emitted += len(sends)
                 await consumer.commit({TP: self.position})
         finally:
-            await consumer.stop()
+            await stop_consumer(consumer)
             await producer.stop()
