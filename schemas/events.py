@@ -233,6 +233,7 @@ class PlaceJob(Frozen):
     cpu_milli: NonNeg = 0
     memory_mib: NonNeg = 0
     duration_s: NonNeg | None = None
+    checkpoint_interval_s: NonNeg = 0
     resume_from: str = ""
     borrowed: bool = False
     reasons: tuple[Reason, ...] = ()

@@ -68,10 +68,17 @@ def model(name: str) -> GpuModel:
 
 
 def mig_profile(model_name: str, profile: str) -> MigProfile:
+    """The profile from the model's table; for a card we have no table for (a new model reporting MIG instances),
+    what the name itself says ("<g>g.<gb>gb"), with no placements, so the scheduler uses but never creates it."""
     for p in model(model_name).mig_profiles:
         if p.name == profile:
             return p
-    raise KeyError(f"{model_name} has no MIG profile {profile}")
+    try:
+        g, gb = profile.split("+")[0].split(".")
+        compute = int(g.rstrip("g"))
+        return MigProfile(profile, compute, compute, (), int(gb.rstrip("gb")) * 1024)
+    except ValueError:
+        raise KeyError(f"{model_name} has no MIG profile {profile}") from None
 
 
 def mig_share_milli(p: MigProfile) -> int:

@@ -166,7 +166,7 @@ class Scheduler:
             cmd = PlaceJob(
                 command_id=self._command_id(), job_id=r.job_id, tenant=r.tenant, node=result.node,
                 assignments=result.assignments, cpu_milli=r.cpu_milli, memory_mib=r.memory_mib,
-                duration_s=r.duration_s, resume_from=rec.checkpoint, borrowed=quota.borrowed,
+                duration_s=r.duration_s, checkpoint_interval_s=r.checkpoint_interval_s, resume_from=rec.checkpoint, borrowed=quota.borrowed,
                 reasons=result.reasons + quota.reasons + (Reason(code="Cycle", data={"cycle": self.cycle}),))
             self._emit(out, cmd, cause)
             for ev in self.ledger.hold(r, quota.borrowed):
