@@ -242,6 +242,25 @@ def cmd_billing(cfg, args) -> int:
     return 0
 
 
+def cmd_cluster(cfg, args) -> int:
+    if not web_up(cfg):
+        raise SystemExit("the cluster view lives in the worker: start it with `gpupool up` or `gpupool worker`")
+    with urllib.request.urlopen(f"http://127.0.0.1:{cfg.web_port}/cluster/", timeout=30) as resp:
+        doc = json.loads(resp.read())
+    if args.format == "json":
+        print(json.dumps(doc))
+        return 0
+    print(f"nodes {doc['nodes']}  cards {doc['cards']}  unhealthy {doc['unhealthy_cards']}  "
+          f"unschedulable {len(doc['unschedulable_nodes'])}")
+    print(f"allocated {doc['allocated_milli'] / 1000:.2f} of {doc['capacity_milli'] / 1000:.0f} GPUs "
+          f"({doc['allocation_permille'] / 10:.1f}%); fragmentation {doc['fragmentation_milli'] / 1000:.2f} GPUs "
+          f"({doc['fragmentation_permille'] / 10:.1f}% of free)")
+    for dim in ("model", "rack", "datacenter"):
+        free = ", ".join(f"{k} {v / 1000:.2f}" for k, v in doc[f"free_milli_by_{dim}"].items())
+        print(f"free GPUs by {dim}: {free}")
+    return 0
+
+
 def cmd_explain(cfg, args) -> int:
     cols, rows = query(cfg, "SELECT event_time, kind, node, reasons FROM gpupool.scheduling FINAL "
                             "WHERE job_id = {job:String} ORDER BY event_time, event_id", {"job": args.job})
@@ -395,6 +414,9 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--by", default="tenant", choices=list(BILLING_GROUPS))
     b.add_argument("--format", default="table", choices=["table", "json", "csv"])
 
+    cl = sub.add_parser("cluster", help="the materialized cluster view: allocation, fragmentation, free capacity")
+    cl.add_argument("--format", default="table", choices=["table", "json"])
+
     e = sub.add_parser("explain", help="why a job was placed where it is, or why it waits")
     e.add_argument("job")
 
@@ -419,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
         parser().error(f"unrecognized arguments: {' '.join(rest)}")
     cfg = config_mod.load()
     handlers = {"kafka": cmd_kafka, "worker": cmd_worker, "agent": cmd_agent, "submit": cmd_submit,
-                "quota": cmd_quota, "jobs": cmd_jobs, "billing": cmd_billing, "explain": cmd_explain,
+                "quota": cmd_quota, "jobs": cmd_jobs, "cluster": cmd_cluster, "billing": cmd_billing, "explain": cmd_explain,
                 "up": cmd_up, "down": cmd_down, "demo": cmd_demo}
     if args.command == "simulate":
         return cmd_simulate(cfg, args, rest)

@@ -16,7 +16,7 @@ from schemas.topics import (
     COMMANDS, DEAD_LETTERS, INVENTORY, JOB_EVENTS, JOB_REQUESTS, JOB_VIEW_CHANGELOG, LEDGER, NODE_VIEW_CHANGELOG,
     SCHEDULER_INPUT, TELEMETRY,
 )
-from streams import codec, job_view, node_view
+from streams import cluster_metrics, codec, job_view, node_view
 
 # What the scheduler must see, in one total order. Telemetry itself stays out: only the health and liveness
 # transitions the folds derive from it go in, so the audit log stays small and the scheduler stays fast.
@@ -187,8 +187,13 @@ class Worker:
             async def get(self, request):
                 return await worker.stats_page(self, request)
 
+        class Cluster(View):
+            async def get(self, request):
+                return self.json(worker.cluster())
+
         self.app.page("/query/")(Query)
         self.app.page("/stats/")(Stats)
+        self.app.page("/cluster/")(Cluster)
 
     async def query_page(self, web, request):
         body = await request.json()
@@ -204,6 +209,15 @@ class Worker:
         rows = [[v if isinstance(v, (int, float, str, bool, type(None))) else str(v) for v in r]
                 for r in result.result_rows]
         return web.json({"columns": list(result.column_names), "rows": rows})
+
+    def cluster(self) -> dict:
+        """The materialized view's metrics over this worker's table partitions (all of them with one worker)."""
+        views = [codec.load_view(codec.NODE_VIEW, doc) for _, doc in list(self.node_table.items())]
+        requests = [v.request for v in (codec.load_view(codec.JOB_VIEW, d) for _, d in list(self.job_table.items()))
+                    if v.request is not None]
+        out = cluster_metrics.metrics([v for v in views if v], cluster_metrics.typical_from_requests(requests))
+        out["busy_cards"] = {c.uuid: c.release_ms for v in views if v for c in v.card_free() if c.milli < 1000}
+        return out
 
     async def stats_page(self, web, request):
         return web.json({

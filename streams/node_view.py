@@ -31,6 +31,7 @@ class CardFree:
     healthy: bool
     free_instances: tuple[MigInstance, ...] = ()
     mig: bool = False
+    release_ms: int | None = None  # when the last holder is expected to finish (None: idle or open-ended)
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,7 @@ class Held:
     slices: tuple[Assignment, ...]
     cpu_milli: int = 0
     memory_mib: int = 0
+    expected_release_ms: int | None = None  # placement time + the job's stated duration, when it has one
 
 
 @dataclass(frozen=True)
@@ -92,8 +94,13 @@ class NodeView:
         used_milli: dict[str, int] = {}
         used_mem: dict[str, int] = {}
         used_mig: set[str] = set()
+        release: dict[str, int | None] = {}
         for held in self.allocations.values():
             for a in held.slices:
+                if a.gpu_uuid in release and release[a.gpu_uuid] is None or held.expected_release_ms is None:
+                    release[a.gpu_uuid] = None
+                else:
+                    release[a.gpu_uuid] = max(release.get(a.gpu_uuid) or 0, held.expected_release_ms)
                 used_milli[a.gpu_uuid] = used_milli.get(a.gpu_uuid, 0) + a.milli
                 used_mem[a.gpu_uuid] = used_mem.get(a.gpu_uuid, 0) + a.memory_mib
                 if a.mig_uuid:
@@ -106,10 +113,11 @@ class NodeView:
                 out.append(CardFree(card.uuid, card.model, sum(mig_share_milli(mig_profile(card.model, i.profile))
                                                                for i in free),
                                     sum(mig_profile(card.model, i.profile).memory_mib for i in free), healthy,
-                                    free, mig=True))
+                                    free, mig=True, release_ms=release.get(card.uuid)))
             else:
                 out.append(CardFree(card.uuid, card.model, 1000 - used_milli.get(card.uuid, 0),
-                                    card.memory_mib - used_mem.get(card.uuid, 0), healthy))
+                                    card.memory_mib - used_mem.get(card.uuid, 0), healthy,
+                                    release_ms=release.get(card.uuid)))
         return out
 
     def free_mig_slices(self, card: GpuCard) -> int:
@@ -182,7 +190,8 @@ def evolve(view: NodeView | None, env: Envelope) -> NodeView:
             return _mark(view, env, faults=_fault(view.faults, p.gpu_uuid, t, p.reason or "reported unhealthy"))
         case PlaceJob():
             allocations = dict(view.allocations)
-            allocations[p.job_id] = Held(p.assignments, p.cpu_milli, p.memory_mib)
+            release = t + p.duration_s * 1000 if p.duration_s is not None else None
+            allocations[p.job_id] = Held(p.assignments, p.cpu_milli, p.memory_mib, release)
             return _mark(view, env, allocations=allocations)
         case ResizeJob():
             allocations = dict(view.allocations)

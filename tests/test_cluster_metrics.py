@@ -1,0 +1,47 @@
+from schemas.events import Assignment, PlaceJob
+from streams.cluster_metrics import metrics, typical_from_requests
+from streams.node_view import evolve
+from tests.builders import Clock, inventory, job
+
+
+def place(c, node, job_id, slices, duration=None):
+    return c.env(PlaceJob(command_id=f"c-{job_id}", job_id=job_id, tenant="t", node=node, assignments=slices,
+                          duration_s=duration), "scheduler")
+
+
+def test_allocation_free_by_model_and_busy_card_release_time():
+    c = Clock()
+    a = inventory("a", model="A100-80GB", gpus=2, rack="r1")
+    t = inventory("t", model="T4", gpus=1, rack="r2")
+    va = evolve(evolve(None, c.env(a, "a/inventory")),
+                place(c, "a", "j1", (Assignment(gpu_uuid=a.gpus[0].uuid, milli=700, memory_mib=1024),), duration=30))
+    vt = evolve(None, c.env(t, "t/inventory"))
+    m = metrics([va, vt])
+    assert m["capacity_milli"] == 3000 and m["allocated_milli"] == 700 and m["allocation_permille"] == 233
+    assert m["free_milli_by_model"] == {"A100-80GB": 1300, "T4": 1000}
+    assert m["free_milli_by_rack"] == {"r1": 1300, "r2": 1000}
+    assert m["whole_free_cards_by_model"] == {"A100-80GB": 1, "T4": 1}
+    busy = [card for card in va.card_free() if card.milli < 1000]
+    assert busy[0].release_ms == c.now + 30_000
+
+
+def test_fgd_fragmentation_counts_free_slivers_no_typical_job_can_use():
+    c = Clock()
+    a = inventory("a", model="A100-80GB", gpus=2)
+    v = evolve(None, c.env(a, "a/inventory"))
+    for i, card in enumerate(a.gpus):
+        v = evolve(v, place(c, "a", f"j{i}", (Assignment(gpu_uuid=card.uuid, milli=700, memory_mib=1024),)))
+    # every typical job wants half a card: the two 300-milli slivers are fragmented
+    typical = typical_from_requests([job(f"x{i}", compute=500, mem_gib=4) for i in range(10)])
+    m = metrics([v], typical)
+    assert m["free_milli"] == 600 and m["fragmentation_milli"] == 600 and m["fragmentation_permille"] == 1000
+    # jobs of a fifth of a card can use them: no fragmentation
+    small = typical_from_requests([job(f"y{i}", compute=200, mem_gib=4) for i in range(10)])
+    assert metrics([v], small)["fragmentation_milli"] == 0
+
+
+def test_mig_card_cut_in_seven_is_not_a_free_card():
+    c = Clock()
+    inv = inventory("m", model="A100-40GB", gpus=1, mig=["1g.5gb"] * 7)
+    m = metrics([evolve(None, c.env(inv, "m/inventory"))])
+    assert m["whole_free_cards_by_model"] == {} and m["free_milli"] == 7 * 142
