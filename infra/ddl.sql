@@ -46,3 +46,22 @@ SETTINGS non_replicated_deduplication_window = 100000;
 CREATE TABLE IF NOT EXISTS gpupool.sink_progress (
     topic LowCardinality(String), partition UInt16, last_offset UInt64
 ) ENGINE = ReplacingMergeTree(last_offset) ORDER BY (topic, partition);
+
+-- ---------------------------------------------------------------- billing (docs/billing.md)
+-- Prices per GPU-hour in micro-units of the billing currency (1 unit = 1000000), by card model, datacenter,
+-- time-of-day band, tier and whether the GPU time was borrowed beyond quota. '*' in datacenter, tod_band or tier
+-- matches any value; the row with the latest valid_from not after the usage's end applies. Defaults: docs/billing.md.
+CREATE TABLE IF NOT EXISTS gpupool.price_book (
+    gpu_model LowCardinality(String), datacenter LowCardinality(String), tod_band LowCardinality(String),
+    tier LowCardinality(String), borrowed Bool, micro_per_gpu_hour UInt64,
+    valid_from DateTime64(3, 'UTC')
+) ENGINE = ReplacingMergeTree ORDER BY (gpu_model, datacenter, tod_band, tier, borrowed, valid_from);
+
+-- Daily rollup of the bill for dashboards, fed by every insert into gpupool.usage. The bill of record is
+-- gpupool.usage FINAL: a usage event re-emitted at a new offset after a scheduler crash is collapsed there but
+-- counted twice here. Query with sum() ... GROUP BY (SummingMergeTree merges in the background).
+CREATE MATERIALIZED VIEW IF NOT EXISTS gpupool.usage_daily
+ENGINE = SummingMergeTree ORDER BY (day, tenant, project, gpu_model, borrowed)
+AS SELECT toDate(fromUnixTimestamp64Milli(toInt64(end_ms), 'UTC')) AS day, tenant, project, gpu_model, borrowed,
+          sum(gpu_milli_ms) AS gpu_milli_ms, count() AS intervals
+FROM gpupool.usage GROUP BY day, tenant, project, gpu_model, borrowed;

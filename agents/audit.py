@@ -1,0 +1,484 @@
+"""`gpupool audit`: check the recorded decisions and the bill by replaying the log, and export governance evidence.
+
+replay --verify
+    Reads `gpupool.scheduler-input` from offset 0, re-runs the pure scheduler (agents/scheduler/core.py) over it and
+    compares (a) every envelope the replay produces with the scheduler's recorded outputs (`gpupool.commands`,
+    scheduler-sourced records in `gpupool.job-events` and `gpupool.ledger`), matched by event id, full envelope;
+    (b) the replay's `usage.accrued` events with the rows of `gpupool.usage FINAL` in ClickHouse, by event id.
+
+    The comparison rule (docs/billing.md):
+      * C = the committed input offset of the consumer group `gpupool-scheduler`. The live scheduler produces the
+        outputs of an input record before it commits past it, so every output caused by an input offset < C must be
+        in the log. Outputs of inputs >= C may or may not be there yet (in flight, or a crash before the commit).
+      * Read in this order: C, then the recorded outputs up to their end, then the input up to its end. Every
+        recorded output then comes from an input the replay also reads, so nothing recorded is "extra" by a race.
+      * missing   = a replay output caused by an input offset < C that the log does not hold;
+        extra     = a recorded scheduler output whose event id the replay never produces (or any record in
+                    `gpupool.commands` from another source: only the scheduler writes commands);
+        different = same event id, different envelope (each recorded copy is checked: a re-emitted duplicate must
+                    be identical).
+      * Bill: a replay usage event is expected in ClickHouse when the log holds it (part a) at a ledger offset the
+        sink has acknowledged (`gpupool.sink_progress`); usage rows whose event id the replay never produces are
+        extra; matched rows must agree in every column except the Kafka coordinates (topic, partition, offset:
+        a re-emitted duplicate lives at another offset, and FINAL keeps either copy).
+      * --from/--to restrict the comparison to outputs whose event time lies in [from, to); the replay itself
+        always starts at offset 0, since the scheduler's state depends on everything before the window.
+
+export --tenant T --out DIR
+    One CSV and one JSON file per section (resources, jobs, quota, decisions, faults, usage) and manifest.json with
+    row counts and a sha256 per file.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import csv
+import hashlib
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import orjson
+
+from agents.scheduler.core import SOURCE, Scheduler
+from schemas.envelope import DecodeError, Envelope, decode
+from schemas.topics import COMMANDS, INVENTORY, JOB_EVENTS, LEDGER, SCHEDULER_INPUT, TELEMETRY
+from streams.rows import COLUMNS, rows_for
+
+SCHEDULER_GROUP = "gpupool-scheduler"
+OUTPUT_TOPICS = (COMMANDS, JOB_EVENTS, LEDGER)
+USAGE_KEY_COLUMNS = ("topic", "partition", "offset")
+USAGE_COMPARED = tuple(c for c in COLUMNS["usage"] if c not in USAGE_KEY_COLUMNS)
+SHOW = 20
+
+
+# ---------------------------------------------------------------- pure comparison
+
+
+@dataclass(frozen=True)
+class Recorded:
+    """One record read back from an output topic."""
+    topic: str
+    partition: int
+    offset: int
+    value: bytes | None
+
+
+@dataclass
+class Report:
+    compared: int = 0
+    matched: int = 0
+    missing: list[str] = field(default_factory=list)
+    extra: list[str] = field(default_factory=list)
+    different: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not (self.missing or self.extra or self.different)
+
+    def lines(self, title: str) -> list[str]:
+        out = [f"{title}: compared {self.compared}, matched {self.matched}, missing {len(self.missing)}, "
+               f"extra {len(self.extra)}, different {len(self.different)}"]
+        for label, items in (("missing", self.missing), ("extra", self.extra), ("different", self.different)):
+            for item in items[:SHOW]:
+                out.append(f"  {label}: {item}")
+            if len(items) > SHOW:
+                out.append(f"  ... {len(items) - SHOW} more {label}")
+        return out
+
+
+def _in_window(t: int, window: tuple[int | None, int | None]) -> bool:
+    lo, hi = window
+    return (lo is None or t >= lo) and (hi is None or t < hi)
+
+
+def _doc(env: Envelope) -> dict:
+    return env.model_dump(mode="json")
+
+
+def _diff_paths(a, b, path: str = "") -> list[str]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        out = []
+        for k in sorted(set(a) | set(b)):
+            out.extend(_diff_paths(a.get(k), b.get(k), f"{path}.{k}" if path else k))
+        return out
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        out = []
+        for i, (x, y) in enumerate(zip(a, b)):
+            out.extend(_diff_paths(x, y, f"{path}[{i}]"))
+        return out
+    return [] if a == b else [f"{path}: replay {a!r} != recorded {b!r}"]
+
+
+def _label(env: Envelope) -> str:
+    p = env.payload
+    what = getattr(p, "command_id", None) or getattr(p, "job_id", None) or ""
+    return f"{env.event_id} {p.kind} {what}".rstrip()
+
+
+def compare_outputs(replayed: list[tuple[int, Envelope]], recorded: list[Recorded], committed: int,
+                    window: tuple[int | None, int | None] = (None, None)) -> Report:
+    """Replay outputs (input offset that caused them, envelope) against the records read from the output topics."""
+    rep = Report()
+    by_id: dict[str, tuple[int, Envelope]] = {}
+    for off, env in replayed:
+        by_id[env.event_id] = (off, env)
+    seen: dict[str, list[Recorded]] = {}
+    for rec in recorded:
+        try:
+            env = decode(rec.value)
+        except DecodeError as exc:
+            if rec.topic == COMMANDS.name:
+                rep.extra.append(f"{rec.topic}/{rec.partition}@{rec.offset} undecodable ({exc.code})")
+            continue
+        if env.source != SOURCE:
+            if rec.topic == COMMANDS.name and _in_window(env.event_time_ms, window):
+                rep.extra.append(f"{_label(env)} from source {env.source!r} at {rec.topic}/{rec.partition}@"
+                                 f"{rec.offset}: only the scheduler writes commands")
+            continue
+        seen.setdefault(env.event_id, []).append(rec)
+        mine = by_id.get(env.event_id)
+        t = mine[1].event_time_ms if mine else env.event_time_ms
+        if not _in_window(t, window):
+            continue
+        rep.compared += 1
+        if mine is None:
+            rep.extra.append(f"{_label(env)} at {rec.topic}/{rec.partition}@{rec.offset}: the replay never "
+                             f"produces it")
+            continue
+        diffs = _diff_paths(_doc(mine[1]), _doc(env))
+        if diffs:
+            rep.different.append(f"{_label(mine[1])} at {rec.topic}/{rec.partition}@{rec.offset}: "
+                                 + "; ".join(diffs[:5]))
+        else:
+            rep.matched += 1
+    for off, env in replayed:
+        if off < committed and env.event_id not in seen and _in_window(env.event_time_ms, window):
+            rep.compared += 1
+            rep.missing.append(f"{_label(env)} (caused by input offset {off} < committed {committed})")
+    return rep
+
+
+def usage_row(env: Envelope) -> dict:
+    row = rows_for(env, "", 0, 0)["usage"][0]
+    return {c: v for c, v in zip(COLUMNS["usage"], row) if c not in USAGE_KEY_COLUMNS}
+
+
+def _norm(v):
+    return bool(v) if isinstance(v, bool) else (int(v) if isinstance(v, int) else str(v))
+
+
+def compare_bill(expected: list[Envelope], rows: list[dict], not_yet_sunk: set[str] = frozenset(),
+                 known_ids: set[str] | None = None) -> Report:
+    """Replay usage events against `gpupool.usage FINAL` rows (dicts with the usage columns), keyed by event id.
+
+    `expected`: replay usage events ClickHouse must hold; `not_yet_sunk`: event ids the sink has not reached yet
+    (neither missing nor extra); `known_ids`: every usage event id the replay produces (rows outside are extra)."""
+    rep = Report()
+    want = {e.event_id: usage_row(e) for e in expected}
+    known = set(want) | set(not_yet_sunk) | (known_ids or set())
+    have: dict[str, dict] = {}
+    for r in rows:
+        have[str(r["event_id"])] = r
+    for eid, r in have.items():
+        if eid not in want:
+            if eid not in known:
+                rep.compared += 1
+                rep.extra.append(f"usage row {eid} (tenant {r.get('tenant')}, job {r.get('job_id')}): "
+                                 f"the replay never produces it")
+            continue
+        rep.compared += 1
+        diffs = [f"{c}: replay {want[eid][c]!r} != clickhouse {r.get(c)!r}" for c in USAGE_COMPARED
+                 if c != "event_id" and _norm(want[eid][c]) != _norm(r.get(c))]
+        if diffs:
+            rep.different.append(f"usage row {eid} (job {want[eid]['job_id']}): " + "; ".join(diffs))
+        else:
+            rep.matched += 1
+    for eid, w in want.items():
+        if eid not in have:
+            rep.compared += 1
+            rep.missing.append(f"usage row {eid} (tenant {w['tenant']}, job {w['job_id']})")
+    return rep
+
+
+def replay_records(values: list[tuple[int, bytes | None]], progress=None) -> list[tuple[int, Envelope]]:
+    """Step the pure scheduler over (offset, raw value) input records; outputs tagged with their input offset."""
+    s = Scheduler()
+    outs: list[tuple[int, Envelope]] = []
+    n = len(values)
+    for i, (off, raw) in enumerate(values):
+        try:
+            env = decode(raw)
+        except DecodeError:
+            continue  # dead-lettered by the folds; the live scheduler skips it the same way
+        outs.extend((off, o) for o in s.step(env))
+        if progress:
+            progress(i + 1, n)
+    return outs
+
+
+# ---------------------------------------------------------------- reading the log
+
+
+def _progress_printer(label: str):
+    state = {"next": 10}
+
+    def show(done: int, total: int) -> None:
+        pct = 100 * done // total if total else 100
+        while pct >= state["next"]:
+            print(f"{label}: {state['next']}% ({done}/{total})", file=sys.stderr, flush=True)
+            state["next"] += 10
+
+    return show
+
+
+async def _committed(bootstrap: str, group: str, topic: str, partition: int = 0) -> int:
+    from aiokafka import TopicPartition
+    from aiokafka.admin import AIOKafkaAdminClient
+
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        offsets = await admin.list_consumer_group_offsets(group)
+    finally:
+        await admin.close()
+    meta = offsets.get(TopicPartition(topic, partition))
+    return max(meta.offset, 0) if meta is not None else 0
+
+
+async def _read_topic(bootstrap: str, spec, on_record) -> int:
+    from aiokafka import TopicPartition
+
+    from agents.scheduler.agent import read_partition
+
+    n = 0
+    for p in range(spec.partitions):
+        n += await read_partition(bootstrap, TopicPartition(spec.name, p), None, on_record)
+    return n
+
+
+def read_log(bootstrap: str) -> tuple[int, list[Recorded], list[tuple[int, bytes | None]]]:
+    """(scheduler committed offset, recorded outputs, scheduler input) read in the race-free order."""
+    async def go():
+        committed = await _committed(bootstrap, SCHEDULER_GROUP, SCHEDULER_INPUT.name)
+        recorded: list[Recorded] = []
+        for spec in OUTPUT_TOPICS:
+            await _read_topic(bootstrap, spec,
+                              lambda m: recorded.append(Recorded(m.topic, m.partition, m.offset, m.value)))
+        inputs: list[tuple[int, bytes | None]] = []
+        await _read_topic(bootstrap, SCHEDULER_INPUT, lambda m: inputs.append((m.offset, m.value)))
+        return committed, recorded, inputs
+
+    return asyncio.run(go())
+
+
+def _sink_progress(cfg) -> dict[tuple[str, int], int]:
+    from agents.cli import query
+
+    _, rows = query(cfg, "SELECT topic, partition, max(last_offset) FROM gpupool.sink_progress "
+                         "GROUP BY topic, partition")
+    return {(t, int(p)): int(o) for t, p, o in rows}
+
+
+def _usage_rows(cfg) -> list[dict]:
+    from agents.cli import query
+
+    cols, rows = query(cfg, f"SELECT {', '.join(COLUMNS['usage'])} FROM gpupool.usage FINAL")
+    return [dict(zip(cols, r)) for r in rows]
+
+
+# ---------------------------------------------------------------- replay --verify
+
+
+def verify(cfg, window: tuple[int | None, int | None]) -> int:
+    t0 = time.monotonic()
+    committed, recorded, inputs = read_log(cfg.bootstrap)
+    print(f"scheduler input: {len(inputs)} records, scheduler committed offset {committed}; "
+          f"recorded outputs read: {len(recorded)}", file=sys.stderr)
+    replayed = replay_records(inputs, _progress_printer("replay"))
+    outputs = compare_outputs(replayed, recorded, committed, window)
+
+    # The bill: which replay usage events the sink must have written.
+    progress = _sink_progress(cfg)
+    where: dict[str, list[Recorded]] = {}
+    for rec in recorded:
+        if rec.topic == LEDGER.name:
+            try:
+                env = decode(rec.value)
+            except DecodeError:
+                continue
+            if env.source == SOURCE and env.kind == "usage.accrued":
+                where.setdefault(env.event_id, []).append(rec)
+    usage = [env for _, env in replayed if env.kind == "usage.accrued"]
+    expected, pending = [], set()
+    for env in usage:
+        recs = where.get(env.event_id, [])
+        if any(progress.get((r.topic, r.partition), -1) >= r.offset for r in recs):
+            expected.append(env)
+        else:
+            pending.add(env.event_id)  # not in the log (reported above) or not sunk yet
+    rows = _usage_rows(cfg)
+    in_window = {e.event_id for e in usage if _in_window(e.event_time_ms, window)}
+    known = {e.event_id for e in usage}
+    expected = [e for e in expected if e.event_id in in_window]
+    rows = [r for r in rows if str(r["event_id"]) in in_window or str(r["event_id"]) not in known]
+    if window != (None, None):  # rows the replay does not know have no trustworthy time but their end_ms
+        rows = [r for r in rows if str(r["event_id"]) in known or _in_window(int(r["end_ms"]), window)]
+    bill = compare_bill(expected, rows, pending, known)
+
+    lines = outputs.lines("scheduler outputs") + bill.lines("bill (gpupool.usage FINAL)")
+    if pending:
+        lines.append(f"  note: {len(pending)} replay usage event(s) not yet acknowledged by the sink, not compared")
+    ok = outputs.ok and bill.ok
+    lines.append(f"audit replay --verify: {'OK' if ok else 'MISMATCH'} ({time.monotonic() - t0:.1f} s)")
+    print("\n".join(lines))
+    return 0 if ok else 1
+
+
+# ---------------------------------------------------------------- export
+
+
+def _write_section(out: Path, name: str, columns: list[str], rows: list[list]) -> dict:
+    csv_path, json_path = out / f"{name}.csv", out / f"{name}.json"
+    with csv_path.open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(columns)
+        w.writerows(rows)
+    json_path.write_bytes(orjson.dumps([dict(zip(columns, r)) for r in rows], default=str,
+                                       option=orjson.OPT_INDENT_2))
+    sha = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in (csv_path, json_path)}
+    return {"rows": len(rows), "columns": columns, "files": sha}
+
+
+def _read_envelopes(bootstrap: str, specs) -> list[tuple[str, int, int, Envelope]]:
+    out = []
+
+    def keep(m):
+        if m.value is None:
+            return
+        try:
+            out.append((m.topic, m.partition, m.offset, decode(m.value)))
+        except DecodeError:
+            pass
+
+    async def go():
+        for spec in specs:
+            await _read_topic(bootstrap, spec, keep)
+
+    asyncio.run(go())
+    return out
+
+
+TENANT_JOBS = "SELECT DISTINCT job_id FROM gpupool.events FINAL WHERE kind = 'job.requested' AND tenant = {t:String}"
+
+
+def export(cfg, tenant: str, out: Path) -> int:
+    from agents.cli import query
+
+    out.mkdir(parents=True, exist_ok=True)
+    sections: dict[str, dict] = {}
+    records = _read_envelopes(cfg.bootstrap, (INVENTORY, TELEMETRY))
+
+    latest: dict[str, Envelope] = {}
+    for _, _, _, env in records:
+        if env.kind == "node.inventory":
+            cur = latest.get(env.payload.node)
+            if cur is None or (env.event_time_ms, env.seq) >= (cur.event_time_ms, cur.seq):
+                latest[env.payload.node] = env
+    res_cols = ["node", "rack", "datacenter", "node_cpu_milli", "node_memory_mib", "gpu_uuid", "gpu_index",
+                "gpu_model", "gpu_memory_mib", "mig_enabled", "driver_version", "cuda_version", "inventory_event_id",
+                "inventory_time_ms"]
+    res_rows = []
+    for name in sorted(latest):
+        env = latest[name]
+        p = env.payload
+        for g in p.gpus:
+            res_rows.append([p.node, p.rack, p.datacenter, p.cpu_milli, p.memory_mib, g.uuid, g.index, g.model,
+                             g.memory_mib, g.mig_enabled, g.driver_version, g.cuda_version, env.event_id,
+                             env.event_time_ms])
+    sections["resources"] = _write_section(out, "resources", res_cols, res_rows)
+
+    cols, rows = query(cfg, "SELECT event_time_ms, kind, job_id, node, command_id, source, event_id, topic, "
+                            "partition, offset, payload FROM gpupool.events FINAL WHERE job_id IN (" + TENANT_JOBS +
+                            ") ORDER BY event_time_ms, topic, partition, offset", {"t": tenant})
+    sections["jobs"] = _write_section(out, "jobs", cols, rows)
+
+    cols, rows = query(cfg, "SELECT event_time_ms, kind, tenant, project, job_id, quota_milli, used_milli, "
+                            "borrowed_milli, milli, overcommit_pct, event_id FROM gpupool.quota_events FINAL "
+                            "WHERE tenant = {t:String} ORDER BY event_time_ms, event_id", {"t": tenant})
+    sections["quota"] = _write_section(out, "quota", cols, rows)
+
+    cols, rows = query(cfg, "SELECT event_time_ms, kind, job_id, command_id, node, reasons, event_id "
+                            "FROM gpupool.scheduling FINAL WHERE job_id IN (" + TENANT_JOBS + ") "
+                            "ORDER BY event_time_ms, event_id", {"t": tenant})
+    sections["decisions"] = _write_section(out, "decisions", cols, rows)
+
+    fault_cols = ["event_time_ms", "kind", "node", "gpu_uuid", "state", "reason", "source", "event_id", "topic",
+                  "partition", "offset"]
+    fault_rows = []
+    for topic, part, off, env in records:
+        p = env.payload
+        if env.kind == "gpu.health":
+            row = [p.node, p.gpu_uuid, "healthy" if p.healthy else "unhealthy", p.reason]
+        elif env.kind == "node.liveness":
+            row = [p.node, "", "alive" if p.alive else "down", f"last heartbeat {p.last_heartbeat_ms}"]
+        elif env.kind == "node.cordon":
+            row = [p.node, "", ("cordoned" + (", drain" if p.drain else "")) if p.cordoned else "uncordoned",
+                   p.reason]
+        else:
+            continue
+        fault_rows.append([env.event_time_ms, env.kind, *row, env.source, env.event_id, topic, part, off])
+    fault_rows.sort(key=lambda r: (r[0], r[7]))
+    sections["faults"] = _write_section(out, "faults", fault_cols, fault_rows)
+
+    cols, rows = query(cfg, f"SELECT {', '.join(COLUMNS['usage'])} FROM gpupool.usage FINAL "
+                            "WHERE tenant = {t:String} ORDER BY end_ms, event_id", {"t": tenant})
+    sections["usage"] = _write_section(out, "usage", cols, rows)
+
+    manifest = {"tenant": tenant, "generated_at_ms": int(time.time() * 1000), "bootstrap": cfg.bootstrap,
+                "scope": {"resources": "cluster (latest node.inventory per node)",
+                          "faults": "cluster (gpu.health, node.liveness, node.cordon from the topics)",
+                          "jobs": "every event of the tenant's jobs", "quota": "tenant", "decisions": "tenant's jobs",
+                          "usage": "tenant"},
+                "sections": sections}
+    (out / "manifest.json").write_bytes(orjson.dumps(manifest, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS))
+    print(json.dumps({k: v["rows"] for k, v in sections.items()}))
+    return 0
+
+
+# ---------------------------------------------------------------- entry
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="gpupool audit", description="audit the log: replay, verify, export")
+    sub = p.add_subparsers(dest="action", required=True)
+    r = sub.add_parser("replay", help="re-run the scheduler over its input log")
+    r.add_argument("--verify", action="store_true", help="compare with the recorded outputs and the bill")
+    r.add_argument("--from", dest="since", help="ISO time or epoch ms: compare outputs from this event time")
+    r.add_argument("--to", dest="until", help="ISO time or epoch ms: compare outputs before this event time")
+    e = sub.add_parser("export", help="governance evidence for one tenant")
+    e.add_argument("--tenant", required=True)
+    e.add_argument("--out", required=True)
+    return p
+
+
+def run_audit(cfg, argv: list[str]) -> int:
+    from agents.cli import parse_time
+
+    args = parser().parse_args(argv)
+    if args.action == "replay":
+        if not args.verify:
+            committed, _, inputs = read_log(cfg.bootstrap)
+            outs = replay_records(inputs, _progress_printer("replay"))
+            print(f"replayed {len(inputs)} input records (committed {committed}): {len(outs)} outputs")
+            return 0
+        return verify(cfg, (parse_time(args.since), parse_time(args.until)))
+    return export(cfg, args.tenant, Path(args.out))
+
+
+if __name__ == "__main__":
+    from infra import config as config_mod
+
+    raise SystemExit(run_audit(config_mod.load(), sys.argv[1:]))

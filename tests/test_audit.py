@@ -1,0 +1,188 @@
+"""`gpupool audit`: replay --verify against the log and ClickHouse, with negative controls; export.
+
+The comparison logic is tested without a broker; the rest runs on a real broker, worker and simulated fleet.
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from aiokafka import AIOKafkaProducer
+
+from agents.audit import Recorded, compare_bill, compare_outputs, replay_records, usage_row
+from agents.scheduler.core import Scheduler
+from schemas.envelope import decode, encode
+from schemas.events import JobCompleted, JobStarted, SchedulerTick
+from schemas.topics import COMMANDS, LEDGER
+from tests.builders import Clock, inventory, job
+from tests.test_integration_path import job_states, read_topic, wait_for
+
+# ---------------------------------------------------------------- the comparison, no broker
+
+
+def _run():
+    clock = Clock()
+    inputs = [clock.env(inventory("n1"), "n1/inventory"), clock.env(job("j1"), "cli/j1"),
+              clock.env(job("j2", compute=300), "cli/j2")]
+    s = Scheduler()
+    places = [o for e in inputs for o in s.step(e) if o.kind == "cmd.place"]
+    for p in places:  # act as the node agent: each placement starts, then completes 1.5 s later
+        src = f"{p.payload.node}/job/{p.payload.job_id}"
+        inputs.append(clock.env(JobStarted(job_id=p.payload.job_id, node=p.payload.node,
+                                           command_id=p.payload.command_id), src))
+        inputs.append(clock.env(JobCompleted(job_id=p.payload.job_id, node=p.payload.node,
+                                             command_id=p.payload.command_id), src, dt=1500))
+    inputs.append(clock.env(SchedulerTick(now_ms=clock.now + 10), "ticker"))
+    replayed = replay_records([(i, encode(e)) for i, e in enumerate(inputs)])
+    return inputs, replayed
+
+
+def _recorded(envs):
+    topic = {True: COMMANDS.name}
+    return [Recorded(topic.get(e.is_command, LEDGER.name if e.kind.startswith(("usage", "quota")) else
+                               "gpupool.job-events"), 0, i, encode(e)) for i, e in enumerate(envs)]
+
+
+def test_comparison_logic_without_a_broker():
+    inputs, replayed = _run()
+    outs = [e for _, e in replayed]
+    kinds = {e.kind for e in outs}
+    assert {"cmd.place", "cmd.release", "usage.accrued"} <= kinds
+    committed = len(inputs)
+
+    assert compare_outputs(replayed, _recorded(outs), committed).ok
+    # a re-emitted duplicate (same envelope, another offset) is fine
+    assert compare_outputs(replayed, _recorded(outs + outs[:2]), committed).ok
+
+    # tampered command: same event id, another node
+    place = next(e for e in outs if e.kind == "cmd.place")
+    forged = place.model_copy(update={"payload": place.payload.model_copy(update={"node": "n9"})})
+    rep = compare_outputs(replayed, _recorded(outs + [forged]), committed)
+    assert not rep.ok and len(rep.different) == 1 and place.event_id in rep.different[0]
+    assert "payload.node" in rep.different[0] and "n9" in rep.different[0]
+
+    # a lost output is missing only when its cause lies before the committed offset
+    last_off, last = replayed[-1]
+    rest = [e for e in outs if e.event_id != last.event_id]
+    rep = compare_outputs(replayed, _recorded(rest), committed)
+    assert rep.missing and last.event_id in rep.missing[0]
+    assert compare_outputs(replayed, _recorded(rest), last_off).ok  # not processed yet: in flight
+
+    # an output the replay never makes, and a command from a foreign source
+    alien = place.model_copy(update={"event_id": "scheduler:999", "seq": 999})
+    foreign = place.model_copy(update={"event_id": "mallory:1", "source": "mallory"})
+    rep = compare_outputs(replayed, _recorded(outs + [alien, foreign]), committed)
+    assert len(rep.extra) == 2 and "scheduler:999" in rep.extra[0] and "mallory" in rep.extra[1]
+
+    # the window: only outputs with event time in [from, to) are compared
+    t_place = place.event_time_ms
+    rep = compare_outputs(replayed, _recorded(outs + [forged]), committed, (t_place + 1, None))
+    assert rep.ok and rep.compared < len(outs)
+
+    # the bill
+    usage = [e for e in outs if e.kind == "usage.accrued"]
+    rows = [dict(usage_row(e)) for e in usage]
+    assert compare_bill(usage, rows).ok
+    rows[0] = dict(rows[0], gpu_milli_ms=rows[0]["gpu_milli_ms"] + 1)
+    rep = compare_bill(usage, rows)
+    assert len(rep.different) == 1 and usage[0].event_id in rep.different[0] and "gpu_milli_ms" in rep.different[0]
+    rep = compare_bill(usage, [dict(usage_row(usage[0]), event_id="scheduler:777")] + rows[1:])
+    assert len(rep.extra) == 1 and "scheduler:777" in rep.extra[0]
+    assert len(rep.missing) == 1 and usage[0].event_id in rep.missing[0]
+    assert compare_bill(usage[1:], rows[1:], not_yet_sunk={usage[0].event_id}).ok
+
+
+# ---------------------------------------------------------------- on the real broker
+
+
+def audit(stack, *argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "agents.audit", *argv], env={**os.environ, **stack.env},
+                          capture_output=True, text=True, timeout=120)
+
+
+def _cli(stack, *argv):
+    out = subprocess.run([sys.executable, "-m", "agents.cli", *argv], env={**os.environ, **stack.env},
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+
+
+@pytest.mark.broker
+def test_replay_verify_export_and_negative_controls(stack, tmp_path):
+    stack.start_worker()
+    stack.start_agent("demo:2")
+    for i, (tenant, compute, dur) in enumerate([("acme", 500, 1), ("acme", 2000, 2), ("zeta", 250, 1)]):
+        _cli(stack, "submit", "--tenant", tenant, "--compute", str(compute), "--memory-gib", "8", "--duration",
+             str(dur), "--job-id", f"au-{i}", "--model", "A100-80GB")
+    wait_for(lambda: (s := job_states(stack)) and len(s) == 3 and all(v["state"] == "completed" for v in s.values()),
+             90, "three completed jobs", stack)
+    wait_for(lambda: stack.query("SELECT count() AS n FROM gpupool.usage FINAL")[0]["n"] == 3, 30, "usage rows", stack)
+
+    # untouched: everything matches
+    ok = audit(stack, "replay", "--verify")
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert "OK" in ok.stdout and "100%" in ok.stderr
+    assert "bill (gpupool.usage FINAL): compared 3, matched 3" in ok.stdout
+    late = audit(stack, "replay", "--verify", "--from", "2999-01-01T00:00:00")
+    assert late.returncode == 0 and "scheduler outputs: compared 0" in late.stdout, late.stdout
+
+    # export: one CSV + one JSON per section, the manifest's counts and hashes
+    out_dir = tmp_path / "evidence"
+    ex = audit(stack, "export", "--tenant", "acme", "--out", str(out_dir))
+    assert ex.returncode == 0, ex.stderr
+    manifest = json.loads((out_dir / "manifest.json").read_text())
+    secs = manifest["sections"]
+    assert set(secs) == {"resources", "jobs", "quota", "decisions", "faults", "usage"}
+    assert secs["resources"]["rows"] == 8  # demo:2: two nodes of four cards
+    assert secs["usage"]["rows"] == 2
+    n_events = stack.query("SELECT count() AS n FROM gpupool.events FINAL WHERE job_id IN ('au-0', 'au-1')")[0]["n"]
+    assert secs["jobs"]["rows"] == n_events > 0
+    n_dec = stack.query("SELECT count() AS n FROM gpupool.scheduling FINAL WHERE job_id IN ('au-0', 'au-1')")[0]["n"]
+    assert secs["decisions"]["rows"] == n_dec >= 4  # two places, two releases
+    n_quota = stack.query("SELECT count() AS n FROM gpupool.quota_events FINAL WHERE tenant = 'acme'")[0]["n"]
+    assert secs["quota"]["rows"] == n_quota
+    for name, sec in secs.items():
+        for fname, sha in sec["files"].items():
+            assert hashlib.sha256((out_dir / fname).read_bytes()).hexdigest() == sha
+        assert len(json.loads((out_dir / f"{name}.json").read_text())) == sec["rows"]
+        assert len((out_dir / f"{name}.csv").read_text().splitlines()) == sec["rows"] + 1
+
+    # negative control 1: one usage row tampered in ClickHouse (the worker owns chdb: stop it first)
+    stack.stop_process("agent")
+    stack.stop_process("worker")
+    victim = next(decode(m.value) for m in read_topic(stack.bootstrap, LEDGER.name)
+                  if decode(m.value).kind == "usage.accrued" and decode(m.value).payload.job_id == "au-1")
+    tamper = ("import sys; from infra.clickhouse import connect; c = connect(sys.argv[1]); "
+              "c.command(\"ALTER TABLE gpupool.usage UPDATE gpu_milli_ms = gpu_milli_ms + 1 WHERE event_id = "
+              "{e:String}\", parameters={'e': sys.argv[2]}, settings={'mutations_sync': 2})")
+    done = subprocess.run([sys.executable, "-c", tamper, stack.env["GPUPOOL_CLICKHOUSE"], victim.event_id],
+                          env={**os.environ, **stack.env}, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    bad = audit(stack, "replay", "--verify")
+    assert bad.returncode == 1, bad.stdout + bad.stderr
+    assert f"different: usage row {victim.event_id}" in bad.stdout and "gpu_milli_ms" in bad.stdout
+    assert "scheduler outputs: compared" in bad.stdout and "different 0" in bad.stdout.splitlines()[0]
+
+    # negative control 2: a recorded cmd.place produced again with another node, same event id
+    place = next(decode(m.value) for m in read_topic(stack.bootstrap, COMMANDS.name)
+                 if decode(m.value).kind == "cmd.place" and decode(m.value).payload.job_id == "au-0")
+    other = "node-001" if place.payload.node != "node-001" else "node-000"
+    forged = place.model_copy(update={"payload": place.payload.model_copy(update={"node": other})})
+
+    async def send():
+        producer = AIOKafkaProducer(bootstrap_servers=stack.bootstrap)
+        await producer.start()
+        try:
+            await producer.send_and_wait(COMMANDS.name, key=other.encode(), value=encode(forged))
+        finally:
+            await producer.stop()
+
+    asyncio.run(send())
+    bad = audit(stack, "replay", "--verify")
+    assert bad.returncode == 1, bad.stdout + bad.stderr
+    line = next(ln for ln in bad.stdout.splitlines() if ln.strip().startswith("different:") and "cmd.place" in ln)
+    assert place.event_id in line and place.payload.command_id in line and other in line
