@@ -2,7 +2,22 @@
 
 Each node publishes its inventory at start, telemetry per card and MIG instance every interval (the telemetry batch
 doubles as the heartbeat), and carries out the scheduler's commands once per command id. A simulated job runs for
-its duration; its completion is stamped start + duration exactly, so the bill is checkable to the millisecond.
+its duration; its completion is stamped start + duration exactly, so the bill is checkable to the millisecond. A job
+placed with a checkpoint interval reports a checkpoint every interval of its run; one placed with `resume_from` runs
+only what is left. Everything the agent writes goes through `self.producer` (`send(topic, key=, value=)`, `flush()`):
+an AIOKafkaProducer that run() makes, or any object with those coroutines given to the constructor (the tests').
+With `speedup` > 1 simulated time runs that much faster than the wall clock (durations, checkpoint intervals and fault
+delays are simulated seconds, event times simulated milliseconds; the telemetry interval stays wall seconds).
+
+Faults (`inject`, the CLI's --fault, a fleet file's `faults:`), each optionally `@SECONDS` after the agent starts:
+  ecc:NODE:INDEX     the card reports uncorrectable ECC errors in its telemetry
+  clear:NODE:INDEX   the ECC errors are gone from telemetry (the node view keeps the card out until an operator's
+                     GpuHealth(healthy=True): by design)
+  lose:NODE          the node is gone: no telemetry, its jobs die silently, commands to it are not received
+  slow:NODE:FACTOR   jobs placed on the node from now on take FACTOR times as long (checkpoints too)
+  recover:NODE       the node is back at full speed and re-publishes its inventory
+  restart:NODE       the node's agent restarts: each running job is lost (JobFailed "agent restarted"), and the
+                     inventory is published again
 """
 from __future__ import annotations
 
@@ -17,13 +32,16 @@ from infra.kafka_client import stop_consumer
 from infra.config import Config
 from schemas.envelope import DecodeError, Envelope, decode, encode, envelope
 from schemas.events import (
-    Assignment, GpuSample, GpuTelemetry, JobCheckpointed, JobCompleted, JobStarted, JobStopped, MigReconfigure,
-    NodeInventory, PlaceJob, PreemptJob, ReleaseJob, ResizeJob,
+    Assignment, GpuSample, GpuTelemetry, JobCheckpointed, JobCompleted, JobFailed, JobStarted, JobStopped,
+    MigReconfigure, NodeInventory, PlaceJob, PreemptJob, ReleaseJob, ResizeJob,
 )
+from schemas.gpu_models import mig_profile
 from schemas.routing import route
 from schemas.topics import COMMANDS
 
 log = logging.getLogger("gpupool.agent")
+
+FAULT_KINDS = {"ecc": 2, "clear": 2, "lose": 1, "slow": 2, "recover": 1, "restart": 1}  # kind -> number of fields
 
 
 def wall_ms() -> int:
@@ -45,10 +63,14 @@ class Running:
     started_ms: int
     duration_ms: int | None
     base_progress_ms: int
+    checkpoint_ms: int = 0
+    slow: float = 1.0  # the node's slow factor when the job started: wall time = progress * slow
+    started_mono: float = 0.0  # event-loop time at start (the sleeps aim at absolute targets, so nothing drifts)
     task: asyncio.Task | None = None
 
     def progress(self, now: int) -> int:
-        return self.base_progress_ms + max(0, now - self.started_ms)
+        p = self.base_progress_ms + int(max(0, now - self.started_ms) / self.slow)
+        return min(p, self.duration_ms) if self.duration_ms is not None else p
 
 
 @dataclass
@@ -60,30 +82,83 @@ class SimNode:
     slow_factor: float = 1.0
 
 
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    node: str
+    arg: str = ""
+    at_s: float | None = None  # seconds after the agent starts; None: at once
+
+    def __str__(self) -> str:
+        return ":".join(x for x in (self.kind, self.node, self.arg) if x) + (
+            f"@{self.at_s:g}" if self.at_s is not None else "")
+
+
 class SimFleetAgent:
     def __init__(self, cfg: Config, inventories: list[NodeInventory], *, telemetry_interval_s: float = 1.0,
-                 group_id: str = "gpupool-sim-agent"):
+                 group_id: str = "gpupool-sim-agent", faults: list[str] | tuple[str, ...] = (), producer=None,
+                 speedup: float = 1.0):
+        if speedup <= 0:
+            raise ValueError("speedup must be positive")
         self.cfg = cfg
+        self.speedup = speedup
         self.nodes = {inv.node: SimNode(inv) for inv in inventories}
         self.interval = telemetry_interval_s
         self.group_id = group_id
         self.seen_commands: set[str] = set()
         self._seq: dict[str, int] = {}
         self._seq_base = time.time_ns() // 1000  # restart-safe: a new process starts above the old sequence
-        self.producer: AIOKafkaProducer | None = None
+        self.producer = producer  # None: run() makes a Kafka producer
         self.published = 0
         self.stopping = asyncio.Event()
+        self.timed_faults: list[Fault] = []
+        self.started_mono: float | None = None  # event-loop time the agent started at; timed faults count from it
+        self._started_wall = 0
+        self._tasks: set[asyncio.Task] = set()
+        for f in faults:
+            self.inject(f)
+
+    @classmethod
+    def from_spec(cls, cfg: Config, spec: str, **kw) -> "SimFleetAgent":
+        """The fleet of a fleet file / CSV / `demo:N`, with the file's scenario faults (`faults:`) scheduled."""
+        from agents.node import fleet
+
+        return cls(cfg, fleet.load(spec), faults=[*fleet.load_faults(spec), *kw.pop("faults", ())], **kw)
+
+    def _start_clock(self) -> None:
+        if self.started_mono is None:
+            self.started_mono = asyncio.get_running_loop().time()
+            self._started_wall = wall_ms()
+
+    def now_ms(self) -> int:
+        """Event time: the wall clock, or with a speedup, simulated time running that much faster since the start."""
+        if self.speedup == 1.0:
+            return wall_ms()
+        self._start_clock()
+        return self._started_wall + int((asyncio.get_running_loop().time() - self.started_mono) * 1000 * self.speedup)
+
+    def _mono_at(self, base_mono: float, sim_ms: float) -> float:
+        return base_mono + sim_ms / 1000 / self.speedup
+
+    def _mono_now(self) -> float:
+        return asyncio.get_running_loop().time()
 
     def _next_seq(self, source: str) -> int:
         self._seq[source] = self._seq.get(source, self._seq_base) + 1
         return self._seq[source]
 
     async def publish(self, payload, source: str, time_ms: int | None = None, cause: str | None = None) -> None:
-        env = envelope(payload, source=source, seq=self._next_seq(source), time_ms=time_ms or wall_ms(),
+        env = envelope(payload, source=source, seq=self._next_seq(source), time_ms=time_ms or self.now_ms(),
                        causation_id=cause)
         spec, key = route(env)
         await self.producer.send(spec.name, key=key, value=encode(env))
         self.published += 1
+
+    def _spawn(self, coro) -> asyncio.Task:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
 
     # ---------------------------------------------------------------- telemetry
 
@@ -99,24 +174,29 @@ class SimFleetAgent:
                 jobs.setdefault(key, []).append(job_id)
         out = []
         for card in node.inventory.gpus:
-            units = [(i.uuid, i.size * card.memory_mib // 8) for i in card.mig_layout] or [(card.uuid, card.memory_mib)]
+            units = [(i.uuid, mig_profile(card.model, i.profile).memory_mib) for i in card.mig_layout] or [
+                (card.uuid, card.memory_mib)]
             for uuid, total in units:
+                util = min(100, milli.get(uuid, 0) // 10)
                 out.append(GpuSample(
                     gpu_uuid=card.uuid, mig_uuid=uuid if uuid != card.uuid else None,
-                    util_pct=min(100, milli.get(uuid, 0) // 10), mem_used_mib=min(total, mem.get(uuid, 0)),
-                    mem_total_mib=total, temperature_c=35 + min(100, milli.get(uuid, 0) // 10) // 2,
-                    power_mw=60_000 + 3_000 * min(100, milli.get(uuid, 0) // 10),
+                    util_pct=util, mem_used_mib=min(total, mem.get(uuid, 0)), mem_total_mib=total,
+                    temperature_c=35 + util // 2, power_mw=60_000 + 3_000 * util,
                     ecc_uncorrected=1 if card.uuid in node.ecc_faults else 0,
                     job_ids=tuple(jobs.get(uuid, ()))))
         return tuple(out)
 
+    async def publish_telemetry(self) -> None:
+        """One telemetry batch from every node that is not lost."""
+        t = self.now_ms()
+        for name, node in sorted(self.nodes.items()):
+            if not node.lost:
+                await self.publish(GpuTelemetry(node=name, samples=self.samples(node)), f"{name}/telemetry", t)
+        await self.producer.flush()
+
     async def telemetry_loop(self) -> None:
         while not self.stopping.is_set():
-            t = wall_ms()
-            for name, node in sorted(self.nodes.items()):
-                if not node.lost:
-                    await self.publish(GpuTelemetry(node=name, samples=self.samples(node)), f"{name}/telemetry", t)
-            await self.producer.flush()
+            await self.publish_telemetry()
             try:
                 await asyncio.wait_for(self.stopping.wait(), self.interval)
             except asyncio.TimeoutError:
@@ -124,39 +204,58 @@ class SimFleetAgent:
 
     # ---------------------------------------------------------------- commands
 
-    async def _run_job(self, node: str, job_id: str, r: Running) -> None:
+    async def _sleep_until(self, r: Running, offset_ms: int) -> None:
+        await asyncio.sleep(max(0.0, self._mono_at(r.started_mono, offset_ms) - asyncio.get_running_loop().time()))
+
+    async def _run_job(self, node_name: str, job_id: str, r: Running) -> None:
+        node = self.nodes[node_name]
+        src = f"{node_name}/job/{job_id}"
         remaining = max(0, r.duration_ms - r.base_progress_ms) if r.duration_ms is not None else None
+        k = 1
+        while r.checkpoint_ms > 0 and (remaining is None or k * r.checkpoint_ms < remaining):
+            offset = int(k * r.checkpoint_ms * r.slow)
+            await self._sleep_until(r, offset)
+            progress = r.base_progress_ms + k * r.checkpoint_ms
+            await self.publish(JobCheckpointed(job_id=job_id, node=node_name, progress_ms=progress,
+                                               checkpoint=f"ckpt:{job_id}:{progress}", command_id=r.command_id),
+                               src, r.started_ms + offset, cause=r.command_id)
+            await self.producer.flush()
+            k += 1
         if remaining is None:
             await asyncio.Event().wait()  # runs until stopped
-        elapsed = int(remaining * self.nodes[node].slow_factor)
-        await asyncio.sleep(elapsed / 1000)
-        self.nodes[node].running.pop(job_id, None)
-        await self.publish(JobCompleted(job_id=job_id, node=node, command_id=r.command_id),
-                           f"{node}/job/{job_id}", r.started_ms + elapsed, cause=r.command_id)
+        elapsed = int(remaining * r.slow)
+        await self._sleep_until(r, elapsed)
+        if node.running.get(job_id) is not r:
+            return
+        del node.running[job_id]
+        await self.publish(JobCompleted(job_id=job_id, node=node_name, command_id=r.command_id),
+                           src, r.started_ms + elapsed, cause=r.command_id)
         await self.producer.flush()
 
     async def execute(self, env: Envelope) -> None:
         p = env.payload
         node_name = getattr(p, "node", None)
         node = self.nodes.get(node_name)
-        if node is None or p.command_id in self.seen_commands:
-            return  # not ours, or a duplicate delivery: each command id is carried out once
+        if node is None or node.lost or p.command_id in self.seen_commands:
+            return  # not ours, a node that is gone, or a duplicate delivery: each command id is carried out once
         self.seen_commands.add(p.command_id)
-        now = wall_ms()
+        now = self.now_ms()
         match p:
             case PlaceJob():
                 if p.job_id in node.running:
-                    return
+                    return  # already running here: a second place for it changes nothing
                 r = Running(p.command_id, p.assignments, now,
-                            p.duration_s * 1000 if p.duration_s is not None else None, parse_checkpoint(p.resume_from))
+                            p.duration_s * 1000 if p.duration_s is not None else None, parse_checkpoint(p.resume_from),
+                            checkpoint_ms=p.checkpoint_interval_s * 1000, slow=node.slow_factor,
+                            started_mono=self._mono_now())
                 node.running[p.job_id] = r
                 await self.publish(JobStarted(job_id=p.job_id, node=node_name, command_id=p.command_id),
                                    f"{node_name}/job/{p.job_id}", now, cause=p.command_id)
-                r.task = asyncio.create_task(self._run_job(node_name, p.job_id, r))
+                r.task = self._spawn(self._run_job(node_name, p.job_id, r))
             case PreemptJob():
                 r = node.running.pop(p.job_id, None)
                 if r is None:
-                    return
+                    return  # not running here (finished, never placed, or already stopped): nothing to stop
                 if r.task:
                     r.task.cancel()
                 progress = r.progress(now)
@@ -204,34 +303,117 @@ class SimFleetAgent:
 
     # ---------------------------------------------------------------- faults
 
-    def inject(self, fault: str) -> None:
-        """`ecc:NODE:INDEX`, `lose:NODE`, `slow:NODE:FACTOR`, `recover:NODE`."""
-        kind, _, rest = fault.partition(":")
-        parts = rest.split(":")
-        node = self.nodes[parts[0]]
-        if kind == "ecc":
-            node.ecc_faults.add(node.inventory.gpus[int(parts[1])].uuid)
-        elif kind == "lose":
-            node.lost = True
-        elif kind == "slow":
-            node.slow_factor = float(parts[1])
-        elif kind == "recover":
-            node.lost, node.slow_factor = False, 1.0
-        else:
-            raise ValueError(f"unknown fault {fault!r}")
-
-    async def run(self) -> None:
-        self.producer = AIOKafkaProducer(bootstrap_servers=self.cfg.bootstrap, acks="all", enable_idempotence=True,
-                                         linger_ms=10, max_batch_size=1 << 20)
-        await self.producer.start()
+    def parse_fault(self, text: str) -> Fault:
+        """`KIND:NODE[:ARG][@SECONDS]`, checked against this fleet; a bad fault raises ValueError at once."""
+        body, at, delay = text.partition("@")
+        kind, _, rest = body.partition(":")
+        parts = rest.split(":") if rest else []
+        if kind not in FAULT_KINDS or len(parts) != FAULT_KINDS[kind]:
+            raise ValueError(f"unknown fault {text!r}: want ecc:NODE:INDEX, clear:NODE:INDEX, lose:NODE, "
+                             f"slow:NODE:FACTOR, recover:NODE or restart:NODE, optionally @SECONDS")
+        node = self.nodes.get(parts[0])
+        if node is None:
+            raise ValueError(f"fault {text!r}: no node {parts[0]!r} in the fleet")
+        arg = parts[1] if len(parts) > 1 else ""
         try:
-            for name, node in sorted(self.nodes.items()):
-                await self.publish(node.inventory, f"{name}/inventory")
+            if kind in ("ecc", "clear") and not 0 <= int(arg) < len(node.inventory.gpus):
+                raise ValueError(f"fault {text!r}: {parts[0]} has {len(node.inventory.gpus)} cards")
+            if kind == "slow" and float(arg) <= 0:
+                raise ValueError(f"fault {text!r}: the slow factor must be positive")
+            seconds = float(delay) if at else None
+        except ValueError as exc:
+            raise ValueError(str(exc) if str(exc).startswith("fault") else f"fault {text!r}: {exc}") from None
+        if seconds is not None and seconds < 0:
+            raise ValueError(f"fault {text!r}: the delay must not be negative")
+        return Fault(kind, parts[0], arg, seconds)
+
+    def inject(self, fault: str | Fault) -> None:
+        """Apply a fault now, or, with `@SECONDS`, that long after the agent starts (scheduled by run(); if the agent
+        is already running, counted from its start). What a fault publishes is sent in the background."""
+        f = self.parse_fault(fault) if isinstance(fault, str) else fault
+        if f.at_s is not None:
+            if self.started_mono is None:
+                self.timed_faults.append(f)
+            else:
+                self._spawn(self._apply_at(f))
+            return
+        msgs = self._change(f)
+        if msgs and self.producer is not None:
+            self._spawn(self._send_all(msgs))
+
+    async def apply(self, fault: str | Fault) -> None:
+        """Apply a fault now (any delay ignored) and wait until what it publishes is sent."""
+        f = self.parse_fault(fault) if isinstance(fault, str) else fault
+        await self._send_all(self._change(f))
+
+    async def _apply_at(self, f: Fault) -> None:
+        self._start_clock()
+        await asyncio.sleep(max(0.0, self._mono_at(self.started_mono, (f.at_s or 0) * 1000)
+                                - asyncio.get_running_loop().time()))
+        log.info("fault %s", f)
+        await self.apply(f)
+
+    async def _send_all(self, msgs: list[tuple]) -> None:
+        for payload, source, time_ms, cause in msgs:
+            await self.publish(payload, source, time_ms, cause)
+        if msgs:
             await self.producer.flush()
-            await asyncio.gather(self.telemetry_loop(), self.command_loop())
+
+    def _drop_jobs(self, node: SimNode) -> dict[str, Running]:
+        jobs, node.running = node.running, {}
+        for r in jobs.values():
+            if r.task:
+                r.task.cancel()
+        return jobs
+
+    def _change(self, f: Fault) -> list[tuple]:
+        """The state change of a fault; returns what it publishes as (payload, source, time, cause)."""
+        node = self.nodes[f.node]
+        if f.kind == "ecc":
+            node.ecc_faults.add(node.inventory.gpus[int(f.arg)].uuid)
+        elif f.kind == "clear":
+            node.ecc_faults.discard(node.inventory.gpus[int(f.arg)].uuid)
+        elif f.kind == "lose":
+            node.lost = True
+            self._drop_jobs(node)  # the machine is gone: nothing of it reports
+        elif f.kind == "slow":
+            node.slow_factor = float(f.arg)
+        elif f.kind == "recover":
+            was_lost = node.lost
+            node.lost, node.slow_factor = False, 1.0
+            if was_lost:
+                return [(node.inventory, f"{f.node}/inventory", self.now_ms(), None)]
+        elif f.kind == "restart":
+            if node.lost:
+                return []
+            now = self.now_ms()
+            lost = sorted(self._drop_jobs(node).items())
+            msgs = [(JobFailed(job_id=job_id, node=f.node, reason="agent restarted", command_id=r.command_id),
+                     f"{f.node}/job/{job_id}", now, r.command_id) for job_id, r in lost]
+            return msgs + [(node.inventory, f"{f.node}/inventory", now, None)]
+        return []
+
+    # ---------------------------------------------------------------- the process
+
+    async def run(self, *, consume_commands: bool = True) -> None:
+        """Publish every inventory, then telemetry every interval and (unless told not to) the commands from Kafka,
+        until `stopping` is set. Timed faults fire their delay after this start."""
+        own = self.producer is None
+        if own:
+            self.producer = AIOKafkaProducer(bootstrap_servers=self.cfg.bootstrap, acks="all",
+                                             enable_idempotence=True, linger_ms=10, max_batch_size=1 << 20)
+            await self.producer.start()
+        self._start_clock()
+        try:
+            for f in self.timed_faults:
+                self._spawn(self._apply_at(f))
+            for name, node in sorted(self.nodes.items()):
+                if not node.lost:
+                    await self.publish(node.inventory, f"{name}/inventory")
+            await self.producer.flush()
+            await asyncio.gather(self.telemetry_loop(), *([self.command_loop()] if consume_commands else []))
         finally:
-            for node in self.nodes.values():
-                for r in node.running.values():
-                    if r.task:
-                        r.task.cancel()
-            await self.producer.stop()
+            for task in list(self._tasks):
+                task.cancel()
+            if own:
+                await self.producer.stop()
