@@ -171,16 +171,13 @@ def cmd_worker(cfg, args) -> int:
 
 
 def cmd_agent(cfg, args) -> int:
-    from agents.node import fleet
     from agents.node.sim_agent import SimFleetAgent
 
     if not args.simulate:
         from agents.node.nvml_agent import run_nvml_agent  # real cards
         return run_nvml_agent(cfg, args)
-    agent = SimFleetAgent(cfg, fleet.load(args.simulate), telemetry_interval_s=args.interval,
-                          group_id=args.group or "gpupool-sim-agent")
-    for f in args.fault or []:
-        agent.inject(f)
+    agent = SimFleetAgent.from_spec(cfg, args.simulate, telemetry_interval_s=args.interval,
+                                    group_id=args.group or "gpupool-sim-agent", faults=args.fault or [])
 
     async def main():
         loop = asyncio.get_running_loop()
@@ -380,7 +377,8 @@ def parser() -> argparse.ArgumentParser:
     a = sub.add_parser("agent", help="run node agents: real GPUs through NVML, or --simulate FLEET")
     a.add_argument("--simulate", metavar="FLEET", help="fleet YAML, openb node CSV, or demo:N")
     a.add_argument("--interval", type=float, default=1.0, help="telemetry interval in seconds")
-    a.add_argument("--fault", action="append", help="ecc:NODE:INDEX | lose:NODE | slow:NODE:FACTOR")
+    a.add_argument("--fault", action="append", help="ecc:NODE:INDEX | clear:NODE:INDEX | lose:NODE | slow:NODE:FACTOR | recover:NODE | restart:NODE, "
+                        "optionally @SECONDS after start")
     a.add_argument("--group", help="consumer group for commands")
     a.add_argument("--allow-mig-reconfigure", action="store_true")
 
