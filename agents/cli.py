@@ -418,6 +418,9 @@ def parser() -> argparse.ArgumentParser:
     e = sub.add_parser("explain", help="why a job was placed where it is, or why it waits")
     e.add_argument("job")
 
+    sub.add_parser("audit", help="audit the log: replay --verify [--from T --to T], export --tenant T --out DIR",
+                   add_help=False)
+
     sim = sub.add_parser("simulate", help="offline trace evaluation")
     sim.add_argument("--protocol", required=True, choices=["fgd"])
 
@@ -435,7 +438,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args, rest = parser().parse_known_args(argv)
-    if rest and args.command != "simulate":
+    if rest and args.command not in ("simulate", "audit"):
         parser().error(f"unrecognized arguments: {' '.join(rest)}")
     cfg = config_mod.load()
     handlers = {"kafka": cmd_kafka, "worker": cmd_worker, "agent": cmd_agent, "submit": cmd_submit,
@@ -443,6 +446,9 @@ def main(argv: list[str] | None = None) -> int:
                 "up": cmd_up, "down": cmd_down, "demo": cmd_demo}
     if args.command == "simulate":
         return cmd_simulate(cfg, args, rest)
+    if args.command == "audit":
+        from agents.audit import run_audit
+        return run_audit(cfg, rest)
     return handlers[args.command](cfg, args)
 
 
