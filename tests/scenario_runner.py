@@ -10,7 +10,7 @@ import yaml
 from agents.node.fleet import make_node
 from agents.scheduler.core import Scheduler
 from schemas.events import (
-    Constraints, GpuHealth, JobCancelled, JobCompleted, JobStarted, JobStopped, NodeCordon, NodeLiveness, QuotaSet,
+    Constraints, GpuHealth, JobCancelled, JobCheckpointed, JobCompleted, JobStarted, JobStopped, NodeCordon, NodeLiveness, QuotaSet,
     SchedulerTick,
 )
 from tests.builders import Clock, job
@@ -81,6 +81,10 @@ def run(path: Path) -> None:
             else:
                 last = s.step(clock.env(JobStopped(job_id=arg, node=cmd.node, command_id=cmd.command_id,
                                                    checkpoint=f"ckpt:{arg}:1000"), src, dt=dt))
+        elif op == "checkpoint":
+            cmd = placed[arg].payload
+            last = s.step(clock.env(JobCheckpointed(job_id=arg, node=cmd.node, progress_ms=1000,
+                                                    checkpoint=f"ckpt:{arg}:1000"), f"{cmd.node}/job/{arg}", dt=dt))
         elif op == "cancel":
             last = s.step(clock.env(JobCancelled(job_id=arg), f"cli/{arg}", dt=dt))
         elif op == "tick":

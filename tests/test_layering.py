@@ -6,10 +6,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 SCHEMAS = sorted((REPO / "schemas").glob("*.py"))
-CORE = [REPO / p for p in ("streams/node_view.py", "streams/cluster_metrics.py", "streams/job_view.py", "streams/rows.py",
+CORE = [REPO / p for p in ("streams/node_view.py", "agents/scheduler/preemption.py", "streams/cluster_metrics.py", "streams/job_view.py", "streams/rows.py",
                            "agents/scheduler/core.py", "agents/scheduler/placement.py", "agents/scheduler/quota.py",
                            "agents/scheduler/packing.py")]
-CORE_MODULES = {"streams.node_view", "streams.cluster_metrics", "streams.job_view", "streams.rows", "agents.scheduler.core",
+CORE_MODULES = {"streams.node_view", "agents.scheduler.preemption", "streams.cluster_metrics", "streams.job_view", "streams.rows", "agents.scheduler.core",
                 "agents.scheduler.placement", "agents.scheduler.quota", "agents.scheduler.packing"}
 PACKAGES = {"streams", "agents", "agents.scheduler", "agents.node", "schemas", "infra"}
 FORBIDDEN = {"faust", "aiokafka", "clickhouse_connect", "chdb", "asyncio", "time", "random", "datetime", "socket",

@@ -10,11 +10,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from agents.scheduler.placement import Placement, place
+from agents.scheduler.preemption import PreemptionConfig, Victim, plan_for, protected
 from agents.scheduler.quota import Ledger
 from schemas.envelope import Envelope, envelope
 from schemas.events import (
-    TIER_RANK, GpuHealth, JobCancelled, JobCompleted, JobFailed, JobPending, JobRequested, JobStarted, JobStopped,
-    NodeCordon, NodeInventory, NodeLiveness, PlaceJob, QuotaSet, Reason, ReleaseJob, SchedulerTick, UsageAccrued,
+    TIER_RANK, GpuHealth, JobCancelled, JobCheckpointed, JobCompleted, JobFailed, JobPending, JobRequested,
+    JobStarted, JobStopped, NodeCordon, NodeInventory, NodeLiveness, PlaceJob, PreemptJob, QuotaSet, Reason,
+    ReleaseJob, SchedulerTick, UsageAccrued,
 )
 from streams import node_view
 
@@ -30,8 +32,11 @@ class JobRecord:
     placement: PlaceJob | None = None
     started_ms: int = 0
     preemptions: int = 0
+    preempted_at: tuple[int, ...] = ()
     checkpoint: str = ""
+    checkpoint_ms: int = 0
     pending_codes: tuple[str, ...] = ()
+    nominated: tuple[str, tuple[str, ...]] | None = None  # (node, victims) while its preemptions take effect
 
 
 @dataclass
@@ -39,6 +44,7 @@ class Scheduler:
     nodes: dict[str, node_view.NodeView] = field(default_factory=dict)
     jobs: dict[str, JobRecord] = field(default_factory=dict)
     ledger: Ledger = field(default_factory=Ledger)
+    preemption: PreemptionConfig = field(default_factory=PreemptionConfig)
     applied: dict[str, int] = field(default_factory=dict)
     now_ms: int = 0
     cycle: int = 0
@@ -88,6 +94,10 @@ class Scheduler:
                 rec = self.jobs.get(p.job_id)
                 if rec and rec.state == "placed" and rec.placement and rec.placement.command_id == p.command_id:
                     rec.state, rec.started_ms = "running", env.event_time_ms
+            case JobCheckpointed():
+                rec = self.jobs.get(p.job_id)
+                if rec and rec.state in ("running", "stopping"):
+                    rec.checkpoint, rec.checkpoint_ms = p.checkpoint or rec.checkpoint, env.event_time_ms
             case JobCompleted() | JobFailed():
                 self._finish(out, env, p.job_id, release=True)
                 self._cycle(out, env)
@@ -104,7 +114,7 @@ class Scheduler:
     # ---------------------------------------------------------------- lifecycle
 
     def _accrue(self, out: list[Envelope], env: Envelope, rec: JobRecord) -> None:
-        if rec.state != "running" or rec.placement is None:
+        if rec.state not in ("running", "stopping") or rec.placement is None or not rec.started_ms:
             return
         end = max(env.event_time_ms, rec.started_ms)
         pl = rec.placement
@@ -137,18 +147,21 @@ class Scheduler:
 
     def _requeue(self, out: list[Envelope], env: Envelope, p: JobStopped) -> None:
         rec = self.jobs.get(p.job_id)
-        if rec is None or rec.state not in ("placed", "running"):
+        if rec is None or rec.state not in ("placed", "running", "stopping"):
             return
         self._accrue(out, env, rec)
         self._release(out, env, rec, "Stopped")
-        rec.state, rec.preemptions, rec.checkpoint = "pending", rec.preemptions + 1, p.checkpoint
+        rec.state, rec.preemptions, rec.checkpoint = "pending", rec.preemptions + 1, p.checkpoint or rec.checkpoint
+        rec.preempted_at = rec.preempted_at + (env.event_time_ms,)
 
     # ---------------------------------------------------------------- the cycle
 
     def pending_order(self) -> list[JobRecord]:
-        """Tier first; within a tier, preempted work resumes before newer work; then arrival order."""
+        """Jobs that preemption freed capacity for come first (the capacity was stopped for them); then tier; within a
+        tier, preempted work resumes before newer work; then arrival order."""
         pending = [r for r in self.jobs.values() if r.state == "pending"]
-        return sorted(pending, key=lambda r: (TIER_RANK[r.request.tier], 0 if r.preemptions else 1, r.arrival))
+        return sorted(pending, key=lambda r: (0 if r.nominated else 1, TIER_RANK[r.request.tier],
+                                              0 if r.preemptions else 1, r.arrival))
 
     def _cycle(self, out: list[Envelope], cause: Envelope) -> None:
         self.cycle += 1
@@ -161,7 +174,9 @@ class Scheduler:
                 continue
             result = place(nodes, r)
             if not isinstance(result, Placement):
-                self._pending(out, cause, rec, result.reasons)
+                if not self._preempt_for(out, cause, rec, nodes, within_quota=any(
+                        q.code in ("WithinQuota", "NoQuotaConfigured") for q in quota.reasons)):
+                    self._pending(out, cause, rec, result.reasons)
                 continue
             cmd = PlaceJob(
                 command_id=self._command_id(), job_id=r.job_id, tenant=r.tenant, node=result.node,
@@ -171,8 +186,53 @@ class Scheduler:
             self._emit(out, cmd, cause)
             for ev in self.ledger.hold(r, quota.borrowed):
                 self._emit(out, ev, cause)
-            rec.state, rec.node, rec.placement, rec.pending_codes = "placed", result.node, cmd, ()
+            rec.state, rec.node, rec.placement, rec.pending_codes, rec.nominated = "placed", result.node, cmd, (), None
             nodes = [self.nodes[n] for n in sorted(self.nodes)]
+
+    # ---------------------------------------------------------------- preemption and reclaim
+
+    def _victims(self, rec: JobRecord, within_quota: bool) -> dict[str, list[Victim]]:
+        r = rec.request
+        rank = TIER_RANK[r.tier]
+        out: dict[str, list[Victim]] = {}
+        for other in self.jobs.values():
+            if other.state not in ("placed", "running") or other.placement is None:
+                continue
+            o = other.request
+            if TIER_RANK[o.tier] > rank:
+                rule = "tier"
+            elif within_quota and other.placement.borrowed and o.tenant != r.tenant:
+                rule = "reclaim"
+            else:
+                continue
+            if protected(other.preempted_at, self.now_ms, self.preemption):
+                continue
+            since = max(other.started_ms, other.checkpoint_ms) if other.state == "running" else self.now_ms
+            out.setdefault(other.node, []).append(Victim(
+                o.job_id, other.node, TIER_RANK[o.tier], other.placement.borrowed, max(0, self.now_ms - since), rule))
+        return out
+
+    def _preempt_for(self, out: list[Envelope], cause: Envelope, rec: JobRecord, nodes, within_quota: bool) -> bool:
+        """True when the job waits on preemptions (already under way, or started now)."""
+        if rec.nominated is not None:
+            if any(self.jobs[v].state == "stopping" for v in rec.nominated[1]):
+                return True
+            rec.nominated = None  # its victims are gone and it still does not fit: plan again
+        plan = plan_for(rec.request, nodes, self._victims(rec, within_quota))
+        if plan is None:
+            return False
+        r = rec.request
+        for v in plan.victims:
+            self._emit(out, PreemptJob(command_id=self._command_id(), job_id=v.job_id, node=v.node, reasons=(
+                Reason(code="PreemptedFor", plugin="Preemption", message=f"{v.rule}: {r.job_id} ({r.tier.value})",
+                       data={"for_job": r.job_id, "rule": v.rule, "progress_lost_ms": v.progress_lost_ms}),)), cause)
+            self.jobs[v.job_id].state = "stopping"
+        rec.nominated = (plan.node, tuple(v.job_id for v in plan.victims))
+        self._pending(out, cause, rec, (Reason(
+            code="Preempting", plugin="Preemption", nodes=(plan.node,),
+            message=f"waiting for {len(plan.victims)} job(s) to checkpoint and stop on {plan.node}",
+            data={"victims": ",".join(rec.nominated[1])}),))
+        return True
 
     def _pending(self, out: list[Envelope], cause: Envelope, rec: JobRecord, reasons: tuple[Reason, ...]) -> None:
         codes = tuple(f"{r.plugin}:{r.code}" for r in reasons)

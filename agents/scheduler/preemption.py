@@ -1,0 +1,96 @@
+"""Preemption and reclaim: which running work to stop so a waiting job fits, tried before anything is emitted.
+
+A candidate plan is tried on a scratch copy of a node's view (the statement): victims are released one by one,
+least disruptive first, until the job fits; the copy is then discarded (rollback) whatever the outcome. Only the
+chosen plan becomes commands. Pure: no I/O, no clock; time comes in as `now_ms`.
+
+Who may be stopped for whom:
+- tier: work of a lower tier than the waiting job (inference > online training > offline);
+- reclaim: work that runs on *borrowed* quota of another tenant, when the waiting job is within its own tenant's
+  quota (borrowed capacity goes back to its owner first).
+A job preempted `max_preemptions` times within `window_ms` is protected for `protect_ms`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from agents.scheduler.placement import FILTERS, fit_cards
+from schemas.envelope import envelope
+from schemas.events import TIER_RANK, JobRequested, ReleaseJob
+from streams import node_view
+
+
+@dataclass(frozen=True)
+class PreemptionConfig:
+    max_preemptions: int = 3
+    window_ms: int = 3600_000
+    protect_ms: int = 1800_000
+
+
+@dataclass(frozen=True)
+class Victim:
+    job_id: str
+    node: str
+    tier_rank: int
+    borrowed: bool
+    progress_lost_ms: int  # work since its last checkpoint (or start)
+    rule: str  # "tier" | "reclaim"
+
+
+@dataclass(frozen=True)
+class Plan:
+    node: str
+    victims: tuple[Victim, ...]
+
+    @property
+    def cost(self) -> tuple:
+        # fewest victims, then least work lost, then the lowest tiers; node name breaks ties deterministically
+        return (len(self.victims), sum(v.progress_lost_ms for v in self.victims),
+                -sum(v.tier_rank for v in self.victims), self.node)
+
+
+def disruption_order(v: Victim) -> tuple:
+    """Least disruptive first: lowest tier, borrowed capacity, least progress lost."""
+    return (-v.tier_rank, 0 if v.borrowed else 1, v.progress_lost_ms, v.job_id)
+
+
+def protected(preempted_at: tuple[int, ...], now_ms: int, cfg: PreemptionConfig) -> bool:
+    recent = [t for t in preempted_at if now_ms - t <= cfg.window_ms]
+    return len(recent) >= cfg.max_preemptions and now_ms - max(recent) <= cfg.protect_ms
+
+
+def _without(view: node_view.NodeView, victims: list[Victim]) -> node_view.NodeView:
+    """The statement: a scratch view with the victims' holdings released (the real view is untouched)."""
+    for i, v in enumerate(victims):
+        view = node_view.evolve(view, envelope(ReleaseJob(command_id=f"trial-{i}", job_id=v.job_id, node=view.node),
+                                               source="preemption-trial", seq=i + 1, time_ms=0))
+    return view
+
+
+def plan_for(job: JobRequested, nodes: list[node_view.NodeView], candidates: dict[str, list[Victim]]) -> Plan | None:
+    """The cheapest node plan that makes `job` fit, or None."""
+    best: Plan | None = None
+    for view in nodes:
+        victims = sorted(candidates.get(view.node, ()), key=disruption_order)
+        if not victims:
+            continue
+        if any(f(view, job) for name, f in FILTERS if name != "HostResources"):
+            continue  # a node that is down, cordoned or of the wrong kind does not fit whatever we stop
+        chosen: list[Victim] = []
+        for v in victims:
+            chosen.append(v)
+            if _fits(_without(view, chosen), job):
+                # as much as it needs: drop, most disruptive first, every victim the job fits without
+                for extra in sorted(chosen, key=disruption_order, reverse=True):
+                    rest = [c for c in chosen if c is not extra]
+                    if _fits(_without(view, rest), job):
+                        chosen = rest
+                plan = Plan(view.node, tuple(sorted(chosen, key=disruption_order)))
+                if best is None or plan.cost < best.cost:
+                    best = plan
+                break
+    return best
+
+
+def _fits(view: node_view.NodeView, job: JobRequested) -> bool:
+    return all(not f(view, job) for _, f in FILTERS) and not isinstance(fit_cards(view, job), str)
