@@ -130,6 +130,23 @@ def test_same_batch_twice_same_token_writes_rows_once_without_final(tmp_path, fr
     assert _totals(fresh, final=True) == (5, 5, 5 * 500 * 2000)
 
 
+def _write_batch(sink: Sink, topic: str, partition: int, msgs) -> None:
+    """Sink.run's retry loop for one (tp, msgs). Uses `Sink.write_batch` once streams/sink.py has it (the proposed
+    extraction); until then a line-for-line copy of the loop inside Sink.run."""
+    import asyncio
+
+    if hasattr(sink, "write_batch"):
+        asyncio.run(sink.write_batch(topic, partition, msgs))
+        return
+    while True:
+        try:
+            sink.inserted += sink._insert_batch(topic, partition, msgs)
+            break
+        except Exception:  # noqa: BLE001 - as Sink.run
+            sink.retries += 1
+            time.sleep(sink.retry_s)
+
+
 def test_clickhouse_unavailable_retries_same_batch_same_token(tmp_path, fresh):
     """Sink.run's loop, step for step: insert, on failure pause and retry the same msgs, then (Kafka) commit.
 
@@ -141,15 +158,8 @@ def test_clickhouse_unavailable_retries_same_batch_same_token(tmp_path, fresh):
 
     # the first failures can hit any insert of the batch (usage first, then quota, then progress): failure 1 on
     # `events`, and so on; the loop re-sends the whole batch each time
-    committed = None
-    while True:  # the body of Sink.run's `while True` for one (tp, msgs)
-        try:
-            sink.inserted += sink._insert_batch(LEDGER.name, 2, recs)
-            break
-        except ConnectionError:
-            sink.retries += 1
-            time.sleep(sink.retry_s)
-    committed = recs[-1].offset + 1
+    _write_batch(sink, LEDGER.name, 2, recs)
+    committed = recs[-1].offset + 1  # Sink.run commits only after the batch is in
     assert sink.retries == 3 and committed == 110
 
     tokens = {t for _, _, t in flaky.attempts if t}
@@ -186,6 +196,29 @@ def test_failure_between_tables_then_retry_is_exact(tmp_path, fresh):
     assert fresh.query("SELECT count() FROM gpupool.events").result_rows[0][0] == len(recs)
     assert fresh.query("SELECT count() FROM gpupool.quota_events").result_rows[0][0] == 5
     assert [t for tb, _, t in client.attempts if tb == "gpupool.usage"] == [f"usage/{LEDGER.name}/2/100-109"] * 2
+
+
+@pytest.mark.xfail(strict=True, reason="known gap: the token is derived from the batch's boundaries, and a batch "
+                   "redelivered after a crash mid-batch usually has other boundaries (getmany returns what is there)")
+def test_crash_mid_batch_then_other_boundaries_is_not_written_twice(tmp_path, fresh):
+    """The sink dies after `events` and `usage` of offsets 100-109 are in, before the progress row; after the restart
+    the consumer (from the committed offset 100) returns 100-113 in one batch: another token, so the rows of
+    100-109 are written again. FINAL still collapses them (the bill is right), but `usage` holds them twice
+    physically and the `usage_daily` rollup, fed by every insert, counts them twice."""
+    recs = _ledger_batch(n_jobs=7)  # offsets 100-113
+
+    class DiesAfterUsage(FlakyClickHouse):
+        def insert(self, table, rows, column_names=None, settings=None, **kw):
+            if table == "gpupool.quota_events":
+                raise ConnectionError("sink process killed here (injected)")
+            return self.real.insert(table, rows, column_names=column_names, settings=settings, **kw)
+
+    with pytest.raises(ConnectionError):
+        _sink(tmp_path, DiesAfterUsage(fresh, 0))._insert_batch(LEDGER.name, 2, recs[:10])
+    _sink(tmp_path, fresh)._insert_batch(LEDGER.name, 2, recs)  # the restarted sink: progress says nothing done
+    assert _totals(fresh, final=True) == (7, 7, 7 * 500 * 2000)  # the bill of record is right either way
+    rollup = fresh.query("SELECT sum(intervals) FROM gpupool.usage_daily").result_rows[0][0]
+    assert (_totals(fresh, final=False)[0], rollup) == (7, 7)  # fails today: (12, 12)
 
 
 def test_connect_retries_until_clickhouse_answers(tmp_path):
