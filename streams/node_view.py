@@ -7,6 +7,7 @@ than the last applied one from that source changes nothing.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 
 from schemas.envelope import Envelope
 from schemas.events import (
@@ -32,6 +33,14 @@ class CardFree:
     free_instances: tuple[MigInstance, ...] = ()
     mig: bool = False
     release_ms: int | None = None  # when the last holder is expected to finish (None: idle or open-ended)
+
+
+@dataclass(frozen=True)
+class FitSummary:
+    """Per model on one node: (largest free milli on one healthy card, largest free memory on one, whole free cards);
+    and whether any MIG instance is free. A necessary condition for a fit, computed once per view."""
+    by_model: dict[str, tuple[int, int, int]]
+    mig_free: bool
 
 
 @dataclass(frozen=True)
@@ -69,7 +78,7 @@ class NodeView:
     def alive(self) -> bool:
         return self.last_heartbeat_ms > self.silent_since_ms
 
-    @property
+    @cached_property  # views are immutable: every change makes a new one, so derived facts are computed once
     def unhealthy(self) -> dict[str, str]:
         """Cards out of service: a fault newer than the last clear. A card stays out until an operator clears it."""
         return {u: why for u, (t, why) in sorted(self.faults.items()) if t > self.cleared.get(u, -1)}
@@ -84,13 +93,36 @@ class NodeView:
         return self.inventory.gpus if self.inventory else ()
 
     def free_cpu_memory(self) -> tuple[int, int]:
+        return self._free_cpu_memory
+
+    @cached_property
+    def _free_cpu_memory(self) -> tuple[int, int]:
         if self.inventory is None:
             return 0, 0
         cpu = self.inventory.cpu_milli - sum(h.cpu_milli for h in self.allocations.values())
         mem = self.inventory.memory_mib - sum(h.memory_mib for h in self.allocations.values())
         return cpu, mem
 
-    def card_free(self) -> list[CardFree]:
+    def card_free(self) -> tuple[CardFree, ...]:
+        return self._card_free
+
+    @cached_property
+    def fit_summary(self) -> FitSummary:
+        by_model: dict[str, tuple[int, int, int]] = {}
+        mig_free = False
+        for c in self._card_free:
+            if not c.healthy:
+                continue
+            if c.mig:
+                mig_free = mig_free or bool(c.free_instances)
+                continue
+            milli, mem, whole = by_model.get(c.model, (0, 0, 0))
+            full = c.milli == 1000 and c.memory_mib == next(g.memory_mib for g in self.cards() if g.uuid == c.uuid)
+            by_model[c.model] = (max(milli, c.milli), max(mem, c.memory_mib), whole + full)
+        return FitSummary(by_model, mig_free)
+
+    @cached_property
+    def _card_free(self) -> tuple[CardFree, ...]:
         used_milli: dict[str, int] = {}
         used_mem: dict[str, int] = {}
         used_mig: set[str] = set()
@@ -118,7 +150,7 @@ class NodeView:
                 out.append(CardFree(card.uuid, card.model, 1000 - used_milli.get(card.uuid, 0),
                                     card.memory_mib - used_mem.get(card.uuid, 0), healthy,
                                     release_ms=release.get(card.uuid)))
-        return out
+        return tuple(out)
 
     def free_mig_slices(self, card: GpuCard) -> int:
         """Memory slices not covered by any MIG instance (room for a reconfigure)."""

@@ -50,6 +50,9 @@ class Scheduler:
     cycle: int = 0
     out_seq: int = 0
     arrivals: int = 0
+    pending: set[str] = field(default_factory=set)  # ids of jobs in state "pending": the cycle's queue
+    _views: list | None = None  # node views in name order, kept current in place; rebuilt when a node appears
+    _index: dict[str, int] = field(default_factory=dict)
 
     # ---------------------------------------------------------------- emitting
 
@@ -65,7 +68,19 @@ class Scheduler:
         p = env.payload
         name = getattr(p, "node", None)
         if name is not None:
-            self.nodes[name] = node_view.evolve(self.nodes.get(name), env)
+            if name not in self.nodes:
+                self._views = None
+            view = self.nodes[name] = node_view.evolve(self.nodes.get(name), env)
+            if self._views is not None:
+                self._views[self._index[name]] = view
+
+    def node_list(self) -> list[node_view.NodeView]:
+        """The nodes in name order; the same list object stays current as views change."""
+        if self._views is None:
+            order = sorted(self.nodes)
+            self._index = {n: i for i, n in enumerate(order)}
+            self._views = [self.nodes[n] for n in order]
+        return self._views
 
     def _command_id(self) -> str:
         return f"c{self.out_seq + 1}"
@@ -87,6 +102,7 @@ class Scheduler:
                 if p.job_id not in self.jobs:
                     self.arrivals += 1
                     self.jobs[p.job_id] = JobRecord(request=p, arrival=self.arrivals)
+                    self.pending.add(p.job_id)
                     self._cycle(out, env)
             case JobCancelled():
                 self._finish(out, env, p.job_id, release=True)
@@ -144,6 +160,7 @@ class Scheduler:
         self._accrue(out, env, rec)
         self._release(out, env, rec, {"job.cancelled": "Cancelled", "job.failed": "Failed"}.get(env.kind, "Completed"))
         rec.state = "done"
+        self.pending.discard(job_id)
 
     def _requeue(self, out: list[Envelope], env: Envelope, p: JobStopped) -> None:
         rec = self.jobs.get(p.job_id)
@@ -153,41 +170,55 @@ class Scheduler:
         self._release(out, env, rec, "Stopped")
         rec.state, rec.preemptions, rec.checkpoint = "pending", rec.preemptions + 1, p.checkpoint or rec.checkpoint
         rec.preempted_at = rec.preempted_at + (env.event_time_ms,)
+        self.pending.add(p.job_id)
 
     # ---------------------------------------------------------------- the cycle
 
     def pending_order(self) -> list[JobRecord]:
         """Jobs that preemption freed capacity for come first (the capacity was stopped for them); then tier; within a
         tier, preempted work resumes before newer work; then arrival order."""
-        pending = [r for r in self.jobs.values() if r.state == "pending"]
+        pending = [self.jobs[j] for j in self.pending]
         return sorted(pending, key=lambda r: (0 if r.nominated else 1, TIER_RANK[r.request.tier],
                                               0 if r.preemptions else 1, r.arrival))
 
     def _cycle(self, out: list[Envelope], cause: Envelope) -> None:
         self.cycle += 1
-        nodes = [self.nodes[n] for n in sorted(self.nodes)]
+        nodes = self.node_list()
+        failed: list[tuple[tuple, tuple[int, ...], tuple[Reason, ...]]] = []
         for rec in self.pending_order():
             r = rec.request
             quota = self.ledger.admit(r)
             if quota.blocked:
                 self._pending(out, cause, rec, quota.reasons)
                 continue
+            within_quota = any(q.code in ("WithinQuota", "NoQuotaConfigured") for q in quota.reasons)
+            kind = (TIER_RANK[r.tier], r.tenant, within_quota, r.gang) if r.constraints == _NO_CONSTRAINTS else None
+            need = (r.compute_milli, r.gpu_memory_mib, r.cpu_milli, r.memory_mib)
+            dominated = next((why for k, f, why in failed if k == kind and all(a >= b for a, b in zip(need, f))),
+                             None) if kind and rec.nominated is None else None
+            if dominated is not None:
+                # It asks for at least as much as a job of the same kind (tier, tenant, quota standing: the same
+                # preemption candidates) that just failed, and nothing was freed since: it fails too.
+                self._pending(out, cause, rec, dominated)
+                continue
             result = place(nodes, r)
             if not isinstance(result, Placement):
-                if not self._preempt_for(out, cause, rec, nodes, within_quota=any(
-                        q.code in ("WithinQuota", "NoQuotaConfigured") for q in quota.reasons)):
+                if not self._preempt_for(out, cause, rec, nodes, within_quota):
                     self._pending(out, cause, rec, result.reasons)
+                    if kind:
+                        failed.append((kind, need, result.reasons))
                 continue
             cmd = PlaceJob(
                 command_id=self._command_id(), job_id=r.job_id, tenant=r.tenant, node=result.node,
                 assignments=result.assignments, cpu_milli=r.cpu_milli, memory_mib=r.memory_mib,
-                duration_s=r.duration_s, checkpoint_interval_s=r.checkpoint_interval_s, resume_from=rec.checkpoint, borrowed=quota.borrowed,
+                duration_s=r.duration_s, checkpoint_interval_s=r.checkpoint_interval_s, resume_from=rec.checkpoint,
+                borrowed=quota.borrowed,
                 reasons=result.reasons + quota.reasons + (Reason(code="Cycle", data={"cycle": self.cycle}),))
             self._emit(out, cmd, cause)
             for ev in self.ledger.hold(r, quota.borrowed):
                 self._emit(out, ev, cause)
             rec.state, rec.node, rec.placement, rec.pending_codes, rec.nominated = "placed", result.node, cmd, (), None
-            nodes = [self.nodes[n] for n in sorted(self.nodes)]
+            self.pending.discard(r.job_id)
 
     # ---------------------------------------------------------------- preemption and reclaim
 
@@ -243,6 +274,9 @@ class Scheduler:
     def card_model(self, node: str, gpu_uuid: str) -> str:
         inv = self.nodes[node].inventory
         return next((g.model for g in inv.gpus if g.uuid == gpu_uuid), "unknown") if inv else "unknown"
+
+
+_NO_CONSTRAINTS = JobRequested.model_fields["constraints"].default
 
 
 def replay(inputs: list[Envelope]) -> tuple[Scheduler, list[Envelope]]:

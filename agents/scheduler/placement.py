@@ -69,6 +69,8 @@ def _card_allowed(card: CardFree, job: JobRequested, v: NodeView) -> bool:
     c = job.constraints
     if not card.healthy or (c.models and card.model not in c.models):
         return False
+    if not (c.min_compute_capability or c.min_driver or c.min_cuda):
+        return True
     gpu = next(g for g in v.cards() if g.uuid == card.uuid)
     if c.min_compute_capability and version_tuple(gpu.compute_capability) < version_tuple(c.min_compute_capability):
         return False
@@ -79,12 +81,30 @@ def _card_allowed(card: CardFree, job: JobRequested, v: NodeView) -> bool:
     return True
 
 
+def _may_fit(v: NodeView, job: JobRequested) -> bool:
+    """A cheap necessary condition from the node's per-model summary, so most full nodes are passed over at once."""
+    s = v.fit_summary
+    if s.mig_free:
+        return True
+    for name, (max_milli, max_mem, whole) in s.by_model.items():
+        m = model(name)
+        if job.compute_milli <= m.cu_milli and job.gpu_memory_mib <= m.memory_mib:
+            if max_milli >= share_for(job.compute_milli, m) and max_mem >= job.gpu_memory_mib:
+                return True
+        n = max(-(-job.compute_milli // m.cu_milli), -(-job.gpu_memory_mib // m.memory_mib))
+        if whole >= n:
+            return True
+    return False
+
+
 def fit_cards(v: NodeView, job: JobRequested) -> tuple[Assignment, ...] | str:
     """Cards for `job` on node `v`, or the reason code why none fit.
 
     One card when the request fits one card (a MIG instance, else a software share, best fit first); otherwise whole
     cards of one model, as few as the compute and memory need.
     """
+    if not _may_fit(v, job):
+        return "InsufficientGPU"
     cards = [c for c in v.card_free() if _card_allowed(c, job, v)]
     if not cards:
         return "NoAllowedHealthyGPU"
