@@ -42,6 +42,13 @@ CREATE TABLE IF NOT EXISTS gpupool.scheduling (
 ) ENGINE = ReplacingMergeTree ORDER BY (job_id, event_id)
 SETTINGS non_replicated_deduplication_window = 100000;
 
+-- What the sink is about to write, per partition: recorded before the data. After a crash mid-batch the restarted
+-- sink cuts its first batch to exactly this range, so the redelivered records get their original deduplication token
+-- even when the consumer hands them over with other batch boundaries.
+CREATE TABLE IF NOT EXISTS gpupool.sink_intent (
+    topic LowCardinality(String), partition UInt16, first_offset UInt64, last_offset UInt64
+) ENGINE = ReplacingMergeTree(last_offset) ORDER BY (topic, partition);
+
 -- Where the sink is, per partition: written after the data it covers is acknowledged.
 CREATE TABLE IF NOT EXISTS gpupool.sink_progress (
     topic LowCardinality(String), partition UInt16, last_offset UInt64
@@ -62,6 +69,7 @@ CREATE TABLE IF NOT EXISTS gpupool.price_book (
 -- counted twice here. Query with sum() ... GROUP BY (SummingMergeTree merges in the background).
 CREATE MATERIALIZED VIEW IF NOT EXISTS gpupool.usage_daily
 ENGINE = SummingMergeTree ORDER BY (day, tenant, project, gpu_model, borrowed)
+SETTINGS non_replicated_deduplication_window = 100000
 AS SELECT toDate(fromUnixTimestamp64Milli(toInt64(end_ms), 'UTC')) AS day, tenant, project, gpu_model, borrowed,
           sum(gpu_milli_ms) AS gpu_milli_ms, count() AS intervals
 FROM gpupool.usage GROUP BY day, tenant, project, gpu_model, borrowed;

@@ -44,21 +44,61 @@ class Sink:
         self.inserted = 0
         self.retries = 0
         self.positions: dict[str, int] = {}
+        self._intents: dict[tuple[str, int], tuple[int, int] | None] = {}
 
     def stats(self) -> dict:
         return {"inserted_rows": self.inserted, "retries": self.retries, "positions": self.positions}
 
+    def _open_intent(self, topic: str, partition: int) -> tuple[int, int] | None:
+        """A range announced before a crash and never confirmed by a progress row (looked up once per partition)."""
+        key = (topic, partition)
+        if key not in self._intents:
+            rows = self.client.query(
+                "SELECT i.first_offset, i.last_offset FROM gpupool.sink_intent AS i FINAL "
+                "LEFT JOIN (SELECT topic, partition, max(last_offset) AS done FROM gpupool.sink_progress "
+                "GROUP BY topic, partition) AS p ON i.topic = p.topic AND i.partition = p.partition "
+                "WHERE i.topic = {t:String} AND i.partition = {p:UInt16} AND i.last_offset > p.done",
+                parameters={"t": topic, "p": partition}).result_rows
+            self._intents[key] = (rows[0][0], rows[0][1]) if rows else None
+        return self._intents[key]
+
     def _insert_batch(self, topic: str, partition: int, msgs) -> int:
+        """Write one batch; a batch overlapping an unfinished range from before a crash is cut at that range's end,
+        so the redelivered part is written with the token it had the first time."""
+        intent = self._open_intent(topic, partition)
+        if intent is not None and msgs[0].offset <= intent[1] < msgs[-1].offset:
+            head = [m for m in msgs if m.offset <= intent[1]]
+            return self._insert_batch(topic, partition, head) + self._insert_batch(
+                topic, partition, [m for m in msgs if m.offset > intent[1]])
+        return self._insert_range(topic, partition, msgs)
+
+    def _insert_range(self, topic: str, partition: int, msgs) -> int:
         first, last = msgs[0].offset, msgs[-1].offset
+        self.client.insert("gpupool.sink_intent", [[topic, partition, first, last]],
+                           column_names=["topic", "partition", "first_offset", "last_offset"])
         n = 0
         for table, rows in batch_rows(topic, partition, msgs).items():
             if rows:
                 self.client.insert(f"gpupool.{table}", rows, column_names=list(COLUMNS[table]),
-                                   settings={"insert_deduplication_token": f"{table}/{topic}/{partition}/{first}-{last}"})
+                                   settings={"insert_deduplication_token": f"{table}/{topic}/{partition}/{first}-{last}",
+                                             # a repeated block must not reach the rollups either
+                                             "deduplicate_blocks_in_dependent_materialized_views": 1})
                 n += len(rows)
         self.client.insert("gpupool.sink_progress", [[topic, partition, last]],
                            column_names=["topic", "partition", "last_offset"])
+        self._intents[(topic, partition)] = None
         return n
+
+    async def write_batch(self, topic: str, partition: int, msgs) -> None:
+        """Insert one batch, pausing and retrying the same batch (same tokens) while ClickHouse fails."""
+        while True:
+            try:
+                self.inserted += self._insert_batch(topic, partition, msgs)
+                return
+            except Exception as exc:  # noqa: BLE001 - pause and retry the same batch and token
+                self.retries += 1
+                log.warning("ClickHouse insert failed (%s); retrying", exc)
+                await asyncio.sleep(self.retry_s)
 
     def _progress(self) -> dict[tuple[str, int], int]:
         rows = self.client.query("SELECT topic, partition, max(last_offset) FROM gpupool.sink_progress "
@@ -91,14 +131,7 @@ class Sink:
                         msgs = [m for m in msgs if m.offset > done]  # written before a crash, not yet committed
                     if not msgs:
                         continue
-                    while True:
-                        try:
-                            self.inserted += self._insert_batch(tp.topic, tp.partition, msgs)
-                            break
-                        except Exception as exc:  # noqa: BLE001 - pause and retry the same batch and token
-                            self.retries += 1
-                            log.warning("ClickHouse insert failed (%s); retrying", exc)
-                            await asyncio.sleep(self.retry_s)
+                    await self.write_batch(tp.topic, tp.partition, msgs)
                     await consumer.commit({tp: msgs[-1].offset + 1})
                     self.positions[f"{tp.topic}/{tp.partition}"] = msgs[-1].offset + 1
         finally:
