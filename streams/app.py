@@ -57,8 +57,9 @@ class Worker:
         # Changelog-backed tables of serialized views (orjson on the changelog, like every other wire).
         self.node_table = self.app.Table("node-view", default=None, partitions=NODE_VIEW_CHANGELOG.partitions)
         self.job_table = self.app.Table("job-view", default=None, partitions=JOB_VIEW_CHANGELOG.partitions)
-        for table in (self.node_table, self.job_table):
-            table.value_serializer = "orjson"  # read lazily when the changelog topic and store are made
+        # read lazily when the changelog topic and store are made
+        self.node_table.value_serializer = "node-view"
+        self.job_table.value_serializer = "job-view"
         raw = dict(key_serializer="raw", value_serializer="raw")
         self.node_topics = self.app.topic(INVENTORY.name, TELEMETRY.name, COMMANDS.name, **raw)
         self.job_topics = self.app.topic(JOB_REQUESTS.name, JOB_EVENTS.name, **raw)
@@ -97,7 +98,7 @@ class Worker:
             await self._reject(event, exc.code, exc.detail)
             return None
 
-    async def _fold(self, event, table, adapter, mod, key_of):
+    async def _fold(self, event, table, mod, key_of):
         """Decode, fold, store. Returns (envelope, before, after) or None when nothing changed or the record was bad;
         a record that breaks the fold is dead-lettered, never allowed to crash the agent."""
         env = await self._decode(event)
@@ -105,14 +106,14 @@ class Worker:
             return None
         try:
             key = key_of(env)
-            before = codec.load_view(adapter, table.get(key))
+            before = table.get(key)
             after = mod.evolve(before, env)
         except Exception as exc:  # noqa: BLE001 - bad input must not stop the fold of what follows
             await self._reject(event, "fold_error", f"{type(exc).__name__}: {exc}")
             return None
         if after is before:
             return None
-        table[key] = codec.dump_view(adapter, after)
+        table[key] = after
         self.folded[env.kind] += 1
         return env, before, after
 
@@ -122,7 +123,7 @@ class Worker:
 
     async def fold_nodes(self, stream):
         async for event in stream.events():
-            folded = await self._fold(event, self.node_table, codec.NODE_VIEW, node_view, node_key)
+            folded = await self._fold(event, self.node_table, node_view, node_key)
             if folded is None:
                 continue
             env, before, after = folded
@@ -144,7 +145,7 @@ class Worker:
 
     async def fold_jobs(self, stream):
         async for event in stream.events():
-            folded = await self._fold(event, self.job_table, codec.JOB_VIEW, job_view, lambda e: e.payload.job_id)
+            folded = await self._fold(event, self.job_table, job_view, lambda e: e.payload.job_id)
             if folded is None:
                 continue
             env = folded[0]
@@ -162,8 +163,7 @@ class Worker:
 
     async def check_liveness(self):
         t = now_ms()
-        for key, doc in list(self.node_table.items()):
-            view = codec.load_view(codec.NODE_VIEW, doc)
+        for key, view in list(self.node_table.items()):
             if view and view.alive and node_view.missed_heartbeats(view, t, int(HEARTBEAT_INTERVAL_S * 1000)):
                 await self._send(envelope(NodeLiveness(node=key, alive=False,
                                                        last_heartbeat_ms=view.last_heartbeat_ms),
@@ -212,9 +212,8 @@ class Worker:
 
     def cluster(self) -> dict:
         """The materialized view's metrics over this worker's table partitions (all of them with one worker)."""
-        views = [codec.load_view(codec.NODE_VIEW, doc) for _, doc in list(self.node_table.items())]
-        requests = [v.request for v in (codec.load_view(codec.JOB_VIEW, d) for _, d in list(self.job_table.items()))
-                    if v.request is not None]
+        views = [v for _, v in list(self.node_table.items())]
+        requests = [v.request for _, v in list(self.job_table.items()) if v is not None and v.request is not None]
         out = cluster_metrics.metrics([v for v in views if v], cluster_metrics.typical_from_requests(requests))
         out["busy_cards"] = {c.uuid: c.release_ms for v in views if v for c in v.card_free() if c.milli < 1000}
         return out
