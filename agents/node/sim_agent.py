@@ -195,10 +195,14 @@ class SimFleetAgent:
         await self.producer.flush()
 
     async def telemetry_loop(self) -> None:
+        # A fixed rate: the next round is due one interval after the last was due, however long publishing took.
+        loop = asyncio.get_running_loop()
+        due = loop.time()
         while not self.stopping.is_set():
             await self.publish_telemetry()
+            due += self.interval
             try:
-                await asyncio.wait_for(self.stopping.wait(), self.interval)
+                await asyncio.wait_for(self.stopping.wait(), max(0.0, due - loop.time()))
             except asyncio.TimeoutError:
                 pass
 
