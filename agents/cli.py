@@ -58,15 +58,12 @@ def web_up(cfg) -> bool:
 def query(cfg, sql: str, parameters: dict | None = None) -> tuple[list[str], list[list]]:
     """Ask the running worker (which owns the embedded engine), else open ClickHouse directly."""
     if web_up(cfg):
-        req = urllib.request.Request(f"http://127.0.0.1:{cfg.web_port}/query/", method="POST",
-                                     data=json.dumps({"sql": sql, "parameters": parameters or {}}).encode(),
-                                     headers={"Content-Type": "application/json"})
+        from agents.stack import web_query
+
         try:
-            with urllib.request.urlopen(req, timeout=30) as resp:
-                doc = json.loads(resp.read())
-        except urllib.error.HTTPError as exc:
-            raise SystemExit(f"query failed: {exc.read().decode()[:500]}") from None
-        return doc["columns"], doc["rows"]
+            return web_query(cfg.web_port, sql, parameters)
+        except RuntimeError as exc:
+            raise SystemExit(f"query failed: {exc}") from None
     from infra.clickhouse import connect
 
     result = connect(cfg.clickhouse).query(sql, parameters=parameters or None)

@@ -17,6 +17,19 @@ from infra import kafka_local
 from infra.config import Config
 
 
+def web_query(port: int, sql: str, parameters: dict | None = None) -> tuple[list[str], list[list]]:
+    """A read-only query through the worker's API (the worker owns the embedded ClickHouse)."""
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/query/", method="POST",
+                                 data=json.dumps({"sql": sql, "parameters": parameters or {}}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            doc = json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        raise RuntimeError(exc.read().decode()[:2000]) from None
+    return doc["columns"], doc["rows"]
+
+
 @dataclass
 class Stack:
     home: Path
@@ -83,15 +96,8 @@ class Stack:
             return ""
 
     def query(self, sql: str, parameters: dict | None = None) -> list[dict]:
-        req = urllib.request.Request(f"http://127.0.0.1:{self.web_port}/query/", method="POST",
-                                     data=json.dumps({"sql": sql, "parameters": parameters or {}}).encode(),
-                                     headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=30) as resp:
-                doc = json.loads(resp.read())
-        except urllib.error.HTTPError as exc:
-            raise RuntimeError(exc.read().decode()[:2000]) from None
-        return [dict(zip(doc["columns"], r)) for r in doc["rows"]]
+        columns, rows = web_query(self.web_port, sql, parameters)
+        return [dict(zip(columns, r)) for r in rows]
 
     def stats(self) -> dict:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.web_port}/stats/", timeout=10) as resp:

@@ -14,3 +14,31 @@ async def stop_consumer(consumer) -> None:
         task = asyncio.current_task()
         if task is not None and task.cancelling():
             raise
+
+
+async def consume_commands(bootstrap: str, group_id: str, stopping: asyncio.Event, execute, log) -> None:
+    """The node agents' command loop: each command in order, undecodable ones skipped with a warning, offsets
+    committed after the batch is carried out (commands are idempotent by id, so a redelivery is harmless)."""
+    from aiokafka import AIOKafkaConsumer
+
+    from schemas.envelope import DecodeError, decode
+    from schemas.topics import COMMANDS
+
+    consumer = AIOKafkaConsumer(COMMANDS.name, bootstrap_servers=bootstrap, group_id=group_id,
+                                enable_auto_commit=False, auto_offset_reset="earliest")
+    await consumer.start()
+    try:
+        while not stopping.is_set():
+            batches = await consumer.getmany(timeout_ms=200)
+            for tp, msgs in batches.items():
+                for msg in msgs:
+                    try:
+                        env = decode(msg.value)
+                    except DecodeError as exc:
+                        log.warning("skipping undecodable command at %s/%d: %s", tp, msg.offset, exc)
+                        continue
+                    await execute(env)
+            if batches:
+                await consumer.commit()
+    finally:
+        await stop_consumer(consumer)

@@ -31,6 +31,13 @@ HEARTBEAT_INTERVAL_S = 1.0
 TICK_INTERVAL_S = 1.0
 
 
+def _as_view(mod, value):
+    """Table values are views; after a recovery from the changelog Faust hands them back as decoded JSON."""
+    if isinstance(value, dict):
+        return codec.load_view(codec.NODE_VIEW if mod is node_view else codec.JOB_VIEW, value)
+    return value
+
+
 def node_key(env: Envelope) -> str:
     return getattr(env.payload, "node", None) or env.payload.to_node
 
@@ -106,7 +113,7 @@ class Worker:
             return None
         try:
             key = key_of(env)
-            before = table.get(key)
+            before = _as_view(mod, table.get(key))
             after = mod.evolve(before, env)
         except Exception as exc:  # noqa: BLE001 - bad input must not stop the fold of what follows
             await self._reject(event, "fold_error", f"{type(exc).__name__}: {exc}")
@@ -164,6 +171,7 @@ class Worker:
     async def check_liveness(self):
         t = now_ms()
         for key, view in list(self.node_table.items()):
+            view = _as_view(node_view, view)
             if view and view.alive and node_view.missed_heartbeats(view, t, int(HEARTBEAT_INTERVAL_S * 1000)):
                 await self._send(envelope(NodeLiveness(node=key, alive=False,
                                                        last_heartbeat_ms=view.last_heartbeat_ms),
@@ -212,8 +220,9 @@ class Worker:
 
     def cluster(self) -> dict:
         """The materialized view's metrics over this worker's table partitions (all of them with one worker)."""
-        views = [v for _, v in list(self.node_table.items())]
-        requests = [v.request for _, v in list(self.job_table.items()) if v is not None and v.request is not None]
+        views = [_as_view(node_view, v) for _, v in list(self.node_table.items())]
+        jobs = [_as_view(job_view, v) for _, v in list(self.job_table.items())]
+        requests = [v.request for v in jobs if v is not None and v.request is not None]
         out = cluster_metrics.metrics([v for v in views if v], cluster_metrics.typical_from_requests(requests))
         out["busy_cards"] = {c.uuid: c.release_ms for v in views if v for c in v.card_free() if c.milli < 1000}
         return out

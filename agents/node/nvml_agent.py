@@ -31,8 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from agents.node.sim_agent import parse_checkpoint, wall_ms
-from infra.kafka_client import stop_consumer
-from schemas.envelope import DecodeError, Envelope, decode, encode, envelope
+from infra.kafka_client import consume_commands
+from schemas.envelope import Envelope, encode, envelope
 from schemas.events import (
     Assignment, JobCheckpointed, JobCompleted, JobFailed, JobStarted, JobStopped, MigReconfigure, NodeInventory,
     PlaceJob, PreemptJob, ReleaseJob, ResizeJob,
@@ -374,28 +374,7 @@ class NvmlAgent:
                 pass
 
     async def command_loop(self) -> None:
-        from aiokafka import AIOKafkaConsumer
-
-        from schemas.topics import COMMANDS
-
-        consumer = AIOKafkaConsumer(COMMANDS.name, bootstrap_servers=self.cfg.bootstrap, group_id=self.group_id,
-                                    enable_auto_commit=False, auto_offset_reset="earliest")
-        await consumer.start()
-        try:
-            while not self.stopping.is_set():
-                batches = await consumer.getmany(timeout_ms=200)
-                for tp, msgs in batches.items():
-                    for msg in msgs:
-                        try:
-                            env = decode(msg.value)
-                        except DecodeError as exc:
-                            log.warning("skipping undecodable command at %s/%d: %s", tp, msg.offset, exc)
-                            continue
-                        await self.executor.execute(env)
-                if batches:
-                    await consumer.commit()
-        finally:
-            await stop_consumer(consumer)
+        await consume_commands(self.cfg.bootstrap, self.group_id, self.stopping, self.executor.execute, log)
 
     async def run(self) -> None:
         from aiokafka import AIOKafkaProducer

@@ -26,18 +26,17 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
-from infra.kafka_client import stop_consumer
+from aiokafka import AIOKafkaProducer
+from infra.kafka_client import consume_commands
 
 from infra.config import Config
-from schemas.envelope import DecodeError, Envelope, decode, encode, envelope
+from schemas.envelope import Envelope, encode, envelope
 from schemas.events import (
     Assignment, GpuSample, GpuTelemetry, JobCheckpointed, JobCompleted, JobFailed, JobStarted, JobStopped,
     MigReconfigure, NodeInventory, PlaceJob, PreemptJob, ReleaseJob, ResizeJob,
 )
 from schemas.gpu_models import mig_profile
 from schemas.routing import route
-from schemas.topics import COMMANDS
 
 log = logging.getLogger("gpupool.agent")
 
@@ -286,24 +285,7 @@ class SimFleetAgent:
         await self.producer.flush()
 
     async def command_loop(self) -> None:
-        consumer = AIOKafkaConsumer(COMMANDS.name, bootstrap_servers=self.cfg.bootstrap, group_id=self.group_id,
-                                    enable_auto_commit=False, auto_offset_reset="earliest")
-        await consumer.start()
-        try:
-            while not self.stopping.is_set():
-                batches = await consumer.getmany(timeout_ms=200)
-                for tp, msgs in batches.items():
-                    for msg in msgs:
-                        try:
-                            env = decode(msg.value)
-                        except DecodeError as exc:
-                            log.warning("skipping undecodable command at %s/%d: %s", tp, msg.offset, exc)
-                            continue
-                        await self.execute(env)
-                if batches:
-                    await consumer.commit()
-        finally:
-            await stop_consumer(consumer)
+        await consume_commands(self.cfg.bootstrap, self.group_id, self.stopping, self.execute, log)
 
     # ---------------------------------------------------------------- faults
 

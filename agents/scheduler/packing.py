@@ -21,7 +21,6 @@ Policies (``make_policy(name, ...)``):
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from dataclasses import dataclass
 from typing import Iterable, Sequence

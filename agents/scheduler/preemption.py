@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from agents.scheduler.placement import FILTERS, fit_cards
 from schemas.envelope import envelope
-from schemas.events import TIER_RANK, JobRequested, ReleaseJob
+from schemas.events import JobRequested, ReleaseJob
 from streams import node_view
 
 
