@@ -30,7 +30,7 @@ class JobRecord:
     state: str = "pending"  # pending | placed | running | done
     node: str = ""
     placement: PlaceJob | None = None
-    started_ms: int = 0
+    started_ms: int = -1  # event time of the current run's start; -1 while it has not started
     preemptions: int = 0
     preempted_at: tuple[int, ...] = ()
     checkpoint: str = ""
@@ -105,7 +105,8 @@ class Scheduler:
                     self.pending.add(p.job_id)
                     self._cycle(out, env)
             case JobCancelled():
-                self._finish(out, env, p.job_id, release=True)
+                self._finish(out, env, p.job_id)
+                self._cycle(out, env)
             case JobStarted():
                 rec = self.jobs.get(p.job_id)
                 if rec and rec.state == "placed" and rec.placement and rec.placement.command_id == p.command_id:
@@ -115,7 +116,7 @@ class Scheduler:
                 if rec and rec.state in ("running", "stopping"):
                     rec.checkpoint, rec.checkpoint_ms = p.checkpoint or rec.checkpoint, env.event_time_ms
             case JobCompleted() | JobFailed():
-                self._finish(out, env, p.job_id, release=True)
+                self._finish(out, env, p.job_id)
                 self._cycle(out, env)
             case JobStopped():
                 self._requeue(out, env, p)
@@ -130,7 +131,7 @@ class Scheduler:
     # ---------------------------------------------------------------- lifecycle
 
     def _accrue(self, out: list[Envelope], env: Envelope, rec: JobRecord) -> None:
-        if rec.state not in ("running", "stopping") or rec.placement is None or not rec.started_ms:
+        if rec.state not in ("running", "stopping") or rec.placement is None or rec.started_ms < 0:
             return
         end = max(env.event_time_ms, rec.started_ms)
         pl = rec.placement
@@ -152,8 +153,9 @@ class Scheduler:
             self._emit(out, ev, env)
         rec.placement = None
         rec.node = ""
+        rec.started_ms = -1
 
-    def _finish(self, out: list[Envelope], env: Envelope, job_id: str, release: bool) -> None:
+    def _finish(self, out: list[Envelope], env: Envelope, job_id: str) -> None:
         rec = self.jobs.get(job_id)
         if rec is None or rec.state == "done":
             return
