@@ -30,26 +30,13 @@ from pathlib import Path
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from agents.node import fleet as fleet_mod
+from agents.node.sim_agent import wall_ms
 from agents.stack import Stack
+from bench.procs import cpu_seconds, exit_on_signal
 from schemas.envelope import decode
 from schemas.topics import TELEMETRY
 
 ROOT = Path(__file__).resolve().parent.parent
-CLK_TCK = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_seconds(pid: int | None) -> float:
-    if not pid:
-        return 0.0
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / CLK_TCK
-    except (OSError, IndexError, ValueError):
-        return 0.0
-
-
-def wall_ms() -> int:
-    return time.time_ns() // 1_000_000
 
 
 async def end_offsets(bootstrap: str) -> int:
@@ -84,13 +71,9 @@ async def read_back(bootstrap: str, total: int) -> list[tuple[str, int, int]]:
     return out
 
 
-def _exit_on_signal(signum, frame):
-    raise SystemExit(128 + signum)  # runs the `finally` that stops the broker and the worker (e.g. under `timeout`)
-
-
 def main() -> int:
     for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, _exit_on_signal)
+        signal.signal(sig, exit_on_signal)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--fleet", default=str(ROOT / "bench" / "fleet-200x8.yaml"))
     ap.add_argument("--interval", type=float, default=1.0)

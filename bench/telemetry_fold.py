@@ -38,22 +38,11 @@ from schemas.envelope import decode, encode, envelope
 from schemas.events import GpuSample, GpuTelemetry
 from schemas.routing import route
 from schemas.topics import TELEMETRY
+from bench.procs import cpu_seconds, exit_on_signal
 from streams import codec, node_view
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = ("A100-80GB", "H100-80GB", "A10", "T4")
-CLK_TCK = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_seconds(pid: int | None) -> float:
-    """utime + stime of one process (children not included), in seconds."""
-    if not pid:
-        return 0.0
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / CLK_TCK
-    except (OSError, IndexError, ValueError):
-        return 0.0
 
 
 # ---------------------------------------------------------------- records
@@ -228,13 +217,9 @@ async def bare_pass(bootstrap: str, n: int, mode: str) -> dict:
 
 # ---------------------------------------------------------------- main
 
-def _exit_on_signal(signum, frame):
-    raise SystemExit(128 + signum)  # runs the `finally` that stops the broker and the worker (e.g. under `timeout`)
-
-
 def main() -> int:
     for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, _exit_on_signal)
+        signal.signal(sig, exit_on_signal)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--nodes", type=int, default=1000)
     ap.add_argument("--records", type=int, default=50_000)
