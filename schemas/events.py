@@ -134,7 +134,9 @@ class Constraints(Frozen):
     models: tuple[str, ...] = ()  # allowed models; empty = any
     min_compute_capability: str | None = None
     mig_allowed: bool = True
-    interconnect: Literal["any", "nvlink"] = "any"
+    interconnect: Literal["any", "nvlink"] = "any"  # "nvlink": a multi-card job must stay inside one NVLink domain
+    # The widest spread a multi-card gang accepts: one node, one NVLink domain, one rack, one data center, or any.
+    max_spread: Literal["node", "nvlink", "rack", "datacenter", "any"] = "datacenter"
     datacenter: str | None = None
     min_driver: str | None = None
     min_cuda: str | None = None
@@ -156,6 +158,9 @@ class JobRequested(Frozen):
     duration_s: NonNeg | None = None  # simulation: how long the work runs
     checkpoint_interval_s: NonNeg = 0
     command: tuple[str, ...] = ()  # real hardware: what the node agent runs
+    latency_sensitive: bool = False  # inference that wants the newest generation and memory-rich units
+    reservation_id: str | None = None  # consume capacity booked by this reservation
+    service_id: str | None = None  # a replica of this inference service (set by the autoscaler)
 
 
 class JobCancelled(Frozen):
@@ -236,6 +241,10 @@ class PlaceJob(Frozen):
     checkpoint_interval_s: NonNeg = 0
     resume_from: str = ""
     borrowed: bool = False
+    # A gang spread over several nodes gets one cmd.place per node: all share the job id, each names its part.
+    gang_size: Pos = 1
+    gang_index: NonNeg = 0
+    gang_nodes: tuple[str, ...] = ()
     reasons: tuple[Reason, ...] = ()
 
 
@@ -304,6 +313,88 @@ class SchedulerTick(Frozen):
     now_ms: NonNeg
 
 
+# ---------------------------------------------------------------- reservations
+
+class ReservationRequested(Frozen):
+    """Capacity booked for a start time (seed 000): held idle from `start_ms` until a job names the reservation or
+    `end_ms` passes. Conflicts are decided by tier, then by booking time (the earlier booking locks harder)."""
+    kind: Literal["reservation.requested"] = "reservation.requested"
+    reservation_id: Ident
+    tenant: Ident
+    project: Ident = "default"
+    tier: Tier = Tier.ONLINE_TRAINING
+    compute_milli: Pos
+    gpu_memory_mib: Pos
+    cpu_milli: NonNeg = 0
+    memory_mib: NonNeg = 0
+    constraints: Constraints = Constraints()
+    start_ms: NonNeg
+    end_ms: NonNeg
+
+
+class ReservationCancelled(Frozen):
+    kind: Literal["reservation.cancelled"] = "reservation.cancelled"
+    reservation_id: Ident
+
+
+class ReservationDecided(Frozen):
+    """The scheduler's answer about a reservation: accepted, rejected, displaced (by a stronger one), active (capacity
+    held on a node), used (a job took it), expired."""
+    kind: Literal["reservation.decided"] = "reservation.decided"
+    reservation_id: Ident
+    status: Literal["accepted", "rejected", "displaced", "active", "used", "expired", "cancelled"]
+    node: str = ""
+    reasons: tuple[Reason, ...] = ()
+
+
+# ---------------------------------------------------------------- inference services
+
+class ServiceDeclared(Frozen):
+    """A long-running, replicated inference service with an SLO. Re-declaring it replaces the spec."""
+    kind: Literal["service.declared"] = "service.declared"
+    service_id: Ident
+    tenant: Ident
+    project: Ident = "default"
+    replica_compute_milli: Pos  # one replica's compute at its base size
+    replica_memory_mib: Pos
+    boost_compute_milli: NonNeg = 0  # extra compute a vertical boost adds to a replica (0: no vertical step)
+    replica_qps: Pos  # requests/s one base-size replica serves within the SLO
+    min_replicas: NonNeg = 1
+    max_replicas: Pos = 64
+    latency_target_ms: Pos = 500  # the SLO: p99 latency
+    max_queue: NonNeg = 100
+    latency_sensitive: bool = True
+    constraints: Constraints = Constraints()
+
+
+class ServiceRemoved(Frozen):
+    kind: Literal["service.removed"] = "service.removed"
+    service_id: Ident
+
+
+class InferenceLoad(Frozen):
+    """Load of one service (replica empty) or one replica: what the autoscaler reads."""
+    kind: Literal["inference.load"] = "inference.load"
+    service_id: Ident
+    replica: str = ""
+    qps: Annotated[int, Field(ge=0)]  # requests/s, integer
+    p50_ms: NonNeg = 0
+    p99_ms: NonNeg = 0
+    queue_depth: NonNeg = 0
+    util_pct: Annotated[int, Field(ge=0, le=100)] = 0
+
+
+class ServiceScaled(Frozen):
+    """One autoscaler action with its trigger and, once done, how long it took."""
+    kind: Literal["service.scaled"] = "service.scaled"
+    service_id: Ident
+    action: Literal["vertical_up", "horizontal_up", "traffic_shift", "vertical_revert", "scale_in", "shrink"]
+    replicas: NonNeg
+    jobs: tuple[str, ...] = ()
+    took_ms: NonNeg = 0
+    reasons: tuple[Reason, ...] = ()
+
+
 # ---------------------------------------------------------------- quota and ledger
 
 class QuotaSet(Frozen):
@@ -362,6 +453,8 @@ Event = Annotated[
         JobFailed, JobStopped,
         PlaceJob, ResizeJob, PreemptJob, MigrateJob, MigReconfigure, ReleaseJob, JobPending, Rejected,
         SchedulerTick,
+        ReservationRequested, ReservationCancelled, ReservationDecided,
+        ServiceDeclared, ServiceRemoved, InferenceLoad, ServiceScaled,
         QuotaSet, QuotaChanged, QuotaBorrowed, QuotaReturned, UsageAccrued,
     ],
     Field(discriminator="kind"),

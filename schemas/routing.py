@@ -12,6 +12,10 @@ _BY_KIND: dict[str, TopicSpec] = {
     "job.stopped": JOB_EVENTS, "job.pending": JOB_EVENTS, "job.rejected": JOB_EVENTS,
     "quota.set": LEDGER, "quota.changed": LEDGER, "quota.borrowed": LEDGER, "quota.returned": LEDGER,
     "usage.accrued": LEDGER,
+    # requests to the scheduler keyed by what they name; its answers beside the job events
+    "reservation.requested": JOB_REQUESTS, "reservation.cancelled": JOB_REQUESTS,
+    "service.declared": JOB_REQUESTS, "service.removed": JOB_REQUESTS, "inference.load": JOB_REQUESTS,
+    "reservation.decided": JOB_EVENTS, "service.scaled": JOB_EVENTS,
 }
 
 
@@ -26,7 +30,7 @@ def route(env: Envelope) -> tuple[TopicSpec, bytes]:
     if spec in (INVENTORY, TELEMETRY, COMMANDS):
         key = getattr(p, "node", None) or getattr(p, "to_node", "")
     elif spec in (JOB_REQUESTS, JOB_EVENTS):
-        key = p.job_id
+        key = getattr(p, "job_id", None) or getattr(p, "reservation_id", None) or p.service_id
     else:
         key = p.tenant
     return spec, key.encode()

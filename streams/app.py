@@ -26,6 +26,11 @@ JOB_FACTS_FOR_SCHEDULER = frozenset({
     "job.stopped", "job.checkpointed",
 })
 LEDGER_FACTS_FOR_SCHEDULER = frozenset({"quota.set"})
+# Requests on the job-request topic that name a reservation or a service rather than a job: no job view to fold,
+# straight to the scheduler.
+SCHEDULER_REQUESTS = frozenset({
+    "reservation.requested", "reservation.cancelled", "service.declared", "service.removed", "inference.load",
+})
 
 HEARTBEAT_INTERVAL_S = 1.0
 TICK_INTERVAL_S = 1.0
@@ -105,10 +110,10 @@ class Worker:
             await self._reject(event, exc.code, exc.detail)
             return None
 
-    async def _fold(self, event, table, mod, key_of):
-        """Decode, fold, store. Returns (envelope, before, after) or None when nothing changed or the record was bad;
-        a record that breaks the fold is dead-lettered, never allowed to crash the agent."""
-        env = await self._decode(event)
+    async def _fold(self, event, table, mod, key_of, env: Envelope | None = None):
+        """Decode (unless already decoded), fold, store. Returns (envelope, before, after) or None when nothing changed
+        or the record was bad; a record that breaks the fold is dead-lettered, never allowed to crash the agent."""
+        env = env or await self._decode(event)
         if env is None:
             return None
         try:
@@ -152,7 +157,15 @@ class Worker:
 
     async def fold_jobs(self, stream):
         async for event in stream.events():
-            folded = await self._fold(event, self.job_table, job_view, lambda e: e.payload.job_id)
+            env = await self._decode(event)
+            if env is None:
+                continue
+            if not hasattr(env.payload, "job_id"):
+                if env.kind in SCHEDULER_REQUESTS:
+                    self.folded[env.kind] += 1
+                    await self.scheduler_input.send(key=env.source.encode(), value=event.value)
+                continue
+            folded = await self._fold(event, self.job_table, job_view, lambda e: e.payload.job_id, env)
             if folded is None:
                 continue
             env = folded[0]
