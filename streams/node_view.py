@@ -11,7 +11,7 @@ from functools import cached_property
 
 from schemas.envelope import Envelope
 from schemas.events import (
-    Assignment, GpuCard, GpuHealth, GpuSample, GpuTelemetry, MigInstance, NodeCordon, NodeHeartbeat, NodeInventory,
+    Assignment, GpuCard, GpuHealth, GpuSample, GpuTelemetry, MigInstance, MigReconfigure, NodeCordon, NodeHeartbeat, NodeInventory,
     NodeLiveness, PlaceJob, ReleaseJob, ResizeJob,
 )
 from schemas.gpu_models import MIG_MEMORY_SLICES, mig_profile, mig_share_milli
@@ -65,6 +65,14 @@ class NodeView:
     allocations: dict[str, "Held"] = field(default_factory=dict)  # job id -> what it holds here
     telemetry: dict[str, GpuSample] = field(default_factory=dict)  # card or MIG uuid -> latest sample
     applied: dict[str, int] = field(default_factory=dict)  # source -> last seq applied
+    inventory_ms: int = -1  # event time of the inventory in force
+    mig_commands: dict[str, int] = field(default_factory=dict)  # card uuid -> latest MIG reconfigure command time
+
+    @property
+    def mig_pending(self) -> frozenset[str]:
+        """Cards with a MIG reconfigure the node has not yet reported done (no newer inventory): not touched again,
+        and their new instances are not used until the node reports them."""
+        return frozenset(u for u, t in self.mig_commands.items() if t > self.inventory_ms)
 
     @property
     def cordoned(self) -> bool:
@@ -196,7 +204,13 @@ def evolve(view: NodeView | None, env: Envelope) -> NodeView:
     t = env.event_time_ms
     match p:
         case NodeInventory():
-            return _mark(view, env, inventory=p, last_heartbeat_ms=max(view.last_heartbeat_ms, t))
+            if t < view.inventory_ms:
+                return _mark(view, env, last_heartbeat_ms=max(view.last_heartbeat_ms, t))
+            return _mark(view, env, inventory=p, inventory_ms=t, last_heartbeat_ms=max(view.last_heartbeat_ms, t))
+        case MigReconfigure():
+            commands = dict(view.mig_commands)
+            commands[p.gpu_uuid] = max(commands.get(p.gpu_uuid, -1), t)
+            return _mark(view, env, mig_commands=commands)
         case NodeHeartbeat():
             return _mark(view, env, last_heartbeat_ms=max(view.last_heartbeat_ms, t))
         case GpuTelemetry():

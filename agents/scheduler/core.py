@@ -9,14 +9,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from agents.scheduler.placement import Placement, place
+from agents.scheduler.node_index import NodeIndex
+from agents.scheduler.placement import DEFAULT_CANDIDATES, MigPlan, Placement, place
 from agents.scheduler.preemption import PreemptionConfig, Victim, plan_for, protected
 from agents.scheduler.quota import Ledger
+from agents.scheduler.scoring import Workload
 from schemas.envelope import Envelope, envelope
 from schemas.events import (
     TIER_RANK, GpuHealth, JobCancelled, JobCheckpointed, JobCompleted, JobFailed, JobPending, JobRequested,
-    JobStarted, JobStopped, NodeCordon, NodeInventory, NodeLiveness, PlaceJob, PreemptJob, QuotaSet, Reason,
-    ReleaseJob, SchedulerTick, UsageAccrued,
+    JobStarted, JobStopped, MigReconfigure, NodeCordon, NodeInventory, NodeLiveness, PlaceJob, PreemptJob, QuotaSet,
+    Reason, ReleaseJob, SchedulerTick, UsageAccrued,
 )
 from streams import node_view
 
@@ -29,7 +31,8 @@ class JobRecord:
     arrival: int
     state: str = "pending"  # pending | placed | running | done
     node: str = ""
-    placement: PlaceJob | None = None
+    placement: PlaceJob | None = None  # the first part (the only one unless a gang spans nodes)
+    parts: tuple[PlaceJob, ...] = ()
     started_ms: int = -1  # event time of the current run's start; -1 while it has not started
     preemptions: int = 0
     preempted_at: tuple[int, ...] = ()
@@ -37,6 +40,7 @@ class JobRecord:
     checkpoint_ms: int = 0
     pending_codes: tuple[str, ...] = ()
     nominated: tuple[str, tuple[str, ...]] | None = None  # (node, victims) while its preemptions take effect
+    mig_wait: tuple[str, str] | None = None  # (node, card) whose MIG reconfigure it waits for
 
 
 @dataclass
@@ -51,8 +55,9 @@ class Scheduler:
     out_seq: int = 0
     arrivals: int = 0
     pending: set[str] = field(default_factory=set)  # ids of jobs in state "pending": the cycle's queue
-    _views: list | None = None  # node views in name order, kept current in place; rebuilt when a node appears
-    _index: dict[str, int] = field(default_factory=dict)
+    index: NodeIndex = field(default_factory=NodeIndex)
+    workload: Workload = field(default_factory=Workload)
+    candidates: int = DEFAULT_CANDIDATES
 
     # ---------------------------------------------------------------- emitting
 
@@ -68,19 +73,8 @@ class Scheduler:
         p = env.payload
         name = getattr(p, "node", None)
         if name is not None:
-            if name not in self.nodes:
-                self._views = None
             view = self.nodes[name] = node_view.evolve(self.nodes.get(name), env)
-            if self._views is not None:
-                self._views[self._index[name]] = view
-
-    def node_list(self) -> list[node_view.NodeView]:
-        """The nodes in name order; the same list object stays current as views change."""
-        if self._views is None:
-            order = sorted(self.nodes)
-            self._index = {n: i for i, n in enumerate(order)}
-            self._views = [self.nodes[n] for n in order]
-        return self._views
+            self.index.update(view)
 
     def _command_id(self) -> str:
         return f"c{self.out_seq + 1}"
@@ -102,6 +96,7 @@ class Scheduler:
                 if p.job_id not in self.jobs:
                     self.arrivals += 1
                     self.jobs[p.job_id] = JobRecord(request=p, arrival=self.arrivals)
+                    self.workload.observe(p)
                     self.pending.add(p.job_id)
                     self._cycle(out, env)
             case JobCancelled():
@@ -109,7 +104,7 @@ class Scheduler:
                 self._cycle(out, env)
             case JobStarted():
                 rec = self.jobs.get(p.job_id)
-                if rec and rec.state == "placed" and rec.placement and rec.placement.command_id == p.command_id:
+                if rec and rec.state == "placed" and any(part.command_id == p.command_id for part in rec.parts):
                     rec.state, rec.started_ms = "running", env.event_time_ms
             case JobCheckpointed():
                 rec = self.jobs.get(p.job_id)
@@ -134,24 +129,25 @@ class Scheduler:
         if rec.state not in ("running", "stopping") or rec.placement is None or rec.started_ms < 0:
             return
         end = max(env.event_time_ms, rec.started_ms)
-        pl = rec.placement
-        milli = sum(a.milli for a in pl.assignments)
-        inv = self.nodes[pl.node].inventory
-        card_model = self.card_model(pl.node, pl.assignments[0].gpu_uuid)
         r = rec.request
-        self._emit(out, UsageAccrued(
-            tenant=r.tenant, project=r.project, job_id=r.job_id, tier=r.tier, node=pl.node, gpu_model=card_model,
-            datacenter=inv.datacenter if inv else "", start_ms=rec.started_ms, end_ms=end, gpu_milli=milli,
-            gpu_milli_ms=milli * (end - rec.started_ms), borrowed=pl.borrowed), env)
+        for pl in rec.parts:  # one usage line per node: billing is by node, model and data center
+            milli = sum(a.milli for a in pl.assignments)
+            inv = self.nodes[pl.node].inventory
+            card_model = self.card_model(pl.node, pl.assignments[0].gpu_uuid)
+            self._emit(out, UsageAccrued(
+                tenant=r.tenant, project=r.project, job_id=r.job_id, tier=r.tier, node=pl.node, gpu_model=card_model,
+                datacenter=inv.datacenter if inv else "", start_ms=rec.started_ms, end_ms=end, gpu_milli=milli,
+                gpu_milli_ms=milli * (end - rec.started_ms), borrowed=pl.borrowed), env)
 
     def _release(self, out: list[Envelope], env: Envelope, rec: JobRecord, why: str) -> None:
         if rec.placement is None:
             return
-        self._emit(out, ReleaseJob(command_id=self._command_id(), job_id=rec.request.job_id, node=rec.placement.node,
-                                   reasons=(Reason(code=why),)), env)
+        for part in rec.parts:
+            self._emit(out, ReleaseJob(command_id=self._command_id(), job_id=rec.request.job_id, node=part.node,
+                                       reasons=(Reason(code=why),)), env)
         for ev in self.ledger.release(rec.request, rec.placement.borrowed):
             self._emit(out, ev, env)
-        rec.placement = None
+        rec.placement, rec.parts = None, ()
         rec.node = ""
         rec.started_ms = -1
 
@@ -185,11 +181,15 @@ class Scheduler:
 
     def _cycle(self, out: list[Envelope], cause: Envelope) -> None:
         self.cycle += 1
-        nodes = self.node_list()
         failed: list[tuple[tuple, tuple[int, ...], tuple[Reason, ...]]] = []
         for rec in self.pending_order():
             r = rec.request
-            quota = self.ledger.admit(r)
+            if rec.mig_wait is not None:
+                node, card = rec.mig_wait
+                if card in self.nodes[node].mig_pending:
+                    continue  # the card is being carved for it; nothing new to say
+                rec.mig_wait = None
+            quota = self.ledger.admit(r, self.index.capacity_milli)
             if quota.blocked:
                 self._pending(out, cause, rec, quota.reasons)
                 continue
@@ -203,24 +203,50 @@ class Scheduler:
                 # preemption candidates) that just failed, and nothing was freed since: it fails too.
                 self._pending(out, cause, rec, dominated)
                 continue
-            result = place(nodes, r)
+            result = place(self.index, self.nodes, r, self.workload, self.candidates,
+                           prefer=rec.nominated[0] if rec.nominated else None)
+            if isinstance(result, MigPlan):
+                self._reconfigure(out, cause, rec, result)
+                continue
             if not isinstance(result, Placement):
-                if not self._preempt_for(out, cause, rec, nodes, within_quota):
+                if not self._preempt_for(out, cause, rec, within_quota):
                     self._pending(out, cause, rec, result.reasons)
                     if kind:
                         failed.append((kind, need, result.reasons))
                 continue
+            self._bind(out, cause, rec, result, quota)
+
+    def _bind(self, out: list[Envelope], cause: Envelope, rec: JobRecord, result: Placement, quota) -> None:
+        r = rec.request
+        gang = len(result.parts)
+        nodes = tuple(p.node for p in result.parts) if gang > 1 else ()
+        cmds = []
+        for i, part in enumerate(result.parts):
             cmd = PlaceJob(
-                command_id=self._command_id(), job_id=r.job_id, tenant=r.tenant, node=result.node,
-                assignments=result.assignments, cpu_milli=r.cpu_milli, memory_mib=r.memory_mib,
+                command_id=self._command_id(), job_id=r.job_id, tenant=r.tenant, node=part.node,
+                assignments=part.assignments, cpu_milli=part.cpu_milli, memory_mib=part.memory_mib,
                 duration_s=r.duration_s, checkpoint_interval_s=r.checkpoint_interval_s, resume_from=rec.checkpoint,
-                borrowed=quota.borrowed,
+                borrowed=quota.borrowed, gang_size=gang, gang_index=i, gang_nodes=nodes,
                 reasons=result.reasons + quota.reasons + (Reason(code="Cycle", data={"cycle": self.cycle}),))
             self._emit(out, cmd, cause)
-            for ev in self.ledger.hold(r, quota.borrowed):
-                self._emit(out, ev, cause)
-            rec.state, rec.node, rec.placement, rec.pending_codes, rec.nominated = "placed", result.node, cmd, (), None
-            self.pending.discard(r.job_id)
+            cmds.append(cmd)
+        for ev in self.ledger.hold(r, quota.borrowed):
+            self._emit(out, ev, cause)
+        rec.state, rec.node, rec.placement, rec.parts = "placed", result.node, cmds[0], tuple(cmds)
+        rec.pending_codes, rec.nominated = (), None
+        self.pending.discard(r.job_id)
+
+    def _reconfigure(self, out: list[Envelope], cause: Envelope, rec: JobRecord, plan: MigPlan) -> None:
+        """Carve a MIG instance out of idle slices; the job is placed once the node reports the new layout."""
+        self._emit(out, MigReconfigure(
+            command_id=self._command_id(), node=plan.node, gpu_uuid=plan.gpu_uuid, layout=plan.layout,
+            reasons=(Reason(code="MigCarve", plugin="GpuFit", nodes=(plan.node,),
+                            message=f"new {plan.profile} instance in idle slices for {rec.request.job_id}",
+                            data={"for_job": rec.request.job_id, "profile": plan.profile}),)), cause)
+        rec.mig_wait = (plan.node, plan.gpu_uuid)
+        self._pending(out, cause, rec, (Reason(
+            code="MigReconfiguring", plugin="GpuFit", nodes=(plan.node,),
+            message=f"waiting for {plan.node} to create a {plan.profile} instance"),))
 
     # ---------------------------------------------------------------- preemption and reclaim
 
@@ -241,17 +267,20 @@ class Scheduler:
             if protected(other.preempted_at, self.now_ms, self.preemption):
                 continue
             since = max(other.started_ms, other.checkpoint_ms) if other.state == "running" else self.now_ms
-            out.setdefault(other.node, []).append(Victim(
-                o.job_id, other.node, TIER_RANK[o.tier], other.placement.borrowed, max(0, self.now_ms - since), rule))
+            for part in other.parts:
+                out.setdefault(part.node, []).append(Victim(
+                    o.job_id, part.node, TIER_RANK[o.tier], other.placement.borrowed, max(0, self.now_ms - since),
+                    rule))
         return out
 
-    def _preempt_for(self, out: list[Envelope], cause: Envelope, rec: JobRecord, nodes, within_quota: bool) -> bool:
+    def _preempt_for(self, out: list[Envelope], cause: Envelope, rec: JobRecord, within_quota: bool) -> bool:
         """True when the job waits on preemptions (already under way, or started now)."""
         if rec.nominated is not None:
             if any(self.jobs[v].state == "stopping" for v in rec.nominated[1]):
                 return True
             rec.nominated = None  # its victims are gone and it still does not fit: plan again
-        plan = plan_for(rec.request, nodes, self._victims(rec, within_quota))
+        victims = self._victims(rec, within_quota)
+        plan = plan_for(rec.request, [self.nodes[n] for n in sorted(victims)], victims)
         if plan is None:
             return False
         r = rec.request

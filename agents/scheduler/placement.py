@@ -1,21 +1,50 @@
-"""Where a job fits: filter plugins that each say why a node is rejected, then a choice of cards.
+"""Where a job fits: filter plugins that each say why a node is rejected, a choice of cards, a score among the
+nodes that fit, and multi-node gangs.
 
-Pure: reads a snapshot of node views, returns a Placement or the reasons there is none.
+Pure: reads a snapshot of node views (and the index of which nodes can take what), returns a Placement or the
+reasons there is none.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from schemas.events import Assignment, JobRequested, Reason
-from schemas.gpu_models import mig_profile, mig_share_milli, model, share_for, version_tuple
+from agents.scheduler import topology
+from agents.scheduler.node_index import NodeIndex, cards_needed
+from agents.scheduler.scoring import Workload, fragmentation, model_order
+from schemas.events import Assignment, JobRequested, MigInstance, Reason
+from schemas.gpu_models import MIG_MEMORY_SLICES, mig_profile, mig_share_milli, model, share_for, version_tuple
 from streams.node_view import CardFree, NodeView
 
 
 @dataclass(frozen=True)
-class Placement:
+class Part:
     node: str
     assignments: tuple[Assignment, ...]
+    cpu_milli: int
+    memory_mib: int
+
+
+@dataclass(frozen=True)
+class Placement:
+    parts: tuple[Part, ...]
     reasons: tuple[Reason, ...]
+
+    @property
+    def node(self) -> str:
+        return self.parts[0].node
+
+    @property
+    def assignments(self) -> tuple[Assignment, ...]:
+        return self.parts[0].assignments
+
+
+@dataclass(frozen=True)
+class MigPlan:
+    """No free instance fits, but idle slices of a MIG card can be carved into one: reconfigure, then place."""
+    node: str
+    gpu_uuid: str
+    layout: tuple[MigInstance, ...]
+    profile: str
 
 
 @dataclass(frozen=True)
@@ -97,18 +126,51 @@ def _may_fit(v: NodeView, job: JobRequested) -> bool:
     return False
 
 
-def fit_cards(v: NodeView, job: JobRequested) -> tuple[Assignment, ...] | str:
-    """Cards for `job` on node `v`, or the reason code why none fit.
+DEFAULT_CANDIDATES = 8  # fitting nodes scored per job (kube-scheduler scores a sample of feasible nodes too)
 
-    One card when the request fits one card (a MIG instance, else a software share, best fit first); otherwise whole
-    cards of one model, as few as the compute and memory need.
+
+def _rejects(v: NodeView, job: JobRequested, skip_host: bool = False) -> tuple[str, str] | None:
+    for plugin, f in FILTERS:
+        if skip_host and plugin == "HostResources":
+            continue
+        code = f(v, job)
+        if code:
+            return plugin, code
+    return None
+
+
+def _whole_cards(v: NodeView, job: JobRequested, cards: list[CardFree], n: int, per_card_mem: int
+                 ) -> tuple[Assignment, ...]:
+    """`n` of these completely free cards, inside one NVLink domain when one has room (the tightest such domain)."""
+    domain = {g.uuid: g.nvlink_domain for g in v.cards()}
+    by_domain: dict[str | None, list[CardFree]] = {}
+    for c in cards:
+        by_domain.setdefault(domain.get(c.uuid), []).append(c)
+    roomy = sorted(((len(cs), str(d)) for d, cs in by_domain.items() if d is not None and len(cs) >= n))
+    chosen = next(cs for d, cs in by_domain.items() if str(d) == roomy[0][1]) if roomy else cards
+    return tuple(Assignment(gpu_uuid=c.uuid, milli=1000, memory_mib=per_card_mem) for c in chosen[:n])
+
+
+def _free_whole(v: NodeView, job: JobRequested, model_name: str) -> list[CardFree]:
+    full = model(model_name).memory_mib
+    return [c for c in v.card_free() if c.model == model_name and not c.mig and c.milli == 1000
+            and c.memory_mib == full and _card_allowed(c, job, v)]
+
+
+def fit_cards(v: NodeView, job: JobRequested, order: list[str] | None = None) -> tuple[Assignment, ...] | str:
+    """Cards for `job` on node `v`, or the reason code why none fit. `order`: the card models allowed, preferred first.
+
+    One card when the request fits one card (a MIG instance, else a software share; the preferred model first, then
+    best fit); otherwise whole cards of one model (the preferred one that has room), as few as compute and memory
+    need, inside one NVLink domain when possible.
     """
     if not _may_fit(v, job):
         return "InsufficientGPU"
-    cards = [c for c in v.card_free() if _card_allowed(c, job, v)]
+    cards = [c for c in v.card_free() if _card_allowed(c, job, v) and (order is None or c.model in order)]
     if not cards:
         return "NoAllowedHealthyGPU"
-    share_fits: list[tuple[int, int, str, Assignment]] = []
+    rank = {m: i for i, m in enumerate(order or ())}
+    share_fits: list[tuple[int, int, int, str, Assignment]] = []
     for c in cards:
         m = model(c.model)
         if c.mig:
@@ -117,7 +179,7 @@ def fit_cards(v: NodeView, job: JobRequested) -> tuple[Assignment, ...] | str:
             for inst in sorted(c.free_instances, key=lambda i: (i.size, i.start)):
                 p = mig_profile(c.model, inst.profile)
                 if p.compute_slices * m.cu_milli // 7 >= job.compute_milli and p.memory_mib >= job.gpu_memory_mib:
-                    share_fits.append((mig_share_milli(p), p.memory_mib, c.uuid,
+                    share_fits.append((rank.get(c.model, 0), mig_share_milli(p), p.memory_mib, c.uuid,
                                        Assignment(gpu_uuid=c.uuid, milli=mig_share_milli(p), memory_mib=p.memory_mib,
                                                   mig_profile=p.name, mig_uuid=inst.uuid)))
                     break
@@ -126,55 +188,259 @@ def fit_cards(v: NodeView, job: JobRequested) -> tuple[Assignment, ...] | str:
             need = share_for(job.compute_milli, m)
             if c.milli >= need and c.memory_mib >= job.gpu_memory_mib:
                 # best fit: the card left with the least free compute after this job
-                share_fits.append((c.milli - need, c.memory_mib - job.gpu_memory_mib, c.uuid,
+                share_fits.append((rank.get(c.model, 0), c.milli - need, c.memory_mib - job.gpu_memory_mib, c.uuid,
                                    Assignment(gpu_uuid=c.uuid, milli=need, memory_mib=job.gpu_memory_mib)))
     if share_fits:
-        share_fits.sort(key=lambda t: (t[0], t[1], t[2]))
-        return (share_fits[0][3],)
-    # whole cards: group the completely free ones by model, take the model needing the fewest cards
-    by_model: dict[str, list[CardFree]] = {}
-    for c in cards:
-        m = model(c.model)
-        if not c.mig and c.milli == 1000 and c.memory_mib == m.memory_mib:
-            by_model.setdefault(c.model, []).append(c)
-    best: tuple[int, str] | None = None
-    for name, free in sorted(by_model.items()):
-        m = model(name)
-        n = max(-(-job.compute_milli // m.cu_milli), -(-job.gpu_memory_mib // m.memory_mib))
-        if n > 1 and not job.gang:
-            continue
-        if len(free) >= n and (best is None or n < best[0]):
-            best = (n, name)
-    if best is None:
+        share_fits.sort(key=lambda t: t[:4])
+        return (share_fits[0][4],)
+    if not job.gang:
         return "InsufficientGPU"
-    n, name = best
-    free = by_model[name][:n]
-    per_card_mem = -(-job.gpu_memory_mib // n)
-    return tuple(Assignment(gpu_uuid=c.uuid, milli=1000, memory_mib=per_card_mem) for c in free)
+    models = order or sorted({c.model for c in cards},
+                             key=lambda n: (cards_needed(job.compute_milli, job.gpu_memory_mib, n), n))
+    for name in models:
+        n = cards_needed(job.compute_milli, job.gpu_memory_mib, name)
+        if n < 2:
+            continue
+        free = [c for c in cards if c.model == name and not c.mig and c.milli == 1000
+                and c.memory_mib == model(name).memory_mib]
+        if len(free) >= n:
+            return _whole_cards(v, job, free, n, -(-job.gpu_memory_mib // n))
+    return "InsufficientGPU"
 
 
-def place(nodes: list[NodeView], job: JobRequested) -> Placement | Unschedulable:
-    """First fit over the nodes in the given order; every rejection is recorded by plugin and node."""
+def mig_plan(v: NodeView, job: JobRequested, order: list[str]) -> MigPlan | None:
+    """The smallest MIG profile that fits `job`, carved out of memory slices no instance covers, on a healthy
+    MIG-enabled card with no reconfigure under way. Existing instances are never touched (busy or not)."""
+    if not job.constraints.mig_allowed:
+        return None
+    best: tuple | None = None
+    for c in v.cards():
+        if not c.mig_enabled or c.uuid in v.unhealthy or c.uuid in v.mig_pending or c.model not in order:
+            continue
+        m = model(c.model)
+        covered = {i.start + k for i in c.mig_layout for k in range(i.size)}
+        compute_used = sum(mig_profile(c.model, i.profile).compute_slices for i in c.mig_layout)
+        room = MIG_MEMORY_SLICES - len(covered)
+        for p in sorted(m.mig_profiles, key=lambda p: (p.memory_slices, p.compute_slices)):
+            if p.compute_slices * m.cu_milli // 7 < job.compute_milli or p.memory_mib < job.gpu_memory_mib:
+                continue
+            if compute_used + p.compute_slices > 7:
+                continue
+            start = next((s for s in p.starts if not covered & set(range(s, s + p.memory_slices))), None)
+            if start is None:
+                continue
+            key = (order.index(c.model), p.memory_slices, room, c.uuid)
+            if best is None or key < best[0]:
+                inst = MigInstance(uuid=f"MIG-{c.uuid}-{p.name}-{start}", profile=p.name, start=start,
+                                   size=p.memory_slices)
+                layout = tuple(sorted(c.mig_layout + (inst,), key=lambda i: i.start))
+                best = (key, MigPlan(v.node, c.uuid, layout, p.name))
+            break
+    return best[1] if best else None
+
+
+def _delta(v: NodeView, fit: tuple[Assignment, ...], job: JobRequested, workload: Workload) -> int:
+    """Fragmentation this placement adds to the node's cards of the chosen model (weighted milli)."""
+    if fit[0].mig_uuid:
+        return 0  # an existing MIG instance: its slices are carved already
+    model_name = next(c.model for c in v.card_free() if c.uuid == fit[0].gpu_uuid)
+    cards = [c for c in v.card_free() if c.model == model_name and c.healthy and not c.mig]
+    cpu, mem = v.free_cpu_memory()
+    shapes = workload.shapes(model_name)
+    before = workload.cached(v, model_name, lambda: fragmentation([c.milli for c in cards], cpu, mem, shapes))
+    used = {a.gpu_uuid: a.milli for a in fit}
+    after = fragmentation([c.milli - used.get(c.uuid, 0) for c in cards], cpu - job.cpu_milli,
+                          mem - job.memory_mib, shapes)
+    return after - before
+
+
+def _shape(fit: tuple[Assignment, ...]) -> str:
+    if fit[0].mig_profile:
+        return "MIG " + fit[0].mig_profile
+    if len(fit) == 1 and fit[0].milli < 1000:
+        return f"{fit[0].milli} milli-GPU share"
+    return f"{len(fit)} whole card(s)"
+
+
+def allowed_models(index: NodeIndex, job: JobRequested) -> list[str]:
+    c = job.constraints.models
+    return model_order(job, [m for m in index.models if not c or m in c])
+
+
+def place(index: NodeIndex, views: dict[str, NodeView], job: JobRequested, workload: Workload,
+          k: int = DEFAULT_CANDIDATES, prefer: str | None = None) -> Placement | MigPlan | "Unschedulable":
+    """Fitting nodes from the index, preferred card model first and tightest first; up to `k` of them are scored by
+    the fragmentation they would add, the least wins. Failing that, a multi-node gang; failing that, a MIG
+    reconfigure. Every rejection is recorded by plugin and node. `prefer`: a node tried first (a reservation's)."""
+    models = allowed_models(index, job)
     rejected: dict[tuple[str, str], list[str]] = {}
-    for v in nodes:
-        why = None
-        for plugin, f in FILTERS:
-            code = f(v, job)
-            if code:
-                why = (plugin, code)
-                break
+    fits: list[tuple[int, int, int, str, tuple[Assignment, ...]]] = []
+    seen: set[str] = set()
+
+    def consider(name: str, rank: int, order: list[str]) -> None:
+        seen.add(name)
+        v = views[name]
+        why = _rejects(v, job)
         if why is None:
-            fit = fit_cards(v, job)
-            if isinstance(fit, str):
-                why = ("GpuFit", fit)
-            else:
-                shape = "MIG " + fit[0].mig_profile if fit[0].mig_profile else (
-                    f"{fit[0].milli} milli-GPU share" if len(fit) == 1 and fit[0].milli < 1000
-                    else f"{len(fit)} whole card(s)")
-                return Placement(v.node, fit, (Reason(code="Placed", plugin="GpuFit", nodes=(v.node,),
-                                                      message=f"first node that fits; {shape}"),))
-        rejected.setdefault(why, []).append(v.node)
-    reasons = tuple(Reason(code=code, plugin=plugin, nodes=tuple(ns[:20]), data={"count": len(ns)},
-                           message=f"{len(ns)} node(s) rejected by {plugin}: {code}")
-                    for (plugin, code), ns in sorted(rejected.items()))
-    return Unschedulable(reasons or (Reason(code="NoNodes", message="the pool has no nodes"),))
+            fit = fit_cards(v, job, order)
+            if not isinstance(fit, str):
+                fits.append((rank, _delta(v, fit, job, workload), len(fits), name, fit))
+                return
+            why = ("GpuFit", fit)
+        rejected.setdefault(why, []).append(name)
+
+    if prefer in views:
+        consider(prefer, -1, models)
+    for rank, m in enumerate(models):
+        if fits and fits[0][0] == -1:
+            break
+        n = cards_needed(job.compute_milli, job.gpu_memory_mib, m)
+        nodes = index.share_nodes(m, share_for(job.compute_milli, model(m))) if n == 1 else (
+            index.whole_nodes(m, n) if job.gang else ())
+        for name in nodes:
+            if len(fits) >= k:
+                break
+            if name not in seen:
+                consider(name, rank, [m])
+    if len(fits) < k and job.constraints.mig_allowed:
+        for name in index.mig_nodes():
+            if len(fits) >= k:
+                break
+            if name not in seen:
+                consider(name, len(models), models)
+    if fits:
+        rank, delta, _, name, fit = min(fits)
+        w = max(1, workload.weight)
+        parts = (Part(name, fit, job.cpu_milli, job.memory_mib),)
+        reasons = [Reason(code="Placed", plugin="GpuFit", nodes=(name,),
+                          message=f"{_shape(fit)}; best of {len(fits)} fitting node(s) scored: "
+                                  f"fragmentation +{delta // w} milli-GPU",
+                          data={"candidates": len(fits), "frag_delta_milli": delta // w})]
+        if len(fit) > 1:
+            reasons.append(_topology_reason(index, views, parts, fit_model(views[name], fit)))
+        return Placement(parts, tuple(reasons))
+    if job.gang:
+        gang = _gang(index, views, job, models)
+        if gang is not None:
+            return gang
+    for name in index.mig_nodes():
+        v = views[name]
+        if _rejects(v, job) is None:
+            plan = mig_plan(v, job, models)
+            if plan is not None:
+                return plan
+    return _unschedulable(index, views, job, rejected, seen)
+
+
+def fit_model(v: NodeView, fit: tuple[Assignment, ...]) -> str:
+    return next(g.model for g in v.cards() if g.uuid == fit[0].gpu_uuid)
+
+
+def _topology_reason(index: NodeIndex, views: dict[str, NodeView], parts: tuple[Part, ...], model_name: str
+                     ) -> Reason:
+    domains = {}
+    for p in parts:
+        v = views[p.node]
+        domains[p.node] = {g.uuid: g.nvlink_domain for g in v.cards()}
+    level = topology.level_of([(views[p.node].inventory.rack, views[p.node].inventory.datacenter,
+                                tuple(domains[p.node].get(a.gpu_uuid) for a in p.assignments)) for p in parts])
+    n = sum(len(p.assignments) for p in parts)
+    has_nvlink = any(d for p in parts for d in domains[p.node].values())
+    ideal = ("nvlink" if has_nvlink else "node") if n <= index.models.get(model_name, 0) else "rack"
+    if topology.LEVELS.index(level) < topology.LEVELS.index(ideal):
+        ideal = level
+    return Reason(code="Topology", plugin="Topology", nodes=tuple(p.node for p in parts),
+                  message=topology.explain(level, ideal, len(parts)),
+                  data={"level": level, "ideal": ideal, "slowdown_pct": topology.slowdown_pct(level, ideal),
+                        "parts": len(parts)})
+
+
+def _gang(index: NodeIndex, views: dict[str, NodeView], job: JobRequested, models: list[str]) -> Placement | None:
+    """All or nothing over several nodes: the fewest parts inside one rack, else one data center, else anywhere --
+    as far as the job's max_spread allows."""
+    limit = "nvlink" if job.constraints.interconnect == "nvlink" else job.constraints.max_spread
+    for m in models:
+        n = cards_needed(job.compute_milli, job.gpu_memory_mib, m)
+        if n < 2:
+            continue
+        cpu_per, mem_per = -(-job.cpu_milli // n), -(-job.memory_mib // n)
+        avail: list[tuple[str, int]] = []
+        for name, _k in index.whole_free(m):
+            v = views[name]
+            if _rejects(v, job, skip_host=True):
+                continue
+            cpu, mem = v.free_cpu_memory()
+            usable = len(_free_whole(v, job, m))
+            if cpu_per:
+                usable = min(usable, cpu // cpu_per)
+            if mem_per:
+                usable = min(usable, mem // mem_per)
+            if usable > 0:
+                avail.append((name, usable))
+        if sum(u for _, u in avail) < n:
+            continue
+        for level in ("rack", "datacenter", "any"):
+            if not topology.allowed(level, limit):
+                return None
+            groups: dict[tuple, list[tuple[str, int]]] = {}
+            for name, usable in avail:
+                inv = views[name].inventory
+                key = {"rack": (inv.datacenter, inv.rack), "datacenter": (inv.datacenter,), "any": ()}[level]
+                groups.setdefault(key, []).append((name, usable))
+            best = None
+            for key, members in sorted(groups.items()):
+                take, total = [], 0
+                for name, usable in sorted(members, key=lambda t: (-t[1], t[0])):
+                    take.append((name, min(usable, n - total)))
+                    total += take[-1][1]
+                    if total >= n:
+                        break
+                if total >= n and (best is None or len(take) < len(best)):
+                    best = take
+            if best is not None:
+                per_card_mem = -(-job.gpu_memory_mib // n)
+                parts = tuple(Part(name, _whole_cards(views[name], job, _free_whole(views[name], job, m), c,
+                                                      per_card_mem), cpu_per * c, mem_per * c) for name, c in best)
+                return Placement(parts, (
+                    Reason(code="Placed", plugin="Gang", nodes=tuple(p.node for p in parts),
+                           message=f"{n} whole {m} card(s) in {len(parts)} part(s), all or nothing",
+                           data={"cards": n, "parts": len(parts)}),
+                    _topology_reason(index, views, parts, m)))
+    return None
+
+
+EXPLAIN_LIMIT = 256  # nodes checked one by one to explain a failure; the rest are counted from the index
+
+
+def _unschedulable(index: NodeIndex, views: dict[str, NodeView], job: JobRequested,
+                   rejected: dict[tuple[str, str], list[str]], seen: set[str]) -> "Unschedulable":
+    """Why no node fits. The nodes looked at say why; down nodes and up to EXPLAIN_LIMIT others are checked one by
+    one; beyond that, nodes the index holds in no bucket that could take the job are counted as InsufficientGPU."""
+    order = allowed_models(index, job)
+
+    def check(name: str) -> None:
+        seen.add(name)
+        v = views[name]
+        why = _rejects(v, job)
+        if why is None:
+            fit = fit_cards(v, job, order)
+            why = ("GpuFit", fit if isinstance(fit, str) else "InsufficientGPU")
+        rejected.setdefault(why, []).append(name)
+
+    for name in index.down:
+        if name not in seen:
+            check(name)
+    for name in views:
+        if len(seen) >= EXPLAIN_LIMIT + len(index.down):
+            break
+        if name not in seen:
+            check(name)
+    extra = len(views) - len(seen)
+    if extra:
+        rejected.setdefault(("GpuFit", "InsufficientGPU"), [])
+    reasons = []
+    for (plugin, code), ns in sorted(rejected.items()):
+        count = len(ns) + (extra if (plugin, code) == ("GpuFit", "InsufficientGPU") else 0)
+        reasons.append(Reason(code=code, plugin=plugin, nodes=tuple(ns[:20]), data={"count": count},
+                              message=f"{count} node(s) rejected by {plugin}: {code}"))
+    return Unschedulable(tuple(reasons) or (Reason(code="NoNodes", message="the pool has no nodes"),))

@@ -25,9 +25,21 @@ class Account:
     borrowed_milli: int = 0
 
 
+def effective_cap_pct(cap_pct: int, used_milli: int, capacity_milli: int, near_full_pct: int) -> int:
+    """The overcommit cap, lowered as the pool fills: unchanged below `near_full_pct` allocated, then linearly down
+    to 100 % (no borrowing) when the pool is full, so borrowed work cannot crowd out owners who come back."""
+    if capacity_milli <= 0 or cap_pct <= 100 or used_milli * 100 < near_full_pct * capacity_milli:
+        return cap_pct
+    headroom = max(0, capacity_milli - used_milli) * 100  # percent points of capacity still free, x capacity
+    span = (100 - near_full_pct) * capacity_milli
+    return 100 + (cap_pct - 100) * headroom // span
+
+
 @dataclass
 class Ledger:
     accounts: dict[tuple[str, str | None], Account] = field(default_factory=dict)
+    near_full_pct: int = 90
+    pool_used_milli: int = 0  # held by every tenant together
 
     def account(self, tenant: str, project: str | None = None) -> Account:
         return self.accounts.setdefault((tenant, project), Account())
@@ -35,7 +47,9 @@ class Ledger:
     def set_quota(self, q: QuotaSet) -> None:
         self.account(q.tenant, q.project).quota = q
 
-    def admit(self, r: JobRequested) -> Admission:
+    def admit(self, r: JobRequested, capacity_milli: int = 0) -> Admission:
+        """Own quota, borrowing up to the (possibly lowered) cap, or blocked. `capacity_milli`: the pool's
+        schedulable compute, for lowering the cap near full (0: never lowered)."""
         need = r.compute_milli
         proj = self.accounts.get((r.tenant, r.project))
         if proj and proj.quota:
@@ -48,8 +62,12 @@ class Ledger:
         if t is None or t.quota is None:
             return Admission(False, False, (Reason(code="NoQuotaConfigured", plugin="Quota"),))
         quota = t.quota.gpu_milli
-        cap = quota * t.quota.overcommit_pct // 100
+        pct = effective_cap_pct(t.quota.overcommit_pct, self.pool_used_milli, capacity_milli, self.near_full_pct)
+        cap = quota * pct // 100
         data = {"used_milli": t.used_milli, "request_milli": need, "quota_milli": quota, "cap_milli": cap}
+        if pct < t.quota.overcommit_pct:
+            data = {**data, "cap_pct": pct, "configured_cap_pct": t.quota.overcommit_pct,
+                    "pool_used_milli": self.pool_used_milli, "pool_capacity_milli": capacity_milli}
         if t.used_milli + need <= quota:
             return Admission(False, False, (Reason(code="WithinQuota", plugin="Quota", data=data),))
         if t.used_milli + need <= cap:
@@ -66,6 +84,7 @@ class Ledger:
         return out
 
     def hold(self, r: JobRequested, borrowed: bool) -> list:
+        self.pool_used_milli += r.compute_milli
         for project in (None, r.project):
             a = self.account(r.tenant, project)
             a.used_milli += r.compute_milli
@@ -77,6 +96,7 @@ class Ledger:
         return out
 
     def release(self, r: JobRequested, borrowed: bool) -> list:
+        self.pool_used_milli -= r.compute_milli
         for project in (None, r.project):
             a = self.account(r.tenant, project)
             a.used_milli -= r.compute_milli

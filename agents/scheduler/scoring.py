@@ -1,0 +1,118 @@
+"""How the scheduler ranks the nodes that fit: card-model preference by kind of work, then fragmentation.
+
+Model preference (seeds 000/002: heterogeneous pool, cost vs performance):
+- latency-sensitive inference: the newest generation, then the most memory per card;
+- other inference: the most memory per card, then the newest;
+- training and batch: the fewest cards (one model, fewest parts to synchronise), then the oldest generation that
+  does the job, so the newest cards stay free for latency-sensitive services.
+
+Fragmentation is FGD's measure (Weng et al., ATC'23) with this project's CPU/host-memory cap (the `gpupool` policy
+of packing.py, evaluated in docs/evaluation.md): for each typical job type t of the workload, the free GPU milli of a
+node that t could use -- on cards with at least t's share free, capped by how many t's the node's free CPU and memory
+can still host -- and everything else counts as fragment. Among fitting nodes the one whose placement adds the least
+fragmentation wins. Typical types are learned from the requests the scheduler has seen (most frequent shapes first).
+Integer arithmetic throughout.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from schemas.events import JobRequested, Tier
+from schemas.gpu_models import model, share_for
+
+_BIG = 1 << 40
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One typical job type on one card model: share per card (milli), cards, CPU, host memory, weight."""
+    milli: int
+    cards: int
+    cpu_milli: int
+    memory_mib: int
+    weight: int
+
+
+def model_order(job: JobRequested, models: list[str]) -> list[str]:
+    def key(name: str) -> tuple:
+        m = model(name)
+        if job.tier == Tier.INFERENCE:
+            if job.latency_sensitive:
+                return (-m.generation, -m.memory_mib, name)
+            return (-m.memory_mib, -m.generation, name)
+        cards = max(-(-job.compute_milli // m.cu_milli), -(-job.gpu_memory_mib // m.memory_mib))
+        return (cards, m.generation, m.cu_milli, name)
+    return sorted(models, key=key)
+
+
+class Workload:
+    """The shapes of the requests seen so far, and the typical set derived from them (refreshed as it grows)."""
+
+    def __init__(self, coverage_pct: int = 95, max_types: int = 12) -> None:
+        self.counts: Counter = Counter()
+        self.total = 0
+        self.coverage_pct = coverage_pct
+        self.max_types = max_types
+        self._typical: tuple = ()
+        self._typical_at = 0
+        self._per_model: dict[str, tuple[Shape, ...]] = {}
+        self._frag: dict[tuple[str, str], tuple[object, int, int]] = {}  # (node, model) -> (view, typical_at, frag)
+
+    @property
+    def weight(self) -> int:
+        self._refresh()
+        return sum(n for _, n in self._typical)
+
+    def cached(self, view, model_name: str, compute) -> int:
+        """A node's fragmentation before a placement, kept while the view object and the typical set are the
+        same ones (views are immutable: a changed node is a new object)."""
+        key = (view.node, model_name)
+        hit = self._frag.get(key)
+        if hit is not None and hit[0] is view and hit[1] == self._typical_at:
+            return hit[2]
+        value = compute()
+        self._frag[key] = (view, self._typical_at, value)
+        return value
+
+    def observe(self, r: JobRequested) -> None:
+        self.counts[(r.compute_milli, r.gpu_memory_mib, r.cpu_milli, r.memory_mib)] += 1
+        self.total += 1
+
+    def _refresh(self) -> None:
+        # Recomputed when the workload has grown by a quarter: cheap, and a function of the input alone.
+        if self.total and (not self._typical_at or self.total * 4 >= self._typical_at * 5):
+            out, covered = [], 0
+            for shape, n in sorted(self.counts.items(), key=lambda kv: (-kv[1], kv[0])):
+                if covered * 100 >= self.coverage_pct * self.total or len(out) >= self.max_types:
+                    break
+                out.append((shape, n))
+                covered += n
+            self._typical, self._typical_at, self._per_model = tuple(out), self.total, {}
+
+    def shapes(self, model_name: str) -> tuple[Shape, ...]:
+        self._refresh()
+        got = self._per_model.get(model_name)
+        if got is None:
+            m = model(model_name)
+            out = []
+            for (compute, mem, cpu, host), n in self._typical:
+                cards = max(-(-compute // m.cu_milli), -(-mem // m.memory_mib))
+                milli = min(1000, share_for(compute, m)) if cards == 1 else 1000
+                out.append(Shape(milli, cards, cpu, host, n))
+            got = self._per_model[model_name] = tuple(out)
+        return got
+
+
+def fragmentation(free: list[int], cpu: int, mem: int, shapes: tuple[Shape, ...]) -> int:
+    """Weighted fragment (milli x weight) of one node's free cards of one model."""
+    g = sum(free)
+    total = 0
+    for t in shapes:
+        ge = [f for f in free if f >= t.milli]
+        if len(ge) >= t.cards and cpu >= t.cpu_milli and mem >= t.memory_mib:
+            n = min(cpu // t.cpu_milli if t.cpu_milli else _BIG, mem // t.memory_mib if t.memory_mib else _BIG)
+            total += t.weight * (g - min(sum(ge), n * t.cards * 1000))
+        else:
+            total += t.weight * g
+    return total
