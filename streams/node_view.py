@@ -66,13 +66,16 @@ class NodeView:
     telemetry: dict[str, GpuSample] = field(default_factory=dict)  # card or MIG uuid -> latest sample
     applied: dict[str, int] = field(default_factory=dict)  # source -> last seq applied
     inventory_ms: int = -1  # event time of the inventory in force
-    mig_commands: dict[str, int] = field(default_factory=dict)  # card uuid -> latest MIG reconfigure command time
+    # card uuid -> (time, layout) of the latest MIG reconfigure command
+    mig_commands: dict[str, tuple[int, tuple[MigInstance, ...]]] = field(default_factory=dict)
 
     @property
     def mig_pending(self) -> frozenset[str]:
-        """Cards with a MIG reconfigure the node has not yet reported done (no newer inventory): not touched again,
-        and their new instances are not used until the node reports them."""
-        return frozenset(u for u, t in self.mig_commands.items() if t > self.inventory_ms)
+        """Cards with a MIG reconfigure the node has not reported done: the inventory does not show the commanded
+        layout and is not newer than the command. Not carved again meanwhile."""
+        layouts = {g.uuid: g.mig_layout for g in self.cards()}
+        return frozenset(u for u, (t, layout) in self.mig_commands.items()
+                         if t >= self.inventory_ms and layouts.get(u) != layout)
 
     @property
     def cordoned(self) -> bool:
@@ -209,7 +212,8 @@ def evolve(view: NodeView | None, env: Envelope) -> NodeView:
             return _mark(view, env, inventory=p, inventory_ms=t, last_heartbeat_ms=max(view.last_heartbeat_ms, t))
         case MigReconfigure():
             commands = dict(view.mig_commands)
-            commands[p.gpu_uuid] = max(commands.get(p.gpu_uuid, -1), t)
+            if t >= commands.get(p.gpu_uuid, (-1, ()))[0]:
+                commands[p.gpu_uuid] = (t, p.layout)
             return _mark(view, env, mig_commands=commands)
         case NodeHeartbeat():
             return _mark(view, env, last_heartbeat_ms=max(view.last_heartbeat_ms, t))

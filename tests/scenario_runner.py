@@ -42,11 +42,12 @@ def run(path: Path) -> None:
     clock = Clock()
     s = Scheduler()
     placed: dict[str, object] = {}
+    sent: list = []
     last: list = []
     for n in doc.get("nodes", []):
         inv = make_node(n["name"], n["model"], n["gpus"], cpu_milli=n.get("cpu_milli", 64000),
                         memory_mib=n.get("memory_mib", 256 * 1024), rack=n.get("rack", "rack-0"), mig=n.get("mig"),
-                        driver=n.get("driver", "550.54.15"))
+                        driver=n.get("driver", "550.54.15"), datacenter=n.get("datacenter", "dc-0"))
         s.step(clock.env(inv, f"{inv.node}/inventory"))
     for q in doc.get("quotas", []):
         s.step(clock.env(QuotaSet(tenant=q["tenant"], project=q.get("project"), gpu_milli=q["compute"],
@@ -89,6 +90,14 @@ def run(path: Path) -> None:
             last = s.step(clock.env(JobCancelled(job_id=arg), f"cli/{arg}", dt=dt))
         elif op == "tick":
             last = s.step(clock.env(SchedulerTick(now_ms=clock.now + arg), "ticker", dt=arg))
+        elif op == "mig_done":
+            # the node agent applied the last MIG reconfigure sent to this node and reports its inventory again
+            cmd = next(e.payload for e in reversed(sent) if e.payload.kind == "cmd.mig_reconfigure"
+                       and e.payload.node == arg)
+            inv = s.nodes[arg].inventory
+            gpus = tuple(g.model_copy(update={"mig_layout": cmd.layout, "mig_enabled": True})
+                         if g.uuid == cmd.gpu_uuid else g for g in inv.gpus)
+            last = s.step(clock.env(inv.model_copy(update={"gpus": gpus}), f"{arg}/inventory", dt=dt or 1))
         elif op == "cordon":
             last = s.step(clock.env(NodeCordon(node=arg), "operator"))
         elif op == "node_down":
@@ -99,8 +108,9 @@ def run(path: Path) -> None:
             last = s.step(clock.env(GpuHealth(node=node, gpu_uuid=uuid, healthy=False, reason="ecc"), f"{node}/health"))
         else:
             raise ValueError(f"unknown step {op}")
+        sent.extend(last)
         for e in last:
-            if e.payload.kind == "cmd.place":
+            if e.payload.kind == "cmd.place" and e.payload.gang_index == 0:
                 placed[e.payload.job_id] = e
 
 
