@@ -1,6 +1,10 @@
 """Declarative scheduler scenarios (Volcano/KAI style): a cluster and a script of events in YAML, the expected
 commands out. Each `expect` lists (a subset of fields of) the envelopes the previous step must emit, in order;
-`expect: []` asserts the step emitted nothing (a converged state stays converged)."""
+`expect: []` asserts the step emitted nothing (a converged state stays converged).
+
+`scheduler: elastic` (with an optional `elastic:` mapping of ElasticConfig fields) runs the scenario on the
+ElasticScheduler and enables the steps `declare` (ServiceDeclared fields; tenant defaults to t1), `load`
+(InferenceLoad fields) and `remove_service`."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -9,10 +13,12 @@ import yaml
 
 from agents.node.fleet import make_node
 from agents.scheduler.core import Scheduler
+from agents.scheduler.elastic import ElasticConfig, ElasticScheduler
 from schemas.events import (
-    Constraints, GpuHealth, JobCancelled, JobCheckpointed, JobCompleted, JobStarted, JobStopped, NodeCordon, NodeLiveness, QuotaSet,
+    Constraints, GpuHealth, ReservationCancelled, ReservationRequested, JobCancelled, JobCheckpointed, JobCompleted, JobStarted, JobStopped, NodeCordon, NodeLiveness, QuotaSet,
     SchedulerTick,
 )
+from schemas.events import InferenceLoad, ServiceDeclared, ServiceRemoved
 from tests.builders import Clock, job
 
 
@@ -32,6 +38,7 @@ def _match(env, want: dict) -> bool:
         else:
             got = getattr(p, key, None)
             got = got.value if hasattr(got, "value") else got
+            got = list(got) if isinstance(got, tuple) else got
         if got != value:
             return False
     return True
@@ -40,7 +47,7 @@ def _match(env, want: dict) -> bool:
 def run(path: Path) -> None:
     doc = yaml.safe_load(path.read_text())
     clock = Clock()
-    s = Scheduler()
+    s = ElasticScheduler(ElasticConfig(**doc.get("elastic", {}))) if doc.get("scheduler") == "elastic" else Scheduler()
     placed: dict[str, object] = {}
     sent: list = []
     last: list = []
@@ -88,8 +95,22 @@ def run(path: Path) -> None:
                                                     checkpoint=f"ckpt:{arg}:1000"), f"{cmd.node}/job/{arg}", dt=dt))
         elif op == "cancel":
             last = s.step(clock.env(JobCancelled(job_id=arg), f"cli/{arg}", dt=dt))
+        elif op == "declare":
+            last = s.step(clock.env(ServiceDeclared(**{"tenant": "t1", **arg}), f"cli/service/{arg['service_id']}"))
+        elif op == "load":
+            last = s.step(clock.env(InferenceLoad(**arg), f"load/{arg['service_id']}", dt=dt))
+        elif op == "remove_service":
+            last = s.step(clock.env(ServiceRemoved(service_id=arg), f"cli/service/{arg}"))
         elif op == "tick":
             last = s.step(clock.env(SchedulerTick(now_ms=clock.now + arg), "ticker", dt=arg))
+        elif op == "reserve":
+            a = dict(arg)
+            last = s.step(clock.env(ReservationRequested(
+                reservation_id=a["reservation_id"], tenant=a.get("tenant", "t1"), tier=a.get("tier", "online-training"),
+                compute_milli=a["compute"], gpu_memory_mib=a["mem_gib"] * 1024,
+                start_ms=clock.now + a["start_s"] * 1000, end_ms=clock.now + a["end_s"] * 1000), "cli/reserve", dt=dt))
+        elif op == "cancel_reservation":
+            last = s.step(clock.env(ReservationCancelled(reservation_id=arg), "cli/reserve", dt=dt))
         elif op == "mig_done":
             # the node agent applied the last MIG reconfigure sent to this node and reports its inventory again
             cmd = next(e.payload for e in reversed(sent) if e.payload.kind == "cmd.mig_reconfigure"

@@ -13,11 +13,12 @@ from agents.scheduler.node_index import NodeIndex
 from agents.scheduler.placement import DEFAULT_CANDIDATES, MigPlan, Placement, place
 from agents.scheduler.preemption import PreemptionConfig, Victim, plan_for, protected
 from agents.scheduler.quota import Ledger
+from agents.scheduler.reservations import LIVE, Book, Booking
 from agents.scheduler.scoring import Workload
 from schemas.envelope import Envelope, envelope
 from schemas.events import (
     TIER_RANK, GpuHealth, JobCancelled, JobCheckpointed, JobCompleted, JobFailed, JobPending, JobRequested,
-    JobStarted, JobStopped, MigReconfigure, NodeCordon, NodeInventory, NodeLiveness, PlaceJob, PreemptJob, QuotaSet,
+    JobStarted, JobStopped, MigReconfigure, ReservationCancelled, ReservationDecided, ReservationRequested, NodeCordon, NodeInventory, NodeLiveness, PlaceJob, PreemptJob, QuotaSet,
     Reason, ReleaseJob, SchedulerTick, UsageAccrued,
 )
 from streams import node_view
@@ -41,6 +42,7 @@ class JobRecord:
     pending_codes: tuple[str, ...] = ()
     nominated: tuple[str, tuple[str, ...]] | None = None  # (node, victims) while its preemptions take effect
     mig_wait: tuple[str, str] | None = None  # (node, card) whose MIG reconfigure it waits for
+    hold: Booking | None = None  # a reservation's hold: placed without a command, never a victim
 
 
 @dataclass
@@ -58,6 +60,7 @@ class Scheduler:
     index: NodeIndex = field(default_factory=NodeIndex)
     workload: Workload = field(default_factory=Workload)
     candidates: int = DEFAULT_CANDIDATES
+    book: Book = field(default_factory=Book)
 
     # ---------------------------------------------------------------- emitting
 
@@ -95,9 +98,11 @@ class Scheduler:
             case JobRequested():
                 if p.job_id not in self.jobs:
                     self.arrivals += 1
-                    self.jobs[p.job_id] = JobRecord(request=p, arrival=self.arrivals)
+                    rec = self.jobs[p.job_id] = JobRecord(request=p, arrival=self.arrivals)
                     self.workload.observe(p)
                     self.pending.add(p.job_id)
+                    if p.reservation_id:
+                        self._use_reservation(out, env, rec)
                     self._cycle(out, env)
             case JobCancelled():
                 self._finish(out, env, p.job_id)
@@ -119,6 +124,21 @@ class Scheduler:
             case QuotaSet():
                 self.ledger.set_quota(p)
                 self._cycle(out, env)
+            case ReservationRequested():
+                if p.reservation_id not in self.book.bookings:
+                    booking, displaced, reasons = self.book.decide(p, self.index.capacity_milli)
+                    for b in displaced:
+                        self._end_hold(out, env, b, "displaced", (Reason(
+                            code="Displaced", plugin="Reservation",
+                            message=f"a stronger reservation ({p.reservation_id}) needs the capacity"),))
+                    self._emit(out, ReservationDecided(reservation_id=p.reservation_id, status=booking.status,
+                                                       reasons=reasons), env)
+                    self._cycle(out, env)
+            case ReservationCancelled():
+                b = self.book.bookings.get(p.reservation_id)
+                if b is not None and b.status in LIVE:
+                    self._end_hold(out, env, b, "cancelled", ())
+                    self._cycle(out, env)
             case SchedulerTick():
                 self._cycle(out, env)
         return out
@@ -143,6 +163,11 @@ class Scheduler:
         if rec.placement is None:
             return
         for part in rec.parts:
+            if rec.hold is not None:  # a hold was never sent to a node: undo it in the scheduler's view only
+                self._fold_node(envelope(ReleaseJob(command_id=f"release-{rec.request.job_id}", job_id=part.job_id,
+                                                    node=part.node), source=SOURCE, seq=self._hold_seq(),
+                                         time_ms=self.now_ms))
+                continue
             self._emit(out, ReleaseJob(command_id=self._command_id(), job_id=rec.request.job_id, node=part.node,
                                        reasons=(Reason(code=why),)), env)
         for ev in self.ledger.release(rec.request, rec.placement.borrowed):
@@ -181,6 +206,7 @@ class Scheduler:
 
     def _cycle(self, out: list[Envelope], cause: Envelope) -> None:
         self.cycle += 1
+        self._reservation_windows(out, cause)
         failed: list[tuple[tuple, tuple[int, ...], tuple[Reason, ...]]] = []
         for rec in self.pending_order():
             r = rec.request
@@ -222,6 +248,12 @@ class Scheduler:
         nodes = tuple(p.node for p in result.parts) if gang > 1 else ()
         cmds = []
         for i, part in enumerate(result.parts):
+            if rec.hold is not None:
+                cmd = PlaceJob(command_id=f"hold-{r.job_id}-{i}", job_id=r.job_id, tenant=r.tenant, node=part.node,
+                               assignments=part.assignments, cpu_milli=part.cpu_milli, memory_mib=part.memory_mib)
+                self._fold_node(envelope(cmd, source=SOURCE, seq=self._hold_seq(), time_ms=self.now_ms))
+                cmds.append(cmd)
+                continue
             cmd = PlaceJob(
                 command_id=self._command_id(), job_id=r.job_id, tenant=r.tenant, node=part.node,
                 assignments=part.assignments, cpu_milli=part.cpu_milli, memory_mib=part.memory_mib,
@@ -235,6 +267,53 @@ class Scheduler:
         rec.state, rec.node, rec.placement, rec.parts = "placed", result.node, cmds[0], tuple(cmds)
         rec.pending_codes, rec.nominated = (), None
         self.pending.discard(r.job_id)
+        if rec.hold is not None:
+            rec.hold.status = "active"
+            self._emit(out, ReservationDecided(reservation_id=rec.hold.request.reservation_id, status="active",
+                                               node=result.node, reasons=result.reasons), cause)
+
+    # ---------------------------------------------------------------- reservations
+
+    def _hold_seq(self) -> int:
+        # Holds change only the scheduler's own view; they share its command sequence so the view's per-source
+        # order stays the order of the scheduler's decisions.
+        self.out_seq += 1
+        return self.out_seq
+
+    def _reservation_windows(self, out: list[Envelope], cause: Envelope) -> None:
+        for b in self.book.closing(self.now_ms):
+            self._end_hold(out, cause, b, "expired", (Reason(code="WindowPassed", plugin="Reservation"),))
+        for b in self.book.opening(self.now_ms):
+            if b.hold_id not in self.jobs or self.jobs[b.hold_id].state == "done":
+                self.arrivals += 1
+                self.jobs[b.hold_id] = JobRecord(request=b.hold_request(), arrival=self.arrivals, hold=b)
+                self.pending.add(b.hold_id)
+                b.status = "queued"
+
+    def _end_hold(self, out: list[Envelope], cause: Envelope, b: Booking, status: str,
+                  reasons: tuple[Reason, ...], node: str = "") -> None:
+        rec = self.jobs.get(b.hold_id)
+        if rec is not None and rec.state != "done":
+            if rec.state == "placed":
+                node = node or rec.node
+                self._release(out, cause, rec, status)
+            rec.state = "done"
+            self.pending.discard(b.hold_id)
+        b.status = status
+        self._emit(out, ReservationDecided(reservation_id=b.request.reservation_id, status=status, node=node,
+                                           reasons=reasons), cause)
+
+    def _use_reservation(self, out: list[Envelope], cause: Envelope, rec: JobRecord) -> None:
+        """The job that names a reservation takes its hold's capacity: the hold goes, the job is tried there first."""
+        b = self.book.bookings.get(rec.request.reservation_id)
+        if b is None or b.request.tenant != rec.request.tenant or b.status not in LIVE:
+            return
+        hold = self.jobs.get(b.hold_id)
+        node = hold.node if hold is not None and hold.state == "placed" else ""
+        self._end_hold(out, cause, b, "used", (Reason(code="UsedBy", plugin="Reservation",
+                                                      data={"job_id": rec.request.job_id}),), node)
+        if node:
+            rec.nominated = (node, ())
 
     def _reconfigure(self, out: list[Envelope], cause: Envelope, rec: JobRecord, plan: MigPlan) -> None:
         """Carve a MIG instance out of idle slices; the job is placed once the node reports the new layout."""
@@ -255,7 +334,7 @@ class Scheduler:
         rank = TIER_RANK[r.tier]
         out: dict[str, list[Victim]] = {}
         for other in self.jobs.values():
-            if other.state not in ("placed", "running") or other.placement is None:
+            if other.state not in ("placed", "running") or other.placement is None or other.hold is not None:
                 continue
             o = other.request
             if TIER_RANK[o.tier] > rank:
