@@ -61,6 +61,14 @@ class Scheduler:
     workload: Workload = field(default_factory=Workload)
     candidates: int = DEFAULT_CANDIDATES
     book: Book = field(default_factory=Book)
+    # The pending queue is retried as a whole only when something may have changed its answers: the epoch moves
+    # on every input that can free capacity or change quota, health or reservations, and on a tick every
+    # full_cycle_ms. A request arriving when nothing moved tries only itself: everything else failed against
+    # the same or a larger free capacity.
+    epoch: int = 0
+    full_cycle_ms: int = 10_000
+    _full_epoch: int = -1
+    _full_ms: int = -1 << 62
 
     # ---------------------------------------------------------------- emitting
 
@@ -91,6 +99,8 @@ class Scheduler:
         self.now_ms = max(self.now_ms, env.event_time_ms)
         out: list[Envelope] = []
         p = env.payload
+        if p.kind not in _SAME_EPOCH:
+            self.epoch += 1
         match p:
             case NodeInventory() | NodeCordon() | NodeLiveness() | GpuHealth():
                 self._fold_node(env)
@@ -103,7 +113,7 @@ class Scheduler:
                     self.pending.add(p.job_id)
                     if p.reservation_id:
                         self._use_reservation(out, env, rec)
-                    self._cycle(out, env)
+                    self._cycle(out, env, only=rec)
             case JobCancelled():
                 self._finish(out, env, p.job_id)
                 self._cycle(out, env)
@@ -140,6 +150,8 @@ class Scheduler:
                     self._end_hold(out, env, b, "cancelled", ())
                     self._cycle(out, env)
             case SchedulerTick():
+                if self.now_ms - self._full_ms >= self.full_cycle_ms:
+                    self.epoch += 1  # time alone can change answers (protection expiry, reservation windows)
                 self._cycle(out, env)
         return out
 
@@ -162,6 +174,7 @@ class Scheduler:
     def _release(self, out: list[Envelope], env: Envelope, rec: JobRecord, why: str) -> None:
         if rec.placement is None:
             return
+        self.epoch += 1  # capacity freed: the whole queue may fit differently
         for part in rec.parts:
             if rec.hold is not None:  # a hold was never sent to a node: undo it in the scheduler's view only
                 self._fold_node(envelope(ReleaseJob(command_id=f"release-{rec.request.job_id}", job_id=part.job_id,
@@ -204,11 +217,16 @@ class Scheduler:
         return sorted(pending, key=lambda r: (0 if r.nominated else 1, TIER_RANK[r.request.tier],
                                               0 if r.preemptions else 1, r.arrival))
 
-    def _cycle(self, out: list[Envelope], cause: Envelope) -> None:
+    def _cycle(self, out: list[Envelope], cause: Envelope, only: JobRecord | None = None) -> None:
         self.cycle += 1
         self._reservation_windows(out, cause)
+        if only is not None and self.epoch == self._full_epoch:
+            queue = [only] if only.state == "pending" else []
+        else:
+            queue = self.pending_order()
+            self._full_epoch, self._full_ms = self.epoch, self.now_ms
         failed: list[tuple[tuple, tuple[int, ...], tuple[Reason, ...]]] = []
-        for rec in self.pending_order():
+        for rec in queue:
             r = rec.request
             if rec.mig_wait is not None:
                 node, card = rec.mig_wait
@@ -289,6 +307,7 @@ class Scheduler:
                 self.jobs[b.hold_id] = JobRecord(request=b.hold_request(), arrival=self.arrivals, hold=b)
                 self.pending.add(b.hold_id)
                 b.status = "queued"
+                self.epoch += 1
 
     def _end_hold(self, out: list[Envelope], cause: Envelope, b: Booking, status: str,
                   reasons: tuple[Reason, ...], node: str = "") -> None:
@@ -387,6 +406,7 @@ class Scheduler:
 
 
 _NO_CONSTRAINTS = JobRequested.model_fields["constraints"].default
+_SAME_EPOCH = frozenset({"job.requested", "job.started", "job.checkpointed", "scheduler.tick"})
 
 
 def replay(inputs: list[Envelope]) -> tuple[Scheduler, list[Envelope]]:
