@@ -409,7 +409,7 @@ def _gang(index: NodeIndex, views: dict[str, NodeView], job: JobRequested, model
     return None
 
 
-EXPLAIN_LIMIT = 256  # nodes checked one by one to explain a failure; the rest are counted from the index
+EXPLAIN_LIMIT = 64  # nodes checked one by one to explain a failure; the rest are counted from the index
 
 
 def _unschedulable(index: NodeIndex, views: dict[str, NodeView], job: JobRequested,
