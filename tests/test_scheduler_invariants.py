@@ -5,7 +5,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from agents.scheduler.core import Scheduler, replay
-from schemas.events import JobCompleted, JobStarted, JobStopped, QuotaSet, SchedulerTick, Tier
+from schemas.events import ReservationRequested, JobCompleted, JobStarted, JobStopped, QuotaSet, SchedulerTick, Tier
 from tests.builders import Clock, inventory, job
 
 TENANTS = ("t1", "t2", "t3")
@@ -19,9 +19,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.inputs = []
         self.outputs = []
         self.n = 0
-        for i, (model, gpus, mig) in enumerate([("A100-80GB", 4, None), ("T4", 2, None),
-                                                 ("A100-40GB", 1, ["3g.20gb", "2g.10gb", "1g.5gb", "1g.5gb"])]):
-            self.feed(self.clock.env(inventory(f"n{i}", model=model, gpus=gpus, mig=mig), f"n{i}/inventory"))
+        for i, (model, gpus, mig, rack) in enumerate([
+                ("A100-80GB", 4, None, "r0"), ("T4", 2, None, "r0"),
+                ("A100-40GB", 1, ["3g.20gb", "1g.5gb"], "r0"), ("A100-80GB", 4, None, "r1")]):
+            self.feed(self.clock.env(inventory(f"n{i}", model=model, gpus=gpus, mig=mig, rack=rack),
+                                     f"n{i}/inventory"))
 
     def feed(self, env):
         self.inputs.append(env)
@@ -30,10 +32,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         return out
 
     def jobs_in(self, *states):
-        return sorted(j for j, r in self.s.jobs.items() if r.state in states)
+        """Jobs a node agent knows of (reservation holds never reach a node)."""
+        return sorted(j for j, r in self.s.jobs.items() if r.state in states and r.hold is None)
 
     @rule(tenant=st.sampled_from(TENANTS), tier=st.sampled_from(list(Tier)),
-          compute=st.sampled_from([100, 300, 500, 1000, 2500]), mem=st.sampled_from([2, 8, 30, 70, 150]))
+          compute=st.sampled_from([100, 300, 500, 1000, 2500, 6000]), mem=st.sampled_from([2, 8, 30, 70, 150]))
     def submit(self, tenant, tier, compute, mem):
         self.n += 1
         self.feed(self.clock.env(job(f"j{self.n}", tenant=tenant, compute=compute, mem_gib=mem, tier=tier),
@@ -64,6 +67,27 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.feed(self.clock.env(QuotaSet(tenant=tenant, gpu_milli=quota, overcommit_pct=overcommit), "operator",
                                  dt=1))
 
+    @rule(tenant=st.sampled_from(TENANTS), tier=st.sampled_from(list(Tier)), compute=st.sampled_from([500, 2000]),
+          start=st.integers(0, 3000), length=st.integers(500, 5000))
+    def reserve(self, tenant, tier, compute, start, length):
+        self.n += 1
+        now = self.clock.now
+        self.feed(self.clock.env(ReservationRequested(
+            reservation_id=f"r{self.n}", tenant=tenant, tier=tier, compute_milli=compute, gpu_memory_mib=8192,
+            start_ms=now + start, end_ms=now + start + length), "cli/reserve", dt=1))
+
+    @rule(data=st.data())
+    def mig_done(self, data):
+        """The node agent applies a pending MIG reconfigure and reports its inventory."""
+        pending = [(n, u) for n, v in sorted(self.s.nodes.items()) for u in sorted(v.mig_pending)]
+        if not pending:
+            return
+        node, uuid = data.draw(st.sampled_from(pending))
+        v = self.s.nodes[node]
+        layout = v.mig_commands[uuid][1]
+        gpus = tuple(g.model_copy(update={"mig_layout": layout}) if g.uuid == uuid else g for g in v.inventory.gpus)
+        self.feed(self.clock.env(v.inventory.model_copy(update={"gpus": gpus}), f"{node}/inventory", dt=1))
+
     @rule()
     def tick(self):
         self.feed(self.clock.env(SchedulerTick(now_ms=self.clock.now), "ticker", dt=1000))
@@ -85,9 +109,14 @@ class SchedulerMachine(RuleBasedStateMachine):
     @invariant()
     def holdings_match_job_states(self):
         held = {(node, j) for node, v in self.s.nodes.items() for j in v.allocations}
-        expected = {(r.placement.node, j) for j, r in self.s.jobs.items()
-                    if r.state in ("placed", "running", "stopping")}
+        expected = {(part.node, j) for j, r in self.s.jobs.items()
+                    if r.state in ("placed", "running", "stopping") for part in r.parts}
         assert held == expected
+        for r in self.s.jobs.values():
+            if len(r.parts) > 1:  # a gang is all or nothing: its parts add up to what it needs
+                cards = sum(len(p.assignments) for p in r.parts)
+                assert cards * 1000 * 1000 >= r.request.compute_milli * 1000 and len({p.node for p in r.parts}) == \
+                    len(r.parts)
 
     @invariant()
     def quota_ledger_matches_holdings(self):
@@ -118,7 +147,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         # identical inputs give identical commands
         _, again = replay(self.inputs)
         assert [e.model_dump() for e in again] == [e.model_dump() for e in self.outputs]
-        # converged: once a tick emits nothing, the next one does too
+        # converged: once a tick emits nothing, the next one does too. Reservation windows are time-driven
+        # decisions, so time first moves past every window.
+        ends = [b.request.end_ms for b in self.s.book.bookings.values()]
+        if ends and max(ends) >= self.clock.now:
+            self.feed(self.clock.env(SchedulerTick(now_ms=max(ends) + 1), "ticker", dt=max(ends) + 1 - self.clock.now))
         for _ in range(2):
             self.feed(self.clock.env(SchedulerTick(now_ms=self.clock.now), "ticker", dt=1000))
         quiet = self.feed(self.clock.env(SchedulerTick(now_ms=self.clock.now), "ticker", dt=1000))

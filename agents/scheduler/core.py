@@ -119,7 +119,8 @@ class Scheduler:
                 self._cycle(out, env)
             case JobStarted():
                 rec = self.jobs.get(p.job_id)
-                if rec and rec.state == "placed" and any(part.command_id == p.command_id for part in rec.parts):
+                if rec and rec.state == "placed" and rec.hold is None and \
+                        any(part.command_id == p.command_id for part in rec.parts):
                     rec.state, rec.started_ms = "running", env.event_time_ms
             case JobCheckpointed():
                 rec = self.jobs.get(p.job_id)
@@ -268,7 +269,8 @@ class Scheduler:
         for i, part in enumerate(result.parts):
             if rec.hold is not None:
                 cmd = PlaceJob(command_id=f"hold-{r.job_id}-{i}", job_id=r.job_id, tenant=r.tenant, node=part.node,
-                               assignments=part.assignments, cpu_milli=part.cpu_milli, memory_mib=part.memory_mib)
+                               assignments=part.assignments, cpu_milli=part.cpu_milli, memory_mib=part.memory_mib,
+                               borrowed=quota.borrowed)
                 self._fold_node(envelope(cmd, source=SOURCE, seq=self._hold_seq(), time_ms=self.now_ms))
                 cmds.append(cmd)
                 continue
@@ -313,7 +315,7 @@ class Scheduler:
                   reasons: tuple[Reason, ...], node: str = "") -> None:
         rec = self.jobs.get(b.hold_id)
         if rec is not None and rec.state != "done":
-            if rec.state == "placed":
+            if rec.placement is not None:
                 node = node or rec.node
                 self._release(out, cause, rec, status)
             rec.state = "done"
