@@ -161,7 +161,8 @@ def test_combined_signals_fire_with_their_values_as_reasons():
     assert sig.hot and sig.latency and not sig.util
     (r,) = sig.reasons
     assert r.code == "LatencyOverTarget" and r.data["p99_ms"] == 900 and r.data["queue_before"] == 5
-    assert sig.demand_qps == 110 + 20 * 1000 // 10_000  # served qps + the queue's growth rate
+    assert r.data["queue_growth_per_s"] == 20 * 1000 // 10_000
+    assert sig.demand_qps == 110  # qps is the offered load: the queue's growth is not added to it
     sig = assess(_samples((100, 100, 0, 86), (100, 100, 0, 85)), 200, 2, 85, 2)
     assert sig.hot and sig.util and sig.reasons[0].code == "UtilizationHigh"
     # three samples of growth asked for: one rise is not enough

@@ -51,7 +51,7 @@ class Signal:
     hot: bool  # the combined trigger fired
     latency: bool  # p99 over target and the queue growing
     util: bool  # utilization high on every one of the last `util_samples` samples
-    demand_qps: int  # served qps plus the rate at which the queue grows (requests/s), when the latency trigger fired
+    demand_qps: int  # the offered load the replicas are sized for: the last sample's qps (requests/s arriving)
     reasons: tuple[Reason, ...]
 
 
@@ -80,7 +80,6 @@ def assess(samples: Sequence[Sample], latency_target_ms: int, growth_samples: in
         prev = samples[-2]
         dt = last.t_ms - prev.t_ms
         growth = (last.queue_depth - prev.queue_depth) * 1000 // dt if dt > 0 else 0
-        demand = last.qps + max(0, growth)
         reasons.append(Reason(code="LatencyOverTarget", plugin=PLUGIN,
                               message=f"p99 {last.p99_ms} ms > {latency_target_ms} ms and queue "
                                       f"{samples[-max(2, growth_samples)].queue_depth} -> {last.queue_depth}",

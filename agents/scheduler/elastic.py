@@ -39,6 +39,7 @@ class ElasticConfig:
     training_share_pct: int = 30  # share of pool milli-GPU guaranteed to non-inference work over window_ms (0: off)
     window_ms: int = 6 * 3600_000
     warm_pool: int = 2  # warm replicas per service: started ahead from free capacity, kept out of serving
+    warm_quiet_ms: int = 600_000  # the warm pool is refilled only when no non-inference work waited this long
     # the combined trigger
     growth_samples: int = 2  # the queue must rise strictly across this many consecutive samples (>= 2)
     util_high_pct: int = 85
@@ -64,6 +65,8 @@ class ElasticConfig:
             raise ValueError("growth_samples must be >= 2 and util_samples >= 1")
         if not 0 <= self.training_share_pct <= 100:
             raise ValueError("training_share_pct must be within 0..100")
+        if self.bucket_ms <= 0 or 86_400_000 % self.bucket_ms:
+            raise ValueError("bucket_ms must divide a day")
 
 
 @dataclass
@@ -112,6 +115,7 @@ class ElasticScheduler(Scheduler):
         self.replica_of: dict[str, str] = {}  # replica job id -> service id
         self.replica_counter: dict[str, int] = {}  # per service id; survives removal so ids never repeat
         self.autoscaler_seq = 0
+        self.training_waited_ms = -(1 << 62)  # the last time non-inference work was seen waiting
         self.share = ShareMeter()
         self._held: dict[tuple[str, str], tuple[bool, int]] = {}  # (job, node) -> (non-inference?, milli-GPU)
         self._train_milli = 0
@@ -484,8 +488,9 @@ class ElasticScheduler(Scheduler):
             # starting replicas first, then the newest ready ones
             order = sorted(enumerate(serving), key=lambda t: (0 if self.jobs[t[1]].state != "running" else 1, -t[0]))
             victims = [j for _, j in order[:surplus]]
-            # kept warm (no restart at the next peak) unless non-inference work waits for capacity
-            slots = 0 if self._training_waits() else cfg.warm_pool - len(svc.warm())
+            # kept warm (no restart at the next peak) unless non-inference work waits, or waited lately
+            quiet = not self._training_waits() and now - self.training_waited_ms >= cfg.warm_quiet_ms
+            slots = cfg.warm_pool - len(svc.warm()) if quiet else 0
             kept = [j for j in victims if self.jobs[j].state == "running" and j not in svc.boosts][:max(0, slots)]
             reasons = (Reason(code="LoadLow", plugin=PLUGIN, message=f"{len(serving)} replicas serve {qps} qps; "
                               f"{keep} keep {cfg.headroom_pct + cfg.scale_in_hysteresis_pct}% headroom",
@@ -539,9 +544,11 @@ class ElasticScheduler(Scheduler):
             live = len(svc.serving())
         elif not pre or pre[0] <= live:
             svc.denied.discard("clock")
-        # the warm pool: filled only from free capacity, and only while nothing at all waits
+        # the warm pool: filled only from free capacity, while nothing at all waits and no training has waited for
+        # warm_quiet_ms (where training wants the capacity, it gets it: warm replicas would only be started and
+        # then yield)
         want = min(cfg.warm_pool, max(spec.max_replicas - live, 0)) - len(svc.warm())
-        if want > 0 and not self.pending:
+        if want > 0 and not self.pending and self.now_ms - self.training_waited_ms >= cfg.warm_quiet_ms:
             first = self.replica_counter.get(spec.service_id, 0) + 1
             reqs = [self._replica_request(spec, f"{spec.service_id}/r{first + i}") for i in range(want)]
             fits = self._trial(reqs, {}, {})
@@ -618,7 +625,10 @@ class ElasticScheduler(Scheduler):
                 self._housekeep(out, env, svc)
 
     def _training_waits(self) -> bool:
-        return any(self.jobs[j].request.tier != Tier.INFERENCE for j in self.pending)
+        waits = any(self.jobs[j].request.tier != Tier.INFERENCE for j in self.pending)
+        if waits:
+            self.training_waited_ms = self.now_ms
+        return waits
 
     # ---------------------------------------------------------------- emitting
 
