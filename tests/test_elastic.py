@@ -5,8 +5,14 @@ closed-loop pool (a node agent that starts what is placed and checkpoints what i
 latency, queue and utilization follow its capacity) drives the scheduler over hours and days."""
 from __future__ import annotations
 
+import hashlib
 import heapq
+import os
+import subprocess
+import sys
 from pathlib import Path
+
+import orjson
 
 import pytest
 
@@ -15,7 +21,7 @@ from agents.scheduler.autoscaler import DailyCurve, Sample, ShareMeter, assess, 
 from agents.scheduler.elastic import ElasticConfig, ElasticScheduler
 from schemas.envelope import envelope
 from schemas.events import (
-    InferenceLoad, JobCheckpointed, JobRequested, JobStarted, JobStopped, SchedulerTick, ServiceDeclared,
+    InferenceLoad, JobCheckpointed, JobCompleted, JobRequested, JobStarted, JobStopped, SchedulerTick, ServiceDeclared,
     ServiceRemoved, Tier,
 )
 from tests.test_layering import CORE_MODULES, FORBIDDEN, imports
@@ -271,6 +277,27 @@ def test_boosted_time_is_billed_at_the_boosted_share_exactly():
     assert pool.s.ledger.account("web").used_milli == 0
 
 
+def test_training_backfills_the_share_a_reverted_boost_frees_in_the_same_step():
+    # (the share guarantee off: with it, r2, beyond the critical need, would give way to the waiting job at once)
+    pool = Pool(ElasticConfig(warm_pool=0, training_share_pct=0), nodes=(("n1", "A100-80GB", 1),), start_ms=30_000)
+    declare(pool, boost_compute_milli=200, max_replicas=2)
+    pool.run_until(MIN)
+    for _ in range(2):
+        pool.now += 10_000
+        pool.sample("chat", 95, 100, 10_000)
+    assert [a.action for a in pool.scaled()[-2:]] == ["vertical_up", "horizontal_up"]
+    out = submit(pool, "train", 400, 10)  # 1000 - 500 (boosted r1) - 300 (r2) = 200 free: it waits
+    assert [o.payload.kind for o in out if o.payload.kind != "job.requested"] == ["job.pending"]
+    ((t, _, started, src),) = pool.agenda
+    pool.now = t
+    pool.agenda.clear()
+    out = pool.feed(started, src)
+    assert [(o.payload.kind, getattr(o.payload, "action", getattr(o.payload, "job_id", ""))) for o in out
+            if o.payload.kind in ("service.scaled", "cmd.resize", "cmd.place")] == [
+        ("service.scaled", "traffic_shift"), ("service.scaled", "vertical_revert"), ("cmd.resize", "chat/r1"),
+        ("cmd.place", "train")]
+
+
 def test_replicas_on_mig_slices_are_not_boosted():
     pool = Pool(ElasticConfig(warm_pool=0), nodes=(make_node("m1", "A100-80GB", 1, mig=["3g.40gb", "3g.40gb"]),),
                 start_ms=0)
@@ -316,6 +343,24 @@ def test_warm_replicas_start_from_free_capacity_are_promoted_at_once_and_yield_t
     for _ in range(3):
         pool.now += MIN
         assert pool.feed(SchedulerTick(now_ms=pool.now), "ticker") == []
+
+
+def test_the_warm_pool_is_refilled_only_after_training_stopped_waiting_for_a_while():
+    pool = Pool(ElasticConfig(warm_pool=1, warm_quiet_ms=10 * MIN), nodes=(("n1", "A100-80GB", 2),))
+    declare(pool, replica_compute_milli=1000, replica_memory_mib=40 * 1024, max_replicas=2)
+    pool.run_until(MIN)
+    assert pool.s.services["chat"].warm() == ["chat/r2"]
+    submit(pool, "train", 1000, 40)
+    assert pool.scaled("scale_in")[-1].reasons[0].code == "WarmPoolYields"
+    t_wait = pool.now
+    pool.run_until(3 * MIN)
+    (place,) = [o.payload for o in pool.outputs if o.payload.kind == "cmd.place" and o.payload.job_id == "train"]
+    pool.feed(JobCompleted(job_id="train", node=place.node, command_id=place.command_id), "n1/job/train")
+    refills = lambda: [a for a in pool.scaled("horizontal_up") if a.reasons[0].code == "WarmPool"]  # noqa: E731
+    pool.run_until(t_wait + 10 * MIN - 1)
+    assert len(refills()) == 1  # the first fill only: capacity is free, but training waited lately
+    pool.run_until(t_wait + 11 * MIN)
+    assert len(refills()) == 2 and refills()[-1].jobs == ("chat/r3",)
 
 
 # ---------------------------------------------------------------- co-location and the training-share guarantee
@@ -427,6 +472,21 @@ def test_replaying_the_same_inputs_gives_identical_outputs():
     # the live agent's echo of the synthesized requests and cancellations is harmless
     echo = [o for o in pool.outputs if o.source == "autoscaler"]
     assert echo and all(again.step(o) == [] for o in echo)
+
+
+def test_outputs_do_not_depend_on_the_process_hash_seed():
+    """Iteration order over sets or dicts of strings would differ between processes: two other processes with
+    different hash seeds must produce the same outputs as this one."""
+    code = ("import hashlib, orjson; from tests.test_elastic import _busy_day; "
+            "p = _busy_day(); print(hashlib.sha256(orjson.dumps([o.model_dump(mode='json') for o in p.outputs]))"
+            ".hexdigest())")
+    pool = _busy_day()
+    here = hashlib.sha256(orjson.dumps([o.model_dump(mode="json") for o in pool.outputs])).hexdigest()
+    repo = Path(__file__).resolve().parent.parent
+    for seed in ("1", "2"):
+        got = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True, text=True, check=True,
+                             env={**os.environ, "PYTHONHASHSEED": seed}).stdout.strip()
+        assert got == here
 
 
 # ---------------------------------------------------------------- config and layering
