@@ -42,13 +42,15 @@ from pathlib import Path
 
 import orjson
 
-from agents.scheduler.core import SOURCE, Scheduler
+from agents.scheduler.core import SOURCE
+from agents.scheduler.elastic import SOURCE as AUTOSCALER, ElasticScheduler
 from schemas.envelope import DecodeError, Envelope, decode
-from schemas.topics import COMMANDS, INVENTORY, JOB_EVENTS, LEDGER, SCHEDULER_INPUT, TELEMETRY
+from schemas.topics import COMMANDS, INVENTORY, JOB_EVENTS, JOB_REQUESTS, LEDGER, SCHEDULER_INPUT, TELEMETRY
 from streams.rows import COLUMNS, rows_for
 
 SCHEDULER_GROUP = "gpupool-scheduler"
-OUTPUT_TOPICS = (COMMANDS, JOB_EVENTS, LEDGER)
+OUTPUT_TOPICS = (COMMANDS, JOB_EVENTS, LEDGER, JOB_REQUESTS)  # the autoscaler's replica requests are outputs too
+OUR_SOURCES = frozenset({SOURCE, AUTOSCALER})
 USAGE_KEY_COLUMNS = ("topic", "partition", "offset")
 USAGE_COMPARED = tuple(c for c in COLUMNS["usage"] if c not in USAGE_KEY_COLUMNS)
 SHOW = 20
@@ -133,7 +135,7 @@ def compare_outputs(replayed: list[tuple[int, Envelope]], recorded: list[Recorde
             if rec.topic == COMMANDS.name:
                 rep.extra.append(f"{rec.topic}/{rec.partition}@{rec.offset} undecodable ({exc.code})")
             continue
-        if env.source != SOURCE:
+        if env.source not in OUR_SOURCES:
             if rec.topic == COMMANDS.name and _in_window(env.event_time_ms, window):
                 rep.extra.append(f"{_label(env)} from source {env.source!r} at {rec.topic}/{rec.partition}@"
                                  f"{rec.offset}: only the scheduler writes commands")
@@ -205,7 +207,7 @@ def compare_bill(expected: list[Envelope], rows: list[dict], not_yet_sunk: set[s
 
 def replay_records(values: list[tuple[int, bytes | None]], progress=None) -> list[tuple[int, Envelope]]:
     """Step the pure scheduler over (offset, raw value) input records; outputs tagged with their input offset."""
-    s = Scheduler()
+    s = ElasticScheduler()  # the live agent's class: services and the autoscaler included
     outs: list[tuple[int, Envelope]] = []
     n = len(values)
     for i, (off, raw) in enumerate(values):

@@ -15,7 +15,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from infra.kafka_client import stop_consumer
 from aiokafka.abc import ConsumerRebalanceListener
 
-from agents.scheduler.core import Scheduler
+from agents.scheduler.elastic import ElasticScheduler
 from infra.config import Config
 from schemas.envelope import DecodeError, decode, encode
 from schemas.routing import route
@@ -77,7 +77,7 @@ async def replay_input(bootstrap: str, until: int | None = None, on_record=None)
 class SchedulerAgent:
     def __init__(self, cfg: Config):
         self.cfg = cfg
-        self.state = Scheduler()
+        self.state = ElasticScheduler()
         self.position = 0
         self.emitted = 0
         self.bad_input = 0
@@ -97,7 +97,7 @@ class SchedulerAgent:
         return self.state.step(env)
 
     async def _rebuild(self, committed: int) -> None:
-        self.state = Scheduler()
+        self.state = ElasticScheduler()
         await replay_input(self.cfg.bootstrap, committed, lambda msg: self._step(msg.value))
         self.position = committed
 
