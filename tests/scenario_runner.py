@@ -63,6 +63,11 @@ def run(path: Path) -> None:
         st = dict(st)
         dt = st.pop("after", 0)
         ((op, arg),) = st.items()
+        if op == "expect_none":  # none of the previous step's envelopes matches any of these
+            for w in arg:
+                hit = [e.payload for e in last if _match(e, w)]
+                assert not hit, f"{path.name} step {i}: {w} unexpected in {hit}"
+            continue
         if op == "expect":
             want = arg or []
             assert len(last) >= len(want) if want else not last, \

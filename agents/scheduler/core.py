@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 
 from agents.scheduler.node_index import NodeIndex
 from agents.scheduler.placement import DEFAULT_CANDIDATES, MigPlan, Placement, place
-from agents.scheduler.preemption import PreemptionConfig, Victim, plan_for, protected
+from agents.scheduler.placement import fit_cards
+from agents.scheduler.preemption import PreemptionConfig, Victim, fits, placed, plan_for, protected, released
 from agents.scheduler.quota import Ledger
 from agents.scheduler.reservations import LIVE, Book, Booking
 from agents.scheduler.scoring import Workload
@@ -379,6 +380,15 @@ class Scheduler:
             if any(self.jobs[v].state == "stopping" for v in rec.nominated[1]):
                 return True
             rec.nominated = None  # its victims are gone and it still does not fit: plan again
+        waiting = self._freed_by_stops(rec)
+        if waiting is not None:
+            # Work already stopping frees more than the jobs it was stopped for need: wait for it, stop nothing more.
+            rec.nominated = waiting
+            self._pending(out, cause, rec, (Reason(
+                code="Preempting", plugin="Preemption", nodes=(waiting[0],),
+                message=f"waiting for {len(waiting[1])} job(s) already stopping on {waiting[0]}",
+                data={"victims": ",".join(waiting[1])}),))
+            return True
         victims = self._victims(rec, within_quota)
         plan = plan_for(rec.request, [self.nodes[n] for n in sorted(victims)], victims)
         if plan is None:
@@ -395,6 +405,30 @@ class Scheduler:
             message=f"waiting for {len(plan.victims)} job(s) to checkpoint and stop on {plan.node}",
             data={"victims": ",".join(rec.nominated[1])}),))
         return True
+
+    def _freed_by_stops(self, rec: JobRecord) -> tuple[str, tuple[str, ...]] | None:
+        """A node where `rec` fits once the jobs stopping there are gone and the jobs nominated to it have taken
+        their share: (node, the stopping jobs), or None. Tried on scratch views, like any preemption plan."""
+        stopping: dict[str, list[str]] = {}
+        for j, o in self.jobs.items():
+            if o.state == "stopping":
+                for part in o.parts:
+                    stopping.setdefault(part.node, []).append(j)
+        if not stopping:
+            return None
+        claims: dict[str, list[JobRecord]] = {}
+        for o in self.jobs.values():
+            if o.nominated is not None and o.state == "pending" and o is not rec:
+                claims.setdefault(o.nominated[0], []).append(o)
+        for node in sorted(stopping):
+            view = released(self.nodes[node], stopping[node])
+            for o in sorted(claims.get(node, ()), key=lambda o: o.arrival):
+                fit = fit_cards(view, o.request)
+                if not isinstance(fit, str):
+                    view = placed(view, o.request, fit)
+            if fits(view, rec.request):
+                return node, tuple(stopping[node])
+        return None
 
     def _pending(self, out: list[Envelope], cause: Envelope, rec: JobRecord, reasons: tuple[Reason, ...]) -> None:
         codes = tuple(f"{r.plugin}:{r.code}" for r in reasons)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from agents.scheduler.placement import FILTERS, fit_cards
 from schemas.envelope import envelope
-from schemas.events import JobRequested, ReleaseJob
+from schemas.events import JobRequested, PlaceJob, ReleaseJob
 from streams import node_view
 
 
@@ -59,12 +59,24 @@ def protected(preempted_at: tuple[int, ...], now_ms: int, cfg: PreemptionConfig)
     return len(recent) >= cfg.max_preemptions and now_ms - max(recent) <= cfg.protect_ms
 
 
-def _without(view: node_view.NodeView, victims: list[Victim]) -> node_view.NodeView:
-    """The statement: a scratch view with the victims' holdings released (the real view is untouched)."""
-    for i, v in enumerate(victims):
-        view = node_view.evolve(view, envelope(ReleaseJob(command_id=f"trial-{i}", job_id=v.job_id, node=view.node),
+def released(view: node_view.NodeView, job_ids) -> node_view.NodeView:
+    """The statement: a scratch view with these jobs' holdings released (the real view is untouched)."""
+    for i, j in enumerate(job_ids):
+        view = node_view.evolve(view, envelope(ReleaseJob(command_id=f"trial-{i}", job_id=j, node=view.node),
                                                source="preemption-trial", seq=i + 1, time_ms=0))
     return view
+
+
+def placed(view: node_view.NodeView, job: JobRequested, fit) -> node_view.NodeView:
+    """A scratch view with `job` holding `fit` (assignments) on it."""
+    return node_view.evolve(view, envelope(
+        PlaceJob(command_id=f"trial-{job.job_id}", job_id=job.job_id, tenant=job.tenant, node=view.node,
+                 assignments=fit, cpu_milli=job.cpu_milli, memory_mib=job.memory_mib),
+        source="placement-trial", seq=len(view.allocations) + 1, time_ms=0))
+
+
+def _without(view: node_view.NodeView, victims: list[Victim]) -> node_view.NodeView:
+    return released(view, [v.job_id for v in victims])
 
 
 def plan_for(job: JobRequested, nodes: list[node_view.NodeView], candidates: dict[str, list[Victim]]) -> Plan | None:
@@ -79,11 +91,11 @@ def plan_for(job: JobRequested, nodes: list[node_view.NodeView], candidates: dic
         chosen: list[Victim] = []
         for v in victims:
             chosen.append(v)
-            if _fits(_without(view, chosen), job):
+            if fits(_without(view, chosen), job):
                 # as much as it needs: drop, most disruptive first, every victim the job fits without
                 for extra in sorted(chosen, key=disruption_order, reverse=True):
                     rest = [c for c in chosen if c is not extra]
-                    if _fits(_without(view, rest), job):
+                    if fits(_without(view, rest), job):
                         chosen = rest
                 plan = Plan(view.node, tuple(sorted(chosen, key=disruption_order)))
                 if best is None or plan.cost < best.cost:
@@ -92,5 +104,5 @@ def plan_for(job: JobRequested, nodes: list[node_view.NodeView], candidates: dic
     return best
 
 
-def _fits(view: node_view.NodeView, job: JobRequested) -> bool:
+def fits(view: node_view.NodeView, job: JobRequested) -> bool:
     return all(not f(view, job) for _, f in FILTERS) and not isinstance(fit_cards(view, job), str)
