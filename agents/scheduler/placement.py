@@ -409,6 +409,27 @@ def _gang(index: NodeIndex, views: dict[str, NodeView], job: JobRequested, model
     return None
 
 
+def _expected_free(views: dict[str, NodeView], job: JobRequested, order: list[str], nodes) -> Reason | None:
+    """What would free capacity: the earliest time one of these nodes is expected to have enough completely free
+    cards of an allowed model for the job, from the stated durations of the work holding them."""
+    best: tuple[int, str, str] | None = None
+    for name in nodes:
+        v = views[name]
+        if _rejects(v, job, skip_host=True):
+            continue
+        for m in order:
+            n = cards_needed(job.compute_milli, job.gpu_memory_mib, m)
+            times = sorted(0 if c.milli == 1000 else c.release_ms for c in v.card_free()
+                           if c.model == m and c.healthy and not c.mig and (c.milli == 1000 or c.release_ms is not None))
+            if len(times) >= n and (best is None or (times[n - 1], name, m) < best):
+                best = (times[n - 1], name, m)
+    if best is None:
+        return None
+    at, name, m = best
+    return Reason(code="ExpectedFree", plugin="Capacity", nodes=(name,), data={"at_ms": at, "model": m},
+                  message=f"{name} is expected to have room for it at {at} ms (from running jobs' stated durations)")
+
+
 EXPLAIN_LIMIT = 64  # nodes checked one by one to explain a failure; the rest are counted from the index
 
 
@@ -443,4 +464,7 @@ def _unschedulable(index: NodeIndex, views: dict[str, NodeView], job: JobRequest
         count = len(ns) + (extra if (plugin, code) == ("GpuFit", "InsufficientGPU") else 0)
         reasons.append(Reason(code=code, plugin=plugin, nodes=tuple(ns[:20]), data={"count": count},
                               message=f"{count} node(s) rejected by {plugin}: {code}"))
+    freeing = _expected_free(views, job, order, rejected.get(("GpuFit", "InsufficientGPU"), ()))
+    if freeing is not None:
+        reasons.append(freeing)
     return Unschedulable(tuple(reasons) or (Reason(code="NoNodes", message="the pool has no nodes"),))
