@@ -32,6 +32,10 @@ CREATE TABLE IF NOT EXISTS gpupool.quota_events (
     quota_milli Int64, used_milli Int64, borrowed_milli Int64, milli Int64, overcommit_pct UInt16
 ) ENGINE = ReplacingMergeTree ORDER BY (tenant, event_id)
 SETTINGS non_replicated_deduplication_window = 100000;
+-- added with memory quotas and reservations; idempotent for stores made before
+ALTER TABLE gpupool.quota_events ADD COLUMN IF NOT EXISTS reserved_milli Int64 DEFAULT 0;
+ALTER TABLE gpupool.quota_events ADD COLUMN IF NOT EXISTS quota_memory_mib Int64 DEFAULT 0;
+ALTER TABLE gpupool.quota_events ADD COLUMN IF NOT EXISTS used_memory_mib Int64 DEFAULT 0;
 
 -- Scheduler decisions (placement, preemption, resize, migration, release, pending, rejection) with their reasons.
 CREATE TABLE IF NOT EXISTS gpupool.scheduling (

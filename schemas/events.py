@@ -402,6 +402,7 @@ class QuotaSet(Frozen):
     tenant: Ident
     project: str | None = None  # None: the tenant level
     gpu_milli: NonNeg  # quota in milli-CU
+    gpu_memory_mib: NonNeg | None = None  # GPU-memory quota (None: memory is not limited at this level)
     overcommit_pct: Annotated[int, Field(ge=100, le=300)] = 120
 
 
@@ -410,8 +411,9 @@ class QuotaChanged(Frozen):
     tenant: Ident
     project: str | None = None
     used_milli: NonNeg
-    reserved_milli: NonNeg = 0
+    reserved_milli: NonNeg = 0  # of used_milli, what reservation holds keep idle
     borrowed_milli: NonNeg = 0
+    used_memory_mib: NonNeg = 0
     job_id: str | None = None
 
 

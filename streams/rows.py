@@ -12,7 +12,8 @@ COLUMNS: dict[str, tuple[str, ...]] = {
     "usage": ("topic", "partition", "offset", "event_id", "tenant", "project", "job_id", "tier", "node", "gpu_model",
               "datacenter", "start_ms", "end_ms", "gpu_milli", "gpu_milli_ms", "borrowed"),
     "quota_events": ("topic", "partition", "offset", "event_id", "event_time_ms", "kind", "tenant", "project", "job_id",
-                     "quota_milli", "used_milli", "borrowed_milli", "milli", "overcommit_pct"),
+                     "quota_milli", "used_milli", "borrowed_milli", "milli", "overcommit_pct", "reserved_milli",
+                     "quota_memory_mib", "used_memory_mib"),
     "scheduling": ("topic", "partition", "offset", "event_id", "event_time_ms", "kind", "command_id", "job_id", "tenant",
                    "node", "reasons"),
 }
@@ -36,13 +37,14 @@ def rows_for(env: Envelope, topic: str, partition: int, offset: int) -> dict[str
                              p.start_ms, p.end_ms, p.gpu_milli, p.gpu_milli_ms, p.borrowed]]
         case QuotaSet():
             out["quota_events"] = [[*at, env.event_time_ms, p.kind, p.tenant, p.project or "", "",
-                                    p.gpu_milli, 0, 0, 0, p.overcommit_pct]]
+                                    p.gpu_milli, 0, 0, 0, p.overcommit_pct, 0, p.gpu_memory_mib or 0, 0]]
         case QuotaChanged():
             out["quota_events"] = [[*at, env.event_time_ms, p.kind, p.tenant, p.project or "",
-                                    p.job_id or "", 0, p.used_milli, p.borrowed_milli, 0, 0]]
+                                    p.job_id or "", 0, p.used_milli, p.borrowed_milli, 0, 0, p.reserved_milli, 0,
+                                    p.used_memory_mib]]
         case QuotaBorrowed() | QuotaReturned():
             out["quota_events"] = [[*at, env.event_time_ms, p.kind, p.tenant, "", p.job_id, 0, 0, 0,
-                                    p.milli, 0]]
+                                    p.milli, 0, 0, 0, 0]]
     if p.kind in SCHEDULING_KINDS:
         reasons = orjson.dumps([r.model_dump(mode="json") for r in getattr(p, "reasons", ())]).decode()
         out["scheduling"] = [[*at, env.event_time_ms, p.kind, command_id, job_id, env.tenant or "", node,

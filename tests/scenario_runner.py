@@ -58,6 +58,7 @@ def run(path: Path) -> None:
         s.step(clock.env(inv, f"{inv.node}/inventory"))
     for q in doc.get("quotas", []):
         s.step(clock.env(QuotaSet(tenant=q["tenant"], project=q.get("project"), gpu_milli=q["compute"],
+                                  gpu_memory_mib=q["mem_gib"] * 1024 if "mem_gib" in q else None,
                                   overcommit_pct=q.get("overcommit_pct", 120)), "operator"))
     for i, st in enumerate(doc["steps"]):
         st = dict(st)

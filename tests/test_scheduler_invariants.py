@@ -127,6 +127,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             used = acct.used_milli if acct else 0
             borrowed = acct.borrowed_milli if acct else 0
             assert used == sum(r.request.compute_milli for r in jobs)
+            assert (acct.used_memory_mib if acct else 0) == sum(r.request.gpu_memory_mib for r in jobs)
+            assert (acct.reserved_milli if acct else 0) == sum(r.request.compute_milli for r in jobs if r.hold)
             assert borrowed == sum(r.request.compute_milli for r in jobs if r.placement.borrowed)
             assert 0 <= borrowed <= used
 

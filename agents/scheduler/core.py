@@ -185,7 +185,7 @@ class Scheduler:
                 continue
             self._emit(out, ReleaseJob(command_id=self._command_id(), job_id=rec.request.job_id, node=part.node,
                                        reasons=(Reason(code=why),)), env)
-        for ev in self.ledger.release(rec.request, rec.placement.borrowed):
+        for ev in self.ledger.release(rec.request, rec.placement.borrowed, reserved=rec.hold is not None):
             self._emit(out, ev, env)
         rec.placement, rec.parts = None, ()
         rec.node = ""
@@ -283,7 +283,7 @@ class Scheduler:
                 reasons=result.reasons + quota.reasons + (Reason(code="Cycle", data={"cycle": self.cycle}),))
             self._emit(out, cmd, cause)
             cmds.append(cmd)
-        for ev in self.ledger.hold(r, quota.borrowed):
+        for ev in self.ledger.hold(r, quota.borrowed, reserved=rec.hold is not None):
             self._emit(out, ev, cause)
         rec.state, rec.node, rec.placement, rec.parts = "placed", result.node, cmds[0], tuple(cmds)
         rec.pending_codes, rec.nominated = (), None

@@ -1,4 +1,5 @@
-"""The two-level quota ledger (tenant -> project): quota, used, borrowed, in integer milli-CU.
+"""The two-level quota ledger (tenant -> project): quota, used, reserved, borrowed, in integer milli-CU (and GPU
+memory in MiB where a memory quota is set).
 
 A tenant within its quota uses its own capacity; beyond it, up to quota x overcommit cap, it borrows idle capacity
 from the shared pool, and that work is marked borrowed (billed on its own line, reclaimed first). A tenant with no
@@ -23,6 +24,8 @@ class Account:
     quota: QuotaSet | None = None
     used_milli: int = 0
     borrowed_milli: int = 0
+    reserved_milli: int = 0  # of used_milli: reservation holds
+    used_memory_mib: int = 0
 
 
 def effective_cap_pct(cap_pct: int, used_milli: int, capacity_milli: int, near_full_pct: int) -> int:
@@ -51,6 +54,7 @@ class Ledger:
         """Own quota, borrowing up to the (possibly lowered) cap, or blocked. `capacity_milli`: the pool's
         schedulable compute, for lowering the cap near full (0: never lowered)."""
         need = r.compute_milli
+        mem = r.gpu_memory_mib
         proj = self.accounts.get((r.tenant, r.project))
         if proj and proj.quota:
             cap = proj.quota.gpu_milli * proj.quota.overcommit_pct // 100
@@ -58,6 +62,13 @@ class Ledger:
                 return Admission(True, False, (Reason(
                     code="ProjectQuotaExceeded", plugin="Quota",
                     data={"used_milli": proj.used_milli, "request_milli": need, "cap_milli": cap}),))
+            if proj.quota.gpu_memory_mib is not None:
+                cap_mem = proj.quota.gpu_memory_mib * proj.quota.overcommit_pct // 100
+                if proj.used_memory_mib + mem > cap_mem:
+                    return Admission(True, False, (Reason(
+                        code="ProjectQuotaExceeded", plugin="Quota", message="GPU memory",
+                        data={"used_memory_mib": proj.used_memory_mib, "request_memory_mib": mem,
+                              "cap_memory_mib": cap_mem}),))
         t = self.accounts.get((r.tenant, None))
         if t is None or t.quota is None:
             return Admission(False, False, (Reason(code="NoQuotaConfigured", plugin="Quota"),))
@@ -68,9 +79,18 @@ class Ledger:
         if pct < t.quota.overcommit_pct:
             data = {**data, "cap_pct": pct, "configured_cap_pct": t.quota.overcommit_pct,
                     "pool_used_milli": self.pool_used_milli, "pool_capacity_milli": capacity_milli}
-        if t.used_milli + need <= quota:
+        within = t.used_milli + need <= quota
+        fits_cap = t.used_milli + need <= cap
+        q_mem = t.quota.gpu_memory_mib
+        if q_mem is not None:  # memory is a resource of its own: beyond its quota is borrowing too
+            cap_mem = q_mem * pct // 100
+            data = {**data, "used_memory_mib": t.used_memory_mib, "request_memory_mib": mem,
+                    "quota_memory_mib": q_mem, "cap_memory_mib": cap_mem}
+            within = within and t.used_memory_mib + mem <= q_mem
+            fits_cap = fits_cap and t.used_memory_mib + mem <= cap_mem
+        if within:
             return Admission(False, False, (Reason(code="WithinQuota", plugin="Quota", data=data),))
-        if t.used_milli + need <= cap:
+        if fits_cap:
             return Admission(False, True, (Reason(code="Borrowing", plugin="Quota", data=data),))
         return Admission(True, False, (Reason(code="QuotaExceeded", plugin="Quota", data=data),))
 
@@ -80,28 +100,35 @@ class Ledger:
             a = self.accounts.get((r.tenant, project))
             if a is not None:
                 out.append(QuotaChanged(tenant=r.tenant, project=project, used_milli=a.used_milli,
-                                        borrowed_milli=a.borrowed_milli, job_id=r.job_id))
+                                        reserved_milli=a.reserved_milli, borrowed_milli=a.borrowed_milli,
+                                        used_memory_mib=a.used_memory_mib, job_id=r.job_id))
         return out
 
-    def hold(self, r: JobRequested, borrowed: bool) -> list:
+    def hold(self, r: JobRequested, borrowed: bool, reserved: bool = False) -> list:
         self.pool_used_milli += r.compute_milli
         for project in (None, r.project):
             a = self.account(r.tenant, project)
             a.used_milli += r.compute_milli
+            a.used_memory_mib += r.gpu_memory_mib
             if borrowed:
                 a.borrowed_milli += r.compute_milli
+            if reserved:
+                a.reserved_milli += r.compute_milli
         out = self._changed(r)
         if borrowed:
             out.append(QuotaBorrowed(tenant=r.tenant, job_id=r.job_id, milli=r.compute_milli))
         return out
 
-    def release(self, r: JobRequested, borrowed: bool) -> list:
+    def release(self, r: JobRequested, borrowed: bool, reserved: bool = False) -> list:
         self.pool_used_milli -= r.compute_milli
         for project in (None, r.project):
             a = self.account(r.tenant, project)
             a.used_milli -= r.compute_milli
+            a.used_memory_mib -= r.gpu_memory_mib
             if borrowed:
                 a.borrowed_milli -= r.compute_milli
+            if reserved:
+                a.reserved_milli -= r.compute_milli
         out = self._changed(r)
         if borrowed:
             out.append(QuotaReturned(tenant=r.tenant, job_id=r.job_id, milli=r.compute_milli))
