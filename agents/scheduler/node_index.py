@@ -1,8 +1,8 @@
 """Which nodes can still take what: buckets of schedulable nodes, kept current as views change.
 
 Scanning 5,000 nodes for every job is what makes a naive scheduler slow. Each schedulable node sits in a few buckets:
-per card model, the largest free share on one card (in tenths of a card) and the number of completely free cards; and
-whether it has a free MIG instance or MIG room to create one. A job then looks only at buckets that can hold it,
+per card model, the free compute and free memory of each card (both in tenths of a card) and the number of completely
+free cards; and whether it has a free MIG instance or MIG room to create one. A job then looks only at buckets that can hold it,
 tightest first (best fit), and the exact checks run on those few nodes.
 
 Buckets are insertion-ordered dicts, never sets: iteration order must be a function of the input history so that a
@@ -22,13 +22,15 @@ SHARE_BUCKETS = 11  # largest free milli on one card // 100: 0..10
 def _keys(v: NodeView) -> tuple:
     if not v.schedulable:
         return (("down",),)
-    keys: list[tuple] = []
+    keys: set[tuple] = set()
     s = v.fit_summary
-    for name, (max_milli, _mem, whole) in sorted(s.by_model.items()):
-        if max_milli > 0:
-            keys.append(("share", name, max_milli // 100))
+    for c in v.card_free():
+        if c.healthy and not c.mig and c.milli > 0:
+            keys.add(("share", c.model, c.milli // 100, c.memory_mib * 10 // model(c.model).memory_mib))
+    for name, (_milli, _mem, whole) in s.by_model.items():
         if whole > 0:
-            keys.append(("whole", name, whole))
+            keys.add(("whole", name, whole))
+    keys = sorted(keys)
     if s.mig_free or any(c.mig_enabled and v.free_mig_slices(c) and c.uuid not in v.unhealthy and
                          c.uuid not in v.mig_pending for c in v.cards()):
         keys.append(("mig",))
@@ -42,9 +44,12 @@ class NodeIndex:
     models: dict[str, int] = field(default_factory=dict)  # model -> most cards of it on one node
     cu: dict[str, int] = field(default_factory=dict)  # node -> compute (milli-CU) of its healthy cards, if schedulable
     capacity_milli: int = 0  # the pool's schedulable compute
+    _inventory: dict[str, object] = field(default_factory=dict)
 
     def _capacity(self, v: NodeView) -> None:
         cu = sum(model(c.model).cu_milli for c in v.cards() if c.uuid not in v.unhealthy) if v.schedulable else 0
+        if cu == self.cu.get(v.node):
+            return
         self.capacity_milli += cu - self.cu.get(v.node, 0)
         self.cu[v.node] = cu
 
@@ -59,19 +64,26 @@ class NodeIndex:
         for k in new:
             self.buckets.setdefault(k, {})[v.node] = None
         self.keys[v.node] = new
-        for c in v.cards():
-            n = sum(1 for g in v.cards() if g.model == c.model)
-            if n > self.models.get(c.model, 0):
-                self.models[c.model] = n
+        if self._inventory.get(v.node) is not v.inventory:  # only a new inventory changes what cards there are
+            self._inventory[v.node] = v.inventory
+            per_model: dict[str, int] = {}
+            for c in v.cards():
+                per_model[c.model] = per_model.get(c.model, 0) + 1
+            for name, n in per_model.items():
+                if n > self.models.get(name, 0):
+                    self.models[name] = n
 
     @property
     def down(self) -> dict[str, None]:
         return self.buckets.get(("down",), {})
 
-    def share_nodes(self, model_name: str, need_milli: int) -> Iterator[str]:
-        """Nodes with a card of this model that has at least roughly `need_milli` free, tightest first."""
+    def share_nodes(self, model_name: str, need_milli: int, need_memory_mib: int) -> Iterator[str]:
+        """Nodes with a card of this model that has at least roughly `need_milli` and `need_memory_mib` free (in
+        tenths of a card, both), tightest first."""
+        first_mem = min(need_memory_mib * 10 // model(model_name).memory_mib, SHARE_BUCKETS - 1)
         for b in range(min(need_milli // 100, SHARE_BUCKETS - 1), SHARE_BUCKETS):
-            yield from self.buckets.get(("share", model_name, b), ())
+            for bm in range(first_mem, SHARE_BUCKETS):
+                yield from self.buckets.get(("share", model_name, b, bm), ())
 
     def whole_nodes(self, model_name: str, cards: int) -> Iterator[str]:
         """Nodes with at least `cards` completely free cards of this model, fewest spare first."""

@@ -170,7 +170,9 @@ def fit_cards(v: NodeView, job: JobRequested, order: list[str] | None = None) ->
     if not cards:
         return "NoAllowedHealthyGPU"
     rank = {m: i for i, m in enumerate(order or ())}
-    share_fits: list[tuple[int, int, int, str, Assignment]] = []
+    # (rank, leftover milli, leftover memory, card, then what the assignment will hold): assignments are built for
+    # the chosen card only -- this loop runs for every card of every node looked at
+    share_fits: list[tuple] = []
     for c in cards:
         m = model(c.model)
         if c.mig:
@@ -180,8 +182,7 @@ def fit_cards(v: NodeView, job: JobRequested, order: list[str] | None = None) ->
                 p = mig_profile(c.model, inst.profile)
                 if p.compute_slices * m.cu_milli // 7 >= job.compute_milli and p.memory_mib >= job.gpu_memory_mib:
                     share_fits.append((rank.get(c.model, 0), mig_share_milli(p), p.memory_mib, c.uuid,
-                                       Assignment(gpu_uuid=c.uuid, milli=mig_share_milli(p), memory_mib=p.memory_mib,
-                                                  mig_profile=p.name, mig_uuid=inst.uuid)))
+                                       mig_share_milli(p), p.memory_mib, p.name, inst.uuid))
                     break
             continue
         if job.compute_milli <= m.cu_milli and job.gpu_memory_mib <= m.memory_mib:
@@ -189,10 +190,11 @@ def fit_cards(v: NodeView, job: JobRequested, order: list[str] | None = None) ->
             if c.milli >= need and c.memory_mib >= job.gpu_memory_mib:
                 # best fit: the card left with the least free compute after this job
                 share_fits.append((rank.get(c.model, 0), c.milli - need, c.memory_mib - job.gpu_memory_mib, c.uuid,
-                                   Assignment(gpu_uuid=c.uuid, milli=need, memory_mib=job.gpu_memory_mib)))
+                                   need, job.gpu_memory_mib, None, None))
     if share_fits:
-        share_fits.sort(key=lambda t: t[:4])
-        return (share_fits[0][4],)
+        best = min(share_fits, key=lambda t: t[:4])
+        return (Assignment(gpu_uuid=best[3], milli=best[4], memory_mib=best[5], mig_profile=best[6],
+                           mig_uuid=best[7]),)
     if not job.gang:
         return "InsufficientGPU"
     models = order or sorted({c.model for c in cards},
@@ -295,7 +297,7 @@ def place(index: NodeIndex, views: dict[str, NodeView], job: JobRequested, workl
         if fits and fits[0][0] == -1:
             break
         n = cards_needed(job.compute_milli, job.gpu_memory_mib, m)
-        nodes = index.share_nodes(m, share_for(job.compute_milli, model(m))) if n == 1 else (
+        nodes = index.share_nodes(m, share_for(job.compute_milli, model(m)), job.gpu_memory_mib) if n == 1 else (
             index.whole_nodes(m, n) if job.gang else ())
         for name in nodes:
             if len(fits) >= k:

@@ -15,6 +15,7 @@ Integer arithmetic throughout.
 """
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import Counter
 from dataclasses import dataclass
 
@@ -106,13 +107,17 @@ class Workload:
 
 def fragmentation(free: list[int], cpu: int, mem: int, shapes: tuple[Shape, ...]) -> int:
     """Weighted fragment (milli x weight) of one node's free cards of one model."""
+    free = sorted(free)
     g = sum(free)
+    below = [0]  # below[i]: free milli on the i smallest cards
+    for f in free:
+        below.append(below[-1] + f)
     total = 0
     for t in shapes:
-        ge = [f for f in free if f >= t.milli]
-        if len(ge) >= t.cards and cpu >= t.cpu_milli and mem >= t.memory_mib:
+        i = bisect_left(free, t.milli)  # cards from i on have at least the type's share free
+        if len(free) - i >= t.cards and cpu >= t.cpu_milli and mem >= t.memory_mib:
             n = min(cpu // t.cpu_milli if t.cpu_milli else _BIG, mem // t.memory_mib if t.memory_mib else _BIG)
-            total += t.weight * (g - min(sum(ge), n * t.cards * 1000))
+            total += t.weight * (g - min(g - below[i], n * t.cards * 1000))
         else:
             total += t.weight * g
     return total
