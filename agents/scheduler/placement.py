@@ -245,15 +245,19 @@ def _delta(v: NodeView, fit: tuple[Assignment, ...], job: JobRequested, workload
     """Fragmentation this placement adds to the node's cards of the chosen model (weighted milli)."""
     if fit[0].mig_uuid:
         return 0  # an existing MIG instance: its slices are carved already
-    model_name = next(c.model for c in v.card_free() if c.uuid == fit[0].gpu_uuid)
-    cards = [c for c in v.card_free() if c.model == model_name and c.healthy and not c.mig]
-    cpu, mem = v.free_cpu_memory()
-    shapes = workload.shapes(model_name)
-    before = workload.cached(v, model_name, lambda: fragmentation([c.milli for c in cards], cpu, mem, shapes))
+    model_name, cards, cpu, mem, before = workload.cached(v, fit[0].gpu_uuid, lambda: _frag_base(v, fit, workload))
     used = {a.gpu_uuid: a.milli for a in fit}
-    after = fragmentation([c.milli - used.get(c.uuid, 0) for c in cards], cpu - job.cpu_milli,
-                          mem - job.memory_mib, shapes)
+    after = fragmentation([milli - used.get(uuid, 0) for uuid, milli in cards], cpu - job.cpu_milli,
+                          mem - job.memory_mib, workload.shapes(model_name))
     return after - before
+
+
+def _frag_base(v: NodeView, fit: tuple[Assignment, ...], workload: Workload) -> tuple:
+    """(model, [(card, free milli)] of that model's healthy whole-share cards, free CPU, free memory, fragmentation)."""
+    model_name = next(c.model for c in v.card_free() if c.uuid == fit[0].gpu_uuid)
+    cards = [(c.uuid, c.milli) for c in v.card_free() if c.model == model_name and c.healthy and not c.mig]
+    cpu, mem = v.free_cpu_memory()
+    return model_name, cards, cpu, mem, fragmentation([m for _, m in cards], cpu, mem, workload.shapes(model_name))
 
 
 def _shape(fit: tuple[Assignment, ...]) -> str:

@@ -58,17 +58,18 @@ class Workload:
         self._typical: tuple = ()
         self._typical_at = 0
         self._per_model: dict[str, tuple[Shape, ...]] = {}
-        self._frag: dict[tuple[str, str], tuple[object, int, int]] = {}  # (node, model) -> (view, typical_at, frag)
+        self._frag: dict[tuple[str, str], tuple] = {}  # (node, card) -> (view, typical_at, value)
 
     @property
     def weight(self) -> int:
         self._refresh()
         return sum(n for _, n in self._typical)
 
-    def cached(self, view, model_name: str, compute) -> int:
-        """A node's fragmentation before a placement, kept while the view object and the typical set are the
-        same ones (views are immutable: a changed node is a new object)."""
-        key = (view.node, model_name)
+    def cached(self, view, card: str, compute):
+        """What a node's cards of one model look like before a placement (and their fragmentation), kept while the
+        view object and the typical set are the same ones (views are immutable: a changed node is a new object)."""
+        self._refresh()
+        key = (view.node, card)
         hit = self._frag.get(key)
         if hit is not None and hit[0] is view and hit[1] == self._typical_at:
             return hit[2]
