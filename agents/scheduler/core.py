@@ -11,8 +11,10 @@ from dataclasses import dataclass, field
 
 from agents.scheduler.node_index import NodeIndex
 from agents.scheduler.placement import DEFAULT_CANDIDATES, MigPlan, Placement, place
-from agents.scheduler.placement import fit_cards
-from agents.scheduler.preemption import PreemptionConfig, Victim, fits, placed, plan_for, protected, released
+from agents.scheduler.placement import allowed_models, fit_cards
+from agents.scheduler.preemption import (
+    PreemptionConfig, Victim, fits, placed, plan_for, plan_gang, protected, released,
+)
 from agents.scheduler.quota import Ledger
 from agents.scheduler.reservations import LIVE, Book, Booking
 from agents.scheduler.scoring import Workload
@@ -42,6 +44,7 @@ class JobRecord:
     checkpoint_ms: int = 0
     pending_codes: tuple[str, ...] = ()
     nominated: tuple[str, tuple[str, ...]] | None = None  # (node, victims) while its preemptions take effect
+    claim: tuple[str, ...] = ()  # nodes whose freed capacity is kept for it while nominated
     mig_wait: tuple[str, str] | None = None  # (node, card) whose MIG reconfigure it waits for
     hold: Booking | None = None  # a reservation's hold: placed without a command, never a victim
 
@@ -61,6 +64,9 @@ class Scheduler:
     index: NodeIndex = field(default_factory=NodeIndex)
     workload: Workload = field(default_factory=Workload)
     candidates: int = DEFAULT_CANDIDATES
+    # Jobs nominated on nodes (kube-scheduler's nominatedNodeName): what their victims free there is theirs; jobs of
+    # the same or a lower tier do not take it in the meantime (or preemption would thrash).
+    nominations: dict[str, JobRecord] = field(default_factory=dict)
     book: Book = field(default_factory=Book)
     # The pending queue is retried as a whole only when something may have changed its answers: the epoch moves
     # on every input that can free capacity or change quota, health or reservations, and on a tick every
@@ -199,6 +205,7 @@ class Scheduler:
         self._release(out, env, rec, {"job.cancelled": "Cancelled", "job.failed": "Failed"}.get(env.kind, "Completed"))
         rec.state = "done"
         self.pending.discard(job_id)
+        self._nominate(rec, None)
 
     def _requeue(self, out: list[Envelope], env: Envelope, p: JobStopped) -> None:
         rec = self.jobs.get(p.job_id)
@@ -215,9 +222,7 @@ class Scheduler:
     def pending_order(self) -> list[JobRecord]:
         """Jobs that preemption freed capacity for come first (the capacity was stopped for them); then tier; within a
         tier, preempted work resumes before newer work; then arrival order."""
-        pending = [self.jobs[j] for j in self.pending]
-        return sorted(pending, key=lambda r: (0 if r.nominated else 1, TIER_RANK[r.request.tier],
-                                              0 if r.preemptions else 1, r.arrival))
+        return sorted((self.jobs[j] for j in self.pending), key=_queue_key)
 
     def _cycle(self, out: list[Envelope], cause: Envelope, only: JobRecord | None = None) -> None:
         self.cycle += 1
@@ -250,7 +255,7 @@ class Scheduler:
                 self._pending(out, cause, rec, dominated)
                 continue
             result = place(self.index, self.nodes, r, self.workload, self.candidates,
-                           prefer=rec.nominated[0] if rec.nominated else None)
+                           prefer=rec.nominated[0] if rec.nominated else None, exclude=self._claimed_from(rec))
             if isinstance(result, MigPlan):
                 self._reconfigure(out, cause, rec, result)
                 continue
@@ -286,7 +291,8 @@ class Scheduler:
         for ev in self.ledger.hold(r, quota.borrowed, reserved=rec.hold is not None):
             self._emit(out, ev, cause)
         rec.state, rec.node, rec.placement, rec.parts = "placed", result.node, cmds[0], tuple(cmds)
-        rec.pending_codes, rec.nominated = (), None
+        rec.pending_codes = ()
+        self._nominate(rec, None)
         self.pending.discard(r.job_id)
         if rec.hold is not None:
             rec.hold.status = "active"
@@ -335,7 +341,7 @@ class Scheduler:
         self._end_hold(out, cause, b, "used", (Reason(code="UsedBy", plugin="Reservation",
                                                       data={"job_id": rec.request.job_id}),), node)
         if node:
-            rec.nominated = (node, ())
+            self._nominate(rec, (node, ()), (node,))
 
     def _reconfigure(self, out: list[Envelope], cause: Envelope, rec: JobRecord, plan: MigPlan) -> None:
         """Carve a MIG instance out of idle slices; the job is placed once the node reports the new layout."""
@@ -379,11 +385,11 @@ class Scheduler:
         if rec.nominated is not None:
             if any(self.jobs[v].state == "stopping" for v in rec.nominated[1]):
                 return True
-            rec.nominated = None  # its victims are gone and it still does not fit: plan again
+            self._nominate(rec, None)  # its victims are gone and it still does not fit: plan again
         waiting = self._freed_by_stops(rec)
         if waiting is not None:
             # Work already stopping frees more than the jobs it was stopped for need: wait for it, stop nothing more.
-            rec.nominated = waiting
+            self._nominate(rec, waiting, (waiting[0],))
             self._pending(out, cause, rec, (Reason(
                 code="Preempting", plugin="Preemption", nodes=(waiting[0],),
                 message=f"waiting for {len(waiting[1])} job(s) already stopping on {waiting[0]}",
@@ -391,6 +397,8 @@ class Scheduler:
             return True
         victims = self._victims(rec, within_quota)
         plan = plan_for(rec.request, [self.nodes[n] for n in sorted(victims)], victims)
+        if plan is None and rec.request.gang and victims:
+            plan = plan_gang(rec.request, self.nodes, self.index, allowed_models(self.index, rec.request), victims)
         if plan is None:
             return False
         r = rec.request
@@ -399,12 +407,29 @@ class Scheduler:
                 Reason(code="PreemptedFor", plugin="Preemption", message=f"{v.rule}: {r.job_id} ({r.tier.value})",
                        data={"for_job": r.job_id, "rule": v.rule, "progress_lost_ms": v.progress_lost_ms}),)), cause)
             self.jobs[v.job_id].state = "stopping"
-        rec.nominated = (plan.node, tuple(v.job_id for v in plan.victims))
+        self._nominate(rec, (plan.node, tuple(v.job_id for v in plan.victims)),
+                       tuple(sorted({plan.node} | {v.node for v in plan.victims})))
+        where = tuple(sorted({v.node for v in plan.victims}))
         self._pending(out, cause, rec, (Reason(
-            code="Preempting", plugin="Preemption", nodes=(plan.node,),
-            message=f"waiting for {len(plan.victims)} job(s) to checkpoint and stop on {plan.node}",
+            code="Preempting", plugin="Preemption", nodes=where,
+            message=f"waiting for {len(plan.victims)} job(s) to checkpoint and stop on {', '.join(where)}",
             data={"victims": ",".join(rec.nominated[1])}),))
         return True
+
+    def _nominate(self, rec: JobRecord, nominated, claim: tuple[str, ...] = ()) -> None:
+        rec.nominated, rec.claim = nominated, claim if nominated is not None else ()
+        if nominated is None:
+            self.nominations.pop(rec.request.job_id, None)
+        else:
+            self.nominations[rec.request.job_id] = rec
+
+    def _claimed_from(self, rec: JobRecord) -> frozenset[str]:
+        """Nodes `rec` may not take from: claimed by a nominated job ahead of it in the queue."""
+        if not self.nominations:
+            return frozenset()
+        mine = _queue_key(rec)
+        return frozenset(n for o in self.nominations.values() if o is not rec and _queue_key(o) < mine
+                         for n in o.claim)
 
     def _freed_by_stops(self, rec: JobRecord) -> tuple[str, tuple[str, ...]] | None:
         """A node where `rec` fits once the jobs stopping there are gone and the jobs nominated to it have taken
@@ -439,6 +464,10 @@ class Scheduler:
     def card_model(self, node: str, gpu_uuid: str) -> str:
         inv = self.nodes[node].inventory
         return next((g.model for g in inv.gpus if g.uuid == gpu_uuid), "unknown") if inv else "unknown"
+
+
+def _queue_key(r: JobRecord) -> tuple:
+    return (0 if r.nominated else 1, TIER_RANK[r.request.tier], 0 if r.preemptions else 1, r.arrival)
 
 
 _NO_CONSTRAINTS = JobRequested.model_fields["constraints"].default

@@ -151,7 +151,7 @@ def _whole_cards(v: NodeView, job: JobRequested, cards: list[CardFree], n: int, 
     return tuple(Assignment(gpu_uuid=c.uuid, milli=1000, memory_mib=per_card_mem) for c in chosen[:n])
 
 
-def _free_whole(v: NodeView, job: JobRequested, model_name: str) -> list[CardFree]:
+def free_whole(v: NodeView, job: JobRequested, model_name: str) -> list[CardFree]:
     full = model(model_name).memory_mib
     return [c for c in v.card_free() if c.model == model_name and not c.mig and c.milli == 1000
             and c.memory_mib == full and _card_allowed(c, job, v)]
@@ -274,7 +274,8 @@ def allowed_models(index: NodeIndex, job: JobRequested) -> list[str]:
 
 
 def place(index: NodeIndex, views: dict[str, NodeView], job: JobRequested, workload: Workload,
-          k: int = DEFAULT_CANDIDATES, prefer: str | None = None) -> Placement | MigPlan | "Unschedulable":
+          k: int = DEFAULT_CANDIDATES, prefer: str | None = None, exclude: frozenset[str] = frozenset()
+          ) -> Placement | MigPlan | "Unschedulable":
     """Fitting nodes from the index, preferred card model first and tightest first; up to `k` of them are scored by
     the fragmentation they would add, the least wins. Failing that, a multi-node gang; failing that, a MIG
     reconfigure. Every rejection is recorded by plugin and node. `prefer`: a node tried first (a reservation's)."""
@@ -286,7 +287,7 @@ def place(index: NodeIndex, views: dict[str, NodeView], job: JobRequested, workl
     def consider(name: str, rank: int, order: list[str]) -> None:
         seen.add(name)
         v = views[name]
-        why = _rejects(v, job)
+        why = ("Preemption", "NominatedForOther") if name in exclude else _rejects(v, job)
         if why is None:
             fit = fit_cards(v, job, order)
             if not isinstance(fit, str):
@@ -326,12 +327,12 @@ def place(index: NodeIndex, views: dict[str, NodeView], job: JobRequested, workl
             reasons.append(_topology_reason(index, views, parts, fit_model(views[name], fit)))
         return Placement(parts, tuple(reasons))
     if job.gang:
-        gang = _gang(index, views, job, models)
+        gang = _gang(index, views, job, models, exclude)
         if gang is not None:
             return gang
     for name in index.mig_nodes():
         v = views[name]
-        if _rejects(v, job) is None:
+        if name not in exclude and _rejects(v, job) is None:
             plan = mig_plan(v, job, models)
             if plan is not None:
                 return plan
@@ -361,7 +362,8 @@ def _topology_reason(index: NodeIndex, views: dict[str, NodeView], parts: tuple[
                         "parts": len(parts)})
 
 
-def _gang(index: NodeIndex, views: dict[str, NodeView], job: JobRequested, models: list[str]) -> Placement | None:
+def _gang(index: NodeIndex, views: dict[str, NodeView], job: JobRequested, models: list[str],
+          exclude: frozenset[str] = frozenset()) -> Placement | None:
     """All or nothing over several nodes: the fewest parts inside one rack, else one data center, else anywhere --
     as far as the job's max_spread allows."""
     limit = "nvlink" if job.constraints.interconnect == "nvlink" else job.constraints.max_spread
@@ -373,10 +375,10 @@ def _gang(index: NodeIndex, views: dict[str, NodeView], job: JobRequested, model
         avail: list[tuple[str, int]] = []
         for name, _k in index.whole_free(m):
             v = views[name]
-            if _rejects(v, job, skip_host=True):
+            if name in exclude or _rejects(v, job, skip_host=True):
                 continue
             cpu, mem = v.free_cpu_memory()
-            usable = len(_free_whole(v, job, m))
+            usable = len(free_whole(v, job, m))
             if cpu_per:
                 usable = min(usable, cpu // cpu_per)
             if mem_per:
@@ -405,7 +407,7 @@ def _gang(index: NodeIndex, views: dict[str, NodeView], job: JobRequested, model
                     best = take
             if best is not None:
                 per_card_mem = -(-job.gpu_memory_mib // n)
-                parts = tuple(Part(name, _whole_cards(views[name], job, _free_whole(views[name], job, m), c,
+                parts = tuple(Part(name, _whole_cards(views[name], job, free_whole(views[name], job, m), c,
                                                       per_card_mem), cpu_per * c, mem_per * c) for name, c in best)
                 return Placement(parts, (
                     Reason(code="Placed", plugin="Gang", nodes=tuple(p.node for p in parts),

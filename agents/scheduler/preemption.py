@@ -14,7 +14,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from agents.scheduler.placement import FILTERS, fit_cards
+from agents.scheduler import topology
+from agents.scheduler.node_index import NodeIndex, cards_needed
+from agents.scheduler.placement import FILTERS, fit_cards, free_whole
 from schemas.envelope import envelope
 from schemas.events import JobRequested, PlaceJob, ReleaseJob
 from streams import node_view
@@ -106,3 +108,81 @@ def plan_for(job: JobRequested, nodes: list[node_view.NodeView], candidates: dic
 
 def fits(view: node_view.NodeView, job: JobRequested) -> bool:
     return all(not f(view, job) for _, f in FILTERS) and not isinstance(fit_cards(view, job), str)
+
+
+def _room(view: node_view.NodeView, job: JobRequested, model_name: str, cpu_per: int, mem_per: int) -> int:
+    """Whole free cards of this model the node could give one part of `job` (host CPU and memory included)."""
+    room = len(free_whole(view, job, model_name))
+    cpu, mem = view.free_cpu_memory()
+    if cpu_per:
+        room = min(room, cpu // cpu_per)
+    if mem_per:
+        room = min(room, mem // mem_per)
+    return max(room, 0)
+
+
+def plan_gang(job: JobRequested, views: dict[str, node_view.NodeView], index: NodeIndex, models: list[str],
+              candidates: dict[str, list[Victim]]) -> Plan | None:
+    """Preemption for a gang that spans nodes: the tightest level (rack, data center, anywhere, within the job's
+    max_spread) where free cards plus what lower-tier work holds add up; free cards are used first, and on each node
+    only as many victims are stopped as its part needs (least disruptive first, then pruned). Tried on scratch views."""
+    limit = "nvlink" if job.constraints.interconnect == "nvlink" else job.constraints.max_spread
+    for m in models:
+        n = cards_needed(job.compute_milli, job.gpu_memory_mib, m)
+        if n < 2:
+            continue
+        cpu_per, mem_per = -(-job.cpu_milli // n), -(-job.memory_mib // n)
+        names = sorted(set(candidates) | {name for name, _ in index.whole_free(m)})
+        rooms: dict[str, tuple[int, int]] = {}
+        for name in names:
+            view = views[name]
+            if any(f(view, job) for plugin, f in FILTERS if plugin != "HostResources"):
+                continue
+            now = _room(view, job, m, cpu_per, mem_per)
+            most = _room(released(view, [v.job_id for v in candidates.get(name, ())]), job, m, cpu_per, mem_per)
+            if most > 0:
+                rooms[name] = (now, most)
+        if sum(most for _, most in rooms.values()) < n:
+            continue
+        for level in ("rack", "datacenter", "any"):
+            if not topology.allowed(level, limit):
+                return None
+            groups: dict[tuple, list[str]] = {}
+            for name in rooms:
+                inv = views[name].inventory
+                key = {"rack": (inv.datacenter, inv.rack), "datacenter": (inv.datacenter,), "any": ()}[level]
+                groups.setdefault(key, []).append(name)
+            best: Plan | None = None
+            for key, members in sorted(groups.items()):
+                plan = _gang_plan(job, views, m, n, cpu_per, mem_per, members, rooms, candidates)
+                if plan is not None and (best is None or plan.cost < best.cost):
+                    best = plan
+            if best is not None:
+                return best
+    return None
+
+
+def _gang_plan(job, views, m, n, cpu_per, mem_per, members, rooms, candidates) -> Plan | None:
+    total, victims, first = 0, [], None
+    for name in sorted(members, key=lambda x: (-rooms[x][0], -rooms[x][1], x)):
+        now, most = rooms[name]
+        take = min(most, n - total)
+        if take <= 0:
+            break
+        first = first or name
+        if now < take:
+            view = views[name]
+            chosen: list[Victim] = []
+            for v in sorted(candidates.get(name, ()), key=disruption_order):
+                chosen.append(v)
+                if _room(_without(view, chosen), job, m, cpu_per, mem_per) >= take:
+                    break
+            for extra in sorted(chosen, key=disruption_order, reverse=True):
+                rest = [c for c in chosen if c is not extra]
+                if _room(_without(view, rest), job, m, cpu_per, mem_per) >= take:
+                    chosen = rest
+            victims.extend(chosen)
+        total += take
+    if total < n or not victims:
+        return None  # enough without stopping anything is the placement's business, not preemption's
+    return Plan(first, tuple(sorted(victims, key=disruption_order)))
