@@ -362,6 +362,27 @@ def _topology_reason(index: NodeIndex, views: dict[str, NodeView], parts: tuple[
                         "parts": len(parts)})
 
 
+def gang_room(view: NodeView, job: JobRequested, model_name: str, cpu_per: int, mem_per: int) -> int:
+    """Whole free cards of this model the node could give one part of a gang (host CPU and memory included)."""
+    room = len(free_whole(view, job, model_name))
+    cpu, mem = view.free_cpu_memory()
+    if cpu_per:
+        room = min(room, cpu // cpu_per)
+    if mem_per:
+        room = min(room, mem // mem_per)
+    return max(room, 0)
+
+
+def group_by(level: str, names, views: dict[str, NodeView]) -> list[list[str]]:
+    """The nodes grouped by rack, data center, or all together; groups in a deterministic order."""
+    groups: dict[tuple, list[str]] = {}
+    for name in names:
+        inv = views[name].inventory
+        key = {"rack": (inv.datacenter, inv.rack), "datacenter": (inv.datacenter,), "any": ()}[level]
+        groups.setdefault(key, []).append(name)
+    return [groups[k] for k in sorted(groups)]
+
+
 def _gang(index: NodeIndex, views: dict[str, NodeView], job: JobRequested, models: list[str],
           exclude: frozenset[str] = frozenset()) -> Placement | None:
     """All or nothing over several nodes: the fewest parts inside one rack, else one data center, else anywhere --
@@ -372,33 +393,23 @@ def _gang(index: NodeIndex, views: dict[str, NodeView], job: JobRequested, model
         if n < 2:
             continue
         cpu_per, mem_per = -(-job.cpu_milli // n), -(-job.memory_mib // n)
-        avail: list[tuple[str, int]] = []
+        avail: dict[str, int] = {}
         for name, _k in index.whole_free(m):
             v = views[name]
             if name in exclude or _rejects(v, job, skip_host=True):
                 continue
-            cpu, mem = v.free_cpu_memory()
-            usable = len(free_whole(v, job, m))
-            if cpu_per:
-                usable = min(usable, cpu // cpu_per)
-            if mem_per:
-                usable = min(usable, mem // mem_per)
+            usable = gang_room(v, job, m, cpu_per, mem_per)
             if usable > 0:
-                avail.append((name, usable))
-        if sum(u for _, u in avail) < n:
+                avail[name] = usable
+        if sum(avail.values()) < n:
             continue
         for level in ("rack", "datacenter", "any"):
             if not topology.allowed(level, limit):
                 return None
-            groups: dict[tuple, list[tuple[str, int]]] = {}
-            for name, usable in avail:
-                inv = views[name].inventory
-                key = {"rack": (inv.datacenter, inv.rack), "datacenter": (inv.datacenter,), "any": ()}[level]
-                groups.setdefault(key, []).append((name, usable))
             best = None
-            for key, members in sorted(groups.items()):
+            for members in group_by(level, avail, views):
                 take, total = [], 0
-                for name, usable in sorted(members, key=lambda t: (-t[1], t[0])):
+                for name, usable in sorted(((x, avail[x]) for x in members), key=lambda t: (-t[1], t[0])):
                     take.append((name, min(usable, n - total)))
                     total += take[-1][1]
                     if total >= n:

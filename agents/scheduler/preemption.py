@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from agents.scheduler import topology
 from agents.scheduler.node_index import NodeIndex, cards_needed
-from agents.scheduler.placement import FILTERS, fit_cards, free_whole
+from agents.scheduler.placement import FILTERS, fit_cards, gang_room, group_by
 from schemas.envelope import envelope
 from schemas.events import JobRequested, PlaceJob, ReleaseJob
 from streams import node_view
@@ -110,17 +110,6 @@ def fits(view: node_view.NodeView, job: JobRequested) -> bool:
     return all(not f(view, job) for _, f in FILTERS) and not isinstance(fit_cards(view, job), str)
 
 
-def _room(view: node_view.NodeView, job: JobRequested, model_name: str, cpu_per: int, mem_per: int) -> int:
-    """Whole free cards of this model the node could give one part of `job` (host CPU and memory included)."""
-    room = len(free_whole(view, job, model_name))
-    cpu, mem = view.free_cpu_memory()
-    if cpu_per:
-        room = min(room, cpu // cpu_per)
-    if mem_per:
-        room = min(room, mem // mem_per)
-    return max(room, 0)
-
-
 def plan_gang(job: JobRequested, views: dict[str, node_view.NodeView], index: NodeIndex, models: list[str],
               candidates: dict[str, list[Victim]]) -> Plan | None:
     """Preemption for a gang that spans nodes: the tightest level (rack, data center, anywhere, within the job's
@@ -138,8 +127,8 @@ def plan_gang(job: JobRequested, views: dict[str, node_view.NodeView], index: No
             view = views[name]
             if any(f(view, job) for plugin, f in FILTERS if plugin != "HostResources"):
                 continue
-            now = _room(view, job, m, cpu_per, mem_per)
-            most = _room(released(view, [v.job_id for v in candidates.get(name, ())]), job, m, cpu_per, mem_per)
+            now = gang_room(view, job, m, cpu_per, mem_per)
+            most = gang_room(released(view, [v.job_id for v in candidates.get(name, ())]), job, m, cpu_per, mem_per)
             if most > 0:
                 rooms[name] = (now, most)
         if sum(most for _, most in rooms.values()) < n:
@@ -147,13 +136,8 @@ def plan_gang(job: JobRequested, views: dict[str, node_view.NodeView], index: No
         for level in ("rack", "datacenter", "any"):
             if not topology.allowed(level, limit):
                 return None
-            groups: dict[tuple, list[str]] = {}
-            for name in rooms:
-                inv = views[name].inventory
-                key = {"rack": (inv.datacenter, inv.rack), "datacenter": (inv.datacenter,), "any": ()}[level]
-                groups.setdefault(key, []).append(name)
             best: Plan | None = None
-            for key, members in sorted(groups.items()):
+            for members in group_by(level, rooms, views):
                 plan = _gang_plan(job, views, m, n, cpu_per, mem_per, members, rooms, candidates)
                 if plan is not None and (best is None or plan.cost < best.cost):
                     best = plan
@@ -175,11 +159,11 @@ def _gang_plan(job, views, m, n, cpu_per, mem_per, members, rooms, candidates) -
             chosen: list[Victim] = []
             for v in sorted(candidates.get(name, ()), key=disruption_order):
                 chosen.append(v)
-                if _room(_without(view, chosen), job, m, cpu_per, mem_per) >= take:
+                if gang_room(_without(view, chosen), job, m, cpu_per, mem_per) >= take:
                     break
             for extra in sorted(chosen, key=disruption_order, reverse=True):
                 rest = [c for c in chosen if c is not extra]
-                if _room(_without(view, rest), job, m, cpu_per, mem_per) >= take:
+                if gang_room(_without(view, rest), job, m, cpu_per, mem_per) >= take:
                     chosen = rest
             victims.extend(chosen)
         total += take
