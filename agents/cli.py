@@ -274,6 +274,9 @@ def cmd_simulate(cfg, args, rest: list[str]) -> int:
     if args.protocol == "fgd":
         from agents.sim.fgd_protocol import run_cli
         return run_cli(rest)
+    if args.protocol == "colocation":  # flags: --qps --philly --gpus --hours --seed --mode --plots --json (its --help)
+        from agents.sim.colocation import run_cli as run_colocation
+        return run_colocation(rest)
     raise SystemExit(f"unknown protocol {args.protocol}")
 
 
@@ -418,8 +421,10 @@ def parser() -> argparse.ArgumentParser:
     sub.add_parser("audit", help="audit the log: replay --verify [--from T --to T], export --tenant T --out DIR",
                    add_help=False)
 
-    sim = sub.add_parser("simulate", help="offline trace evaluation")
-    sim.add_argument("--protocol", required=True, choices=["fgd"])
+    sim = sub.add_parser("simulate", help="offline trace evaluation",
+                         epilog="colocation: --qps PATH --philly PATH --gpus N --hours H --seed S --mode load|clock "
+                                "--plots DIR --json (docs/colocation.md)")
+    sim.add_argument("--protocol", required=True, choices=["fgd", "colocation"])
 
     u = sub.add_parser("up", help="start broker, worker (and a simulated fleet) in the background")
     u.add_argument("--simulate", metavar="FLEET", default="demo:4")
