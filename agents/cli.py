@@ -198,8 +198,10 @@ def job_request(args, job_id: str):
     return JobRequested(
         job_id=job_id, tenant=args.tenant, project=args.project, tier=Tier(args.tier),
         compute_milli=args.compute, gpu_memory_mib=int(args.memory_gib * 1024), cpu_milli=args.cpu,
-        memory_mib=args.host_memory_mib, duration_s=args.duration,
-        constraints=Constraints(models=tuple(args.model or ())))
+        memory_mib=args.host_memory_mib, duration_s=args.duration, latency_sensitive=args.latency_sensitive,
+        reservation_id=args.reservation,
+        constraints=Constraints(models=tuple(args.model or ()), max_spread=args.max_spread,
+                                interconnect="nvlink" if args.nvlink else "any"))
 
 
 def cmd_submit(cfg, args) -> int:
@@ -218,8 +220,55 @@ def cmd_quota(cfg, args) -> int:
 
     t = time.time_ns() // 1_000_000
     q = QuotaSet(tenant=args.tenant, project=args.project, gpu_milli=args.compute,
+                 gpu_memory_mib=int(args.memory_gib * 1024) if args.memory_gib is not None else None,
                  overcommit_pct=args.overcommit_pct)
     produce(cfg, [envelope(q, source=f"cli/quota/{args.tenant}/{args.project or ''}", seq=t, time_ms=t)])
+    return 0
+
+
+def cmd_reserve(cfg, args) -> int:
+    """Book capacity for a window (`reserve book`) or cancel a booking (`reserve cancel ID`)."""
+    from schemas.envelope import envelope
+    from schemas.events import ReservationCancelled, ReservationRequested, Tier
+
+    t = time.time_ns() // 1_000_000
+    if args.action == "cancel":
+        produce(cfg, [envelope(ReservationCancelled(reservation_id=args.reservation_id),
+                               source=f"cli/reservation/{args.reservation_id}", seq=t, time_ms=t)])
+        return 0
+    missing = [f"--{k.replace('_', '-')}" for k in ("tenant", "compute", "memory_gib") if getattr(args, k) is None]
+    if missing:
+        raise SystemExit(f"reserve book needs {', '.join(missing)}")
+    rid = args.reservation_id or f"res-{uuid.uuid4().hex[:10]}"
+    start = parse_time(args.start) if args.start else t
+    r = ReservationRequested(reservation_id=rid, tenant=args.tenant, project=args.project, tier=Tier(args.tier),
+                             compute_milli=args.compute, gpu_memory_mib=int(args.memory_gib * 1024),
+                             start_ms=start, end_ms=start + int(args.hours * 3_600_000))
+    produce(cfg, [envelope(r, source=f"cli/reservation/{rid}", seq=t, time_ms=t)])
+    print(rid)
+    return 0
+
+
+def cmd_service(cfg, args) -> int:
+    """Declare (or re-declare) an inference service with its SLO, or remove it."""
+    from schemas.envelope import envelope
+    from schemas.events import ServiceDeclared, ServiceRemoved
+
+    t = time.time_ns() // 1_000_000
+    if args.action == "remove":
+        payload = ServiceRemoved(service_id=args.service_id)
+    else:
+        missing = [f"--{k.replace('_', '-')}" for k in ("tenant", "compute", "memory_gib", "replica_qps")
+                   if getattr(args, k) is None]
+        if missing:
+            raise SystemExit(f"service declare needs {', '.join(missing)}")
+        payload = ServiceDeclared(
+            service_id=args.service_id, tenant=args.tenant, project=args.project,
+            replica_compute_milli=args.compute, replica_memory_mib=int(args.memory_gib * 1024),
+            boost_compute_milli=args.boost, replica_qps=args.replica_qps, min_replicas=args.min_replicas,
+            max_replicas=args.max_replicas, latency_target_ms=args.latency_ms, max_queue=args.max_queue,
+            latency_sensitive=not args.not_latency_sensitive)
+    produce(cfg, [envelope(payload, source=f"cli/service/{args.service_id}", seq=t, time_ms=t)])
     return 0
 
 
@@ -392,13 +441,45 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--host-memory-mib", type=int, default=1024)
     s.add_argument("--duration", type=int, help="simulated run time in seconds")
     s.add_argument("--model", action="append", help="allowed card model (repeatable)")
+    s.add_argument("--latency-sensitive", action="store_true", help="inference: prefer the newest generation")
+    s.add_argument("--max-spread", default="datacenter", choices=["node", "nvlink", "rack", "datacenter", "any"],
+                   help="the widest a multi-card gang may spread")
+    s.add_argument("--nvlink", action="store_true", help="a multi-card job must stay in one NVLink domain")
+    s.add_argument("--reservation", help="take the capacity booked by this reservation")
     s.add_argument("--job-id")
+
+    r = sub.add_parser("reserve", help="book capacity for a time window, or cancel a booking")
+    r.add_argument("action", choices=["book", "cancel"])
+    r.add_argument("reservation_id", nargs="?")
+    r.add_argument("--tenant")
+    r.add_argument("--project", default="default")
+    r.add_argument("--tier", default="online-training", choices=["inference", "online-training", "offline"])
+    r.add_argument("--compute", type=int, help="milli-CU")
+    r.add_argument("--memory-gib", type=float, help="GPU memory")
+    r.add_argument("--start", help="ISO time or epoch ms (default: now)")
+    r.add_argument("--hours", type=float, default=1.0)
+
+    v = sub.add_parser("service", help="declare or remove an inference service (replicas follow its load)")
+    v.add_argument("action", choices=["declare", "remove"])
+    v.add_argument("service_id")
+    v.add_argument("--tenant")
+    v.add_argument("--project", default="default")
+    v.add_argument("--compute", type=int, help="one replica's milli-CU")
+    v.add_argument("--memory-gib", type=float, help="one replica's GPU memory")
+    v.add_argument("--boost", type=int, default=0, help="milli-CU a vertical boost adds to a replica")
+    v.add_argument("--replica-qps", type=int, help="requests/s one replica serves within the SLO")
+    v.add_argument("--min-replicas", type=int, default=1)
+    v.add_argument("--max-replicas", type=int, default=64)
+    v.add_argument("--latency-ms", type=int, default=500, help="p99 latency target")
+    v.add_argument("--max-queue", type=int, default=100)
+    v.add_argument("--not-latency-sensitive", action="store_true")
 
     q = sub.add_parser("quota", help="set a tenant's (or project's) quota")
     q.add_argument("action", choices=["set"])
     q.add_argument("tenant")
     q.add_argument("--project")
     q.add_argument("--compute", type=int, required=True, help="quota in milli-CU")
+    q.add_argument("--memory-gib", type=float, help="GPU-memory quota (default: not limited)")
     q.add_argument("--overcommit-pct", type=int, default=120)
 
     j = sub.add_parser("jobs", help="list jobs with state and node")
@@ -444,6 +525,7 @@ def main(argv: list[str] | None = None) -> int:
         parser().error(f"unrecognized arguments: {' '.join(rest)}")
     cfg = config_mod.load()
     handlers = {"kafka": cmd_kafka, "worker": cmd_worker, "agent": cmd_agent, "submit": cmd_submit,
+                "reserve": cmd_reserve, "service": cmd_service,
                 "quota": cmd_quota, "jobs": cmd_jobs, "cluster": cmd_cluster, "billing": cmd_billing, "explain": cmd_explain,
                 "up": cmd_up, "down": cmd_down, "demo": cmd_demo}
     if args.command == "simulate":

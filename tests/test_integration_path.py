@@ -288,3 +288,37 @@ def test_duplicated_ledger_records_do_not_double_bill(stack):
     wait_for(lambda: all(stack.stats()["sink"]["positions"].get(f"gpupool.ledger/{p}", 0) >= n
                          for p, n in ends.items()), 30, "sink to read the duplicates", stack)
     assert total() == before
+
+
+def test_reservation_and_service_through_the_live_path(stack):
+    """The CLI books a reservation and declares a service; the live scheduler (ElasticScheduler) holds the booked
+    capacity, hands it to the job that names it, and starts the service's minimum replicas as ordinary jobs that the
+    node agent runs -- all through Kafka, visible in ClickHouse."""
+    stack.start_worker()
+    stack.start_agent("demo:2")
+    # a booking is checked against the pool's capacity: wait until the scheduler has seen the nodes
+    wait_for(lambda: json.loads(cli(stack, "cluster", "--format", "json"))["cards"] == 8, 60, "two nodes", stack)
+    rid = cli(stack, "reserve", "book", "--tenant", "acme", "--compute", "2000", "--memory-gib", "100",
+              "--hours", "1").strip()
+
+    def decided(status):
+        rows = stack.query("SELECT payload FROM gpupool.events FINAL WHERE kind = 'reservation.decided'")
+        return [r for r in rows if f'"{rid}"' in r["payload"] and f'"status":"{status}"' in r["payload"]]
+
+    wait_for(lambda: decided("active"), 60, "the reservation's hold", stack)
+    cli(stack, "submit", "--tenant", "acme", "--tier", "online-training", "--compute", "2000", "--memory-gib", "100",
+        "--duration", "2", "--job-id", "booked-1", "--reservation", rid)
+    wait_for(lambda: decided("used"), 60, "the reservation used", stack)
+    states = wait_for(lambda: (s := job_states(stack)) and s.get("booked-1", {}).get("state") == "completed" and s,
+                      60, "the booked job completed", stack)
+    assert states["booked-1"]["node"]
+
+    cli(stack, "service", "declare", "chat", "--tenant", "acme", "--compute", "300", "--memory-gib", "10",
+        "--replica-qps", "50", "--min-replicas", "2")
+    # two serving replicas (and possibly warm ones, started ahead from idle capacity: docs/elastic.md)
+    running = wait_for(lambda: (r := [j for j, v in job_states(stack).items()
+                                      if j.startswith("chat/") and v["state"] == "running"]) and len(r) >= 2 and r,
+                       60, "service replicas running", stack)
+    assert {"chat/r1", "chat/r2"} <= set(running)
+    scaled = stack.query("SELECT payload FROM gpupool.events FINAL WHERE kind = 'service.scaled'")
+    assert any('"chat"' in r["payload"] for r in scaled)
