@@ -69,6 +69,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from agents.node.fleet import make_node
+from agents.scheduler.agent import tune_gc
 from agents.scheduler.core import Scheduler
 from schemas.envelope import Envelope, envelope
 from schemas.events import (
@@ -545,6 +546,9 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="200 nodes, 2,000 jobs (200 with --preemption)")
     ap.add_argument("--profile", action="store_true", help="cProfile the timed part; print the top 25 cumulative")
     ap.add_argument("--json", action="store_true", help="only the JSON line on stdout")
+    ap.add_argument("--gc", choices=("agent", "default"), default="agent",
+                    help="agent: the scheduler agent's collector settings (agents.scheduler.agent.tune_gc); "
+                         "default: Python's")
     args = ap.parse_args(argv)
     if args.nodes is None:
         args.nodes = 200 if args.quick else 5000
@@ -565,6 +569,8 @@ def main(argv=None) -> int:
         say(f"[{mode}] setup through step in {time.perf_counter() - t:.1f} s "
             f"({len(run.s.nodes):,} nodes, {len(run.s.jobs):,} jobs known)")
         gc.collect()
+        if args.gc == "agent":
+            tune_gc()  # what the scheduler agent does after rebuilding its state
         if mode == "a":
             timed = timed_one_by_one(run, inp.jobs, args.max_seconds, args.profile)
         else:

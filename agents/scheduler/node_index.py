@@ -80,10 +80,20 @@ class NodeIndex:
     def share_nodes(self, model_name: str, need_milli: int, need_memory_mib: int) -> Iterator[str]:
         """Nodes with a card of this model that has at least roughly `need_milli` and `need_memory_mib` free (in
         tenths of a card, both), tightest first."""
-        first_mem = min(need_memory_mib * 10 // model(model_name).memory_mib, SHARE_BUCKETS - 1)
-        for b in range(min(need_milli // 100, SHARE_BUCKETS - 1), SHARE_BUCKETS):
-            for bm in range(first_mem, SHARE_BUCKETS):
+        # Buckets whose every card has room come first, tightest first; the two boundary rows (cards that may
+        # or may not have room) last -- walking them first visits many nearly full cards that do not fit.
+        mem = model(model_name).memory_mib
+        b0 = min(need_milli // 100, SHARE_BUCKETS - 1)
+        m0 = min(need_memory_mib * 10 // mem, SHARE_BUCKETS - 1)
+        sure_b = b0 if need_milli % 100 == 0 else b0 + 1
+        sure_m = m0 if (need_memory_mib * 10) % mem == 0 else m0 + 1
+        for b in range(sure_b, SHARE_BUCKETS):
+            for bm in range(sure_m, SHARE_BUCKETS):
                 yield from self.buckets.get(("share", model_name, b, bm), ())
+        for b in range(b0, SHARE_BUCKETS):
+            for bm in range(m0, SHARE_BUCKETS):
+                if b < sure_b or bm < sure_m:
+                    yield from self.buckets.get(("share", model_name, b, bm), ())
 
     def whole_nodes(self, model_name: str, cards: int) -> Iterator[str]:
         """Nodes with at least `cards` completely free cards of this model, fewest spare first."""
