@@ -5,7 +5,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from agents.scheduler.core import Scheduler, replay
-from schemas.events import ReservationRequested, JobCompleted, JobStarted, JobStopped, QuotaSet, SchedulerTick, Tier
+from schemas.events import TIER_RANK, ReservationRequested, JobCompleted, JobStarted, JobStopped, QuotaSet, SchedulerTick, Tier
 from tests.builders import Clock, inventory, job
 
 TENANTS = ("t1", "t2", "t3")
@@ -112,6 +112,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         expected = {(part.node, j) for j, r in self.s.jobs.items()
                     if r.state in ("placed", "running", "stopping") for part in r.parts}
         assert held == expected
+        by_tier = {}
+        for r in self.s.jobs.values():
+            if r.state in ("placed", "running", "stopping") and r.hold is None:
+                by_tier[TIER_RANK[r.request.tier]] = by_tier.get(TIER_RANK[r.request.tier], 0) + 1
+        assert {k: v for k, v in self.s.held_by_tier.items() if v} == by_tier
         for r in self.s.jobs.values():
             if len(r.parts) > 1:  # a gang is all or nothing: its parts add up to what it needs
                 cards = sum(len(p.assignments) for p in r.parts)

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from agents.scheduler.node_index import NodeIndex
+from agents.scheduler.node_index import NodeIndex, cards_needed
 from agents.scheduler.placement import DEFAULT_CANDIDATES, MigPlan, Placement, place
 from agents.scheduler.placement import allowed_models, fit_cards
 from agents.scheduler.preemption import (
-    PreemptionConfig, Victim, fits, placed, plan_for, plan_gang, protected, released,
+    PreemptionConfig, Victim, fits, placed, plan_gang, plan_over, protected, released,
 )
 from agents.scheduler.quota import Ledger
 from agents.scheduler.reservations import LIVE, Book, Booking
@@ -67,6 +67,7 @@ class Scheduler:
     # Jobs nominated on nodes (kube-scheduler's nominatedNodeName): what their victims free there is theirs; jobs of
     # the same or a lower tier do not take it in the meantime (or preemption would thrash).
     nominations: dict[str, JobRecord] = field(default_factory=dict)
+    held_by_tier: dict[int, int] = field(default_factory=dict)  # tier rank -> jobs holding capacity (holds aside)
     book: Book = field(default_factory=Book)
     # The pending queue is retried as a whole only when something may have changed its answers: the epoch moves
     # on every input that can free capacity or change quota, health or reservations, and on a tick every
@@ -191,6 +192,8 @@ class Scheduler:
                 continue
             self._emit(out, ReleaseJob(command_id=self._command_id(), job_id=rec.request.job_id, node=part.node,
                                        reasons=(Reason(code=why),)), env)
+        if rec.hold is None:
+            self.held_by_tier[TIER_RANK[rec.request.tier]] -= 1
         for ev in self.ledger.release(rec.request, rec.placement.borrowed, reserved=rec.hold is not None):
             self._emit(out, ev, env)
         rec.placement, rec.parts = None, ()
@@ -291,6 +294,9 @@ class Scheduler:
         for ev in self.ledger.hold(r, quota.borrowed, reserved=rec.hold is not None):
             self._emit(out, ev, cause)
         rec.state, rec.node, rec.placement, rec.parts = "placed", result.node, cmds[0], tuple(cmds)
+        if rec.hold is None:
+            rank = TIER_RANK[r.tier]
+            self.held_by_tier[rank] = self.held_by_tier.get(rank, 0) + 1
         rec.pending_codes = ()
         self._nominate(rec, None)
         self.pending.discard(r.job_id)
@@ -358,11 +364,33 @@ class Scheduler:
     # ---------------------------------------------------------------- preemption and reclaim
 
     def _victims(self, rec: JobRecord, within_quota: bool) -> dict[str, list[Victim]]:
+        """Every node's candidate victims for `rec` (multi-node gang plans need them all)."""
+        out: dict[str, list[Victim]] = {}
+        for name, view in self.nodes.items():
+            found = self._victims_on(view, rec, within_quota)
+            if found:
+                out[name] = found
+        return out
+
+    def _anyone_to_stop(self, rec: JobRecord, within_quota: bool) -> bool:
+        """Whether any job at all could be a victim (lower-tier work, or borrowed work of another tenant) -- so a
+        queue of low-tier jobs does not search every node on every cycle for victims that cannot exist."""
+        rank = TIER_RANK[rec.request.tier]
+        if any(n for tier, n in self.held_by_tier.items() if tier > rank):
+            return True
+        return within_quota and any(a.borrowed_milli for (tenant, project), a in self.ledger.accounts.items()
+                                    if project is None and tenant != rec.request.tenant)
+
+    def _victims_on(self, view: node_view.NodeView, rec: JobRecord, within_quota: bool) -> list[Victim]:
+        """Who on this node may be stopped for `rec`: lower tiers, or (for a job within its own quota) another
+        tenant's borrowed work; never a reservation hold, never a protected job."""
         r = rec.request
         rank = TIER_RANK[r.tier]
-        out: dict[str, list[Victim]] = {}
-        for other in self.jobs.values():
-            if other.state not in ("placed", "running") or other.placement is None or other.hold is not None:
+        out: list[Victim] = []
+        for j in view.allocations:
+            other = self.jobs.get(j)
+            if other is None or other.state not in ("placed", "running") or other.placement is None or \
+                    other.hold is not None:
                 continue
             o = other.request
             if TIER_RANK[o.tier] > rank:
@@ -374,10 +402,8 @@ class Scheduler:
             if protected(other.preempted_at, self.now_ms, self.preemption):
                 continue
             since = max(other.started_ms, other.checkpoint_ms) if other.state == "running" else self.now_ms
-            for part in other.parts:
-                out.setdefault(part.node, []).append(Victim(
-                    o.job_id, part.node, TIER_RANK[o.tier], other.placement.borrowed, max(0, self.now_ms - since),
-                    rule))
+            out.append(Victim(o.job_id, view.node, TIER_RANK[o.tier], other.placement.borrowed,
+                              max(0, self.now_ms - since), rule))
         return out
 
     def _preempt_for(self, out: list[Envelope], cause: Envelope, rec: JobRecord, within_quota: bool) -> bool:
@@ -395,10 +421,15 @@ class Scheduler:
                 message=f"waiting for {len(waiting[1])} job(s) already stopping on {waiting[0]}",
                 data={"victims": ",".join(waiting[1])}),))
             return True
-        victims = self._victims(rec, within_quota)
-        plan = plan_for(rec.request, [self.nodes[n] for n in sorted(victims)], victims)
-        if plan is None and rec.request.gang and victims:
-            plan = plan_gang(rec.request, self.nodes, self.index, allowed_models(self.index, rec.request), victims)
+        if not self._anyone_to_stop(rec, within_quota):
+            return False
+        plan = plan_over(rec.request, ((view, self._victims_on(view, rec, within_quota))
+                                       for view in self.nodes.values()), self.preemption.candidate_nodes)
+        if plan is None and rec.request.gang and any(
+                cards_needed(rec.request.compute_milli, rec.request.gpu_memory_mib, m) > n
+                for m, n in self.index.models.items()):
+            plan = plan_gang(rec.request, self.nodes, self.index, allowed_models(self.index, rec.request),
+                             self._victims(rec, within_quota))
         if plan is None:
             return False
         r = rec.request

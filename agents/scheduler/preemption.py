@@ -19,6 +19,7 @@ from agents.scheduler.node_index import NodeIndex, cards_needed
 from agents.scheduler.placement import FILTERS, fit_cards, gang_room, group_by
 from schemas.envelope import envelope
 from schemas.events import JobRequested, PlaceJob, ReleaseJob
+from schemas.gpu_models import model, share_for
 from streams import node_view
 
 
@@ -27,6 +28,7 @@ class PreemptionConfig:
     max_preemptions: int = 3
     window_ms: int = 3600_000
     protect_ms: int = 1800_000
+    candidate_nodes: int = 16  # nodes with a workable plan compared before choosing (the cheapest wins)
 
 
 @dataclass(frozen=True)
@@ -83,13 +85,22 @@ def _without(view: node_view.NodeView, victims: list[Victim]) -> node_view.NodeV
 
 def plan_for(job: JobRequested, nodes: list[node_view.NodeView], candidates: dict[str, list[Victim]]) -> Plan | None:
     """The cheapest node plan that makes `job` fit, or None."""
+    return plan_over(job, ((view, candidates.get(view.node, ())) for view in nodes))
+
+
+def plan_over(job: JobRequested, pairs, limit: int | None = None) -> Plan | None:
+    """The cheapest plan over (node view, its candidate victims) pairs, looking at no more than `limit` nodes that
+    can yield a plan (kube-scheduler likewise stops after a number of candidate nodes); pairs may be lazy."""
     best: Plan | None = None
-    for view in nodes:
-        victims = sorted(candidates.get(view.node, ()), key=disruption_order)
+    found = 0
+    for view, victims in pairs:
         if not victims:
             continue
         if any(f(view, job) for name, f in FILTERS if name != "HostResources"):
             continue  # a node that is down, cordoned or of the wrong kind does not fit whatever we stop
+        if not _could_fit(view, job, victims):
+            continue
+        victims = sorted(victims, key=disruption_order)
         chosen: list[Victim] = []
         for v in victims:
             chosen.append(v)
@@ -102,8 +113,45 @@ def plan_for(job: JobRequested, nodes: list[node_view.NodeView], candidates: dic
                 plan = Plan(view.node, tuple(sorted(chosen, key=disruption_order)))
                 if best is None or plan.cost < best.cost:
                     best = plan
+                found += 1
                 break
+        if limit is not None and found >= limit:
+            break
     return best
+
+
+def _could_fit(view: node_view.NodeView, job: JobRequested, victims) -> bool:
+    """A cheap necessary condition, from the victims' holdings alone, before any trial: host CPU and memory, and a
+    card (or enough whole cards) with room once they are gone. MIG cards are left to the trial."""
+    cpu, mem = view.free_cpu_memory()
+    freed: dict[str, list[int]] = {}
+    for v in victims:
+        held = view.allocations.get(v.job_id)
+        if held is None:
+            continue
+        cpu += held.cpu_milli
+        mem += held.memory_mib
+        for a in held.slices:
+            f = freed.setdefault(a.gpu_uuid, [0, 0])
+            f[0] += a.milli
+            f[1] += a.memory_mib
+    if cpu < job.cpu_milli or mem < job.memory_mib:
+        return False
+    whole: dict[str, int] = {}
+    for c in view.card_free():
+        if c.mig:
+            return True
+        if not c.healthy:
+            continue
+        f = freed.get(c.uuid, (0, 0))
+        milli, memory = c.milli + f[0], c.memory_mib + f[1]
+        m = model(c.model)
+        if job.compute_milli <= m.cu_milli and job.gpu_memory_mib <= m.memory_mib:
+            if milli >= share_for(job.compute_milli, m) and memory >= job.gpu_memory_mib:
+                return True
+        elif milli == 1000 and memory == m.memory_mib:
+            whole[c.model] = whole.get(c.model, 0) + 1
+    return any(n >= cards_needed(job.compute_milli, job.gpu_memory_mib, name) for name, n in whole.items())
 
 
 def fits(view: node_view.NodeView, job: JobRequested) -> bool:
