@@ -104,11 +104,12 @@ def plan_over(job: JobRequested, pairs, limit: int | None = None) -> Plan | None
         chosen: list[Victim] = []
         for v in victims:
             chosen.append(v)
-            if fits(_without(view, chosen), job):
+            # the arithmetic check first: a trial on a scratch view only where it can succeed
+            if _could_fit(view, job, chosen) and fits(_without(view, chosen), job):
                 # as much as it needs: drop, most disruptive first, every victim the job fits without
                 for extra in sorted(chosen, key=disruption_order, reverse=True):
                     rest = [c for c in chosen if c is not extra]
-                    if fits(_without(view, rest), job):
+                    if _could_fit(view, job, rest) and fits(_without(view, rest), job):
                         chosen = rest
                 plan = Plan(view.node, tuple(sorted(chosen, key=disruption_order)))
                 if best is None or plan.cost < best.cost:
