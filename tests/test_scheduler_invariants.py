@@ -117,6 +117,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             if r.state in ("placed", "running", "stopping") and r.hold is None:
                 by_tier[TIER_RANK[r.request.tier]] = by_tier.get(TIER_RANK[r.request.tier], 0) + 1
         assert {k: v for k, v in self.s.held_by_tier.items() if v} == by_tier
+        assert self.s.stopping == {j for j, r in self.s.jobs.items() if r.state == "stopping"}
         for r in self.s.jobs.values():
             if len(r.parts) > 1:  # a gang is all or nothing: its parts add up to what it needs
                 cards = sum(len(p.assignments) for p in r.parts)

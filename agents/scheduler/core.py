@@ -68,6 +68,7 @@ class Scheduler:
     # the same or a lower tier do not take it in the meantime (or preemption would thrash).
     nominations: dict[str, JobRecord] = field(default_factory=dict)
     held_by_tier: dict[int, int] = field(default_factory=dict)  # tier rank -> jobs holding capacity (holds aside)
+    stopping: set[str] = field(default_factory=set)  # jobs told to checkpoint and stop, not yet stopped
     book: Book = field(default_factory=Book)
     # The pending queue is retried as a whole only when something may have changed its answers: the epoch moves
     # on every input that can free capacity or change quota, health or reservations, and on a tick every
@@ -181,6 +182,7 @@ class Scheduler:
                 gpu_milli_ms=milli * (end - rec.started_ms), borrowed=pl.borrowed), env)
 
     def _release(self, out: list[Envelope], env: Envelope, rec: JobRecord, why: str) -> None:
+        self.stopping.discard(rec.request.job_id)
         if rec.placement is None:
             return
         self.epoch += 1  # capacity freed: the whole queue may fit differently
@@ -438,6 +440,7 @@ class Scheduler:
                 Reason(code="PreemptedFor", plugin="Preemption", message=f"{v.rule}: {r.job_id} ({r.tier.value})",
                        data={"for_job": r.job_id, "rule": v.rule, "progress_lost_ms": v.progress_lost_ms}),)), cause)
             self.jobs[v.job_id].state = "stopping"
+            self.stopping.add(v.job_id)
         self._nominate(rec, (plan.node, tuple(v.job_id for v in plan.victims)),
                        tuple(sorted({plan.node} | {v.node for v in plan.victims})))
         where = tuple(sorted({v.node for v in plan.victims}))
@@ -465,15 +468,14 @@ class Scheduler:
     def _freed_by_stops(self, rec: JobRecord) -> tuple[str, tuple[str, ...]] | None:
         """A node where `rec` fits once the jobs stopping there are gone and the jobs nominated to it have taken
         their share: (node, the stopping jobs), or None. Tried on scratch views, like any preemption plan."""
-        stopping: dict[str, list[str]] = {}
-        for j, o in self.jobs.items():
-            if o.state == "stopping":
-                for part in o.parts:
-                    stopping.setdefault(part.node, []).append(j)
-        if not stopping:
+        if not self.stopping:
             return None
+        stopping: dict[str, list[str]] = {}
+        for j in sorted(self.stopping):
+            for part in self.jobs[j].parts:
+                stopping.setdefault(part.node, []).append(j)
         claims: dict[str, list[JobRecord]] = {}
-        for o in self.jobs.values():
+        for o in self.nominations.values():
             if o.nominated is not None and o.state == "pending" and o is not rec:
                 claims.setdefault(o.nominated[0], []).append(o)
         for node in sorted(stopping):
