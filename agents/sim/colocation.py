@@ -781,6 +781,7 @@ def describe(p: Params, w: Workload) -> str:
 
 
 def table(res: dict) -> str:
+    modes = [m for m in ("split", "unified") if m in res]
     rows = [("allocated GPU-hours %", "allocated_gpu_hours_pct", "{:.1f}"),
             ("inference served within 30 s %", "inference_served_within_30s_pct", "{:.3f}"),
             ("unmet inference demand %", "unmet_inference_pct", "{:.3f}"),
@@ -790,18 +791,20 @@ def table(res: dict) -> str:
             ("training jobs started / completed", None, None),
             ("preemptions", "preemptions", "{}"),
             ("migrations", "migrations", "{}")]
-    out = ["| metric | split | unified |", "|---|---|---|"]
+    out = ["| metric | " + " | ".join(modes) + " |", "|---" * (len(modes) + 1) + "|"]
     for name, key, fmt in rows:
         if key is None:
             cells = [f"{res[m]['training_started']} / {res[m]['training_completed']} of {res[m]['training_jobs']}"
-                     for m in ("split", "unified")]
+                     for m in modes]
         else:
-            cells = [fmt.format(res[m][key]) if res[m][key] is not None else "-" for m in ("split", "unified")]
-        out.append(f"| {name} | {cells[0]} | {cells[1]} |")
+            cells = [fmt.format(res[m][key]) if res[m][key] is not None else "-" for m in modes]
+        out.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(out)
 
 
 def goals(res: dict) -> str:
+    if "unified" not in res or "split" not in res:
+        return "goals: need both runs"
     u, s = res["unified"], res["split"]
     ratio = s["training_mean_queueing_s"] / u["training_mean_queueing_s"] if u["training_mean_queueing_s"] else math.inf
     checks = [
@@ -832,6 +835,7 @@ def _parser() -> argparse.ArgumentParser:
                     help="replica start on a node that never ran the service")
     ap.add_argument("--warm-start-s", type=float, default=Params.warm_start_s,
                     help="replica start on a node that ran the service before (cached image and weights)")
+    ap.add_argument("--runs", default="split,unified", help="which runs (default both; the JSON has their keys)")
     ap.add_argument("--processes", type=int, default=2, help="run split and unified side by side (1: one after the other)")
     ap.add_argument("--plots", metavar="DIR", help="write colocation_{load,allocation,queue}.png there")
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
@@ -861,7 +865,11 @@ def run_cli(argv: list[str]) -> int:
         return 2
     print(describe(p, w), file=sys.stderr)
     started = time.perf_counter()
-    res = run_both(p, w, processes=args.processes)
+    labels = tuple(x for x in args.runs.split(",") if x)
+    if not labels or any(x not in ("split", "unified") for x in labels):
+        print("error: --runs takes split, unified or both", file=sys.stderr)
+        return 2
+    res = run_both(p, w, labels=labels, processes=args.processes)
     t = {m: res[m]["_timing"] for m in res}
     print(f"simulated both runs in {time.perf_counter() - started:.1f} s wall; " + "; ".join(
         f"{m} {t[m]['wall_s']} s wall, {t[m]['cpu_s']} s CPU, of which in the scheduler(s) {t[m]['scheduler_s']} s"
