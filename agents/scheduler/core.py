@@ -18,6 +18,7 @@ from agents.scheduler.preemption import (
 from agents.scheduler.quota import Ledger
 from agents.scheduler.reservations import LIVE, Book, Booking
 from agents.scheduler.scoring import Workload
+from agents.scheduler.victims import VictimIndex
 from schemas.envelope import Envelope, envelope
 from schemas.events import (
     TIER_RANK, GpuHealth, JobCancelled, JobCheckpointed, JobCompleted, JobFailed, JobPending, JobRequested,
@@ -69,6 +70,7 @@ class Scheduler:
     nominations: dict[str, JobRecord] = field(default_factory=dict)
     held_by_tier: dict[int, int] = field(default_factory=dict)  # tier rank -> jobs holding capacity (holds aside)
     stopping: set[str] = field(default_factory=set)  # jobs told to checkpoint and stop, not yet stopped
+    victim_index: VictimIndex = field(default_factory=VictimIndex)  # which nodes hold work of which tier / borrowed
     book: Book = field(default_factory=Book)
     # The pending queue is retried as a whole only when something may have changed its answers: the epoch moves
     # on every input that can free capacity or change quota, health or reservations, and on a tick every
@@ -95,6 +97,7 @@ class Scheduler:
         if name is not None:
             view = self.nodes[name] = node_view.evolve(self.nodes.get(name), env)
             self.index.update(view)
+            self.victim_index.mark(name)
 
     def _command_id(self) -> str:
         return f"c{self.out_seq + 1}"
@@ -368,11 +371,18 @@ class Scheduler:
     def _victims(self, rec: JobRecord, within_quota: bool) -> dict[str, list[Victim]]:
         """Every node's candidate victims for `rec` (multi-node gang plans need them all)."""
         out: dict[str, list[Victim]] = {}
-        for name, view in self.nodes.items():
-            found = self._victims_on(view, rec, within_quota)
+        for name in self._victim_nodes(rec, within_quota):
+            found = self._victims_on(self.nodes[name], rec, within_quota)
             if found:
                 out[name] = found
         return out
+
+    def _victim_nodes(self, rec: JobRecord, within_quota: bool):
+        """The nodes that may hold a victim for `rec`, in node order (the victim index; a superset of the nodes
+        `_victims_on` finds anyone on, and the same order as a walk over every node)."""
+        self.victim_index.sync(self.nodes, self.jobs)
+        names = self.victim_index.nodes_for(TIER_RANK[rec.request.tier], rec.request.tenant, within_quota)
+        return self.victim_index.in_order(self.nodes, names)
 
     def _anyone_to_stop(self, rec: JobRecord, within_quota: bool) -> bool:
         """Whether any job at all could be a victim (lower-tier work, or borrowed work of another tenant) -- so a
@@ -425,8 +435,9 @@ class Scheduler:
             return True
         if not self._anyone_to_stop(rec, within_quota):
             return False
-        plan = plan_over(rec.request, ((view, self._victims_on(view, rec, within_quota))
-                                       for view in self.nodes.values()), self.preemption.candidate_nodes)
+        plan = plan_over(rec.request, ((self.nodes[name], self._victims_on(self.nodes[name], rec, within_quota))
+                                       for name in self._victim_nodes(rec, within_quota)),
+                         self.preemption.candidate_nodes)
         if plan is None and rec.request.gang and any(
                 cards_needed(rec.request.compute_milli, rec.request.gpu_memory_mib, m) > n
                 for m, n in self.index.models.items()):
