@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from agents.scheduler import topology
 from agents.scheduler.node_index import NodeIndex, cards_needed
-from agents.scheduler.placement import FILTERS, fit_cards, gang_room, group_by
+from agents.scheduler.placement import FILTERS, _card_allowed, fit_cards, gang_room, group_by
 from schemas.envelope import envelope
 from schemas.events import JobRequested, PlaceJob, ReleaseJob
 from schemas.gpu_models import model, share_for
@@ -98,18 +98,18 @@ def plan_over(job: JobRequested, pairs, limit: int | None = None) -> Plan | None
             continue
         if any(f(view, job) for name, f in FILTERS if name != "HostResources"):
             continue  # a node that is down, cordoned or of the wrong kind does not fit whatever we stop
-        if not _could_fit(view, job, victims):
+        room = Room(view, job)
+        if not room.fits(victims):
             continue
         victims = sorted(victims, key=disruption_order)
         chosen: list[Victim] = []
         for v in victims:
             chosen.append(v)
-            # the arithmetic check first: a trial on a scratch view only where it can succeed
-            if _could_fit(view, job, chosen) and fits(_without(view, chosen), job):
+            if room.fits(chosen):
                 # as much as it needs: drop, most disruptive first, every victim the job fits without
                 for extra in sorted(chosen, key=disruption_order, reverse=True):
                     rest = [c for c in chosen if c is not extra]
-                    if _could_fit(view, job, rest) and fits(_without(view, rest), job):
+                    if room.fits(rest):
                         chosen = rest
                 plan = Plan(view.node, tuple(sorted(chosen, key=disruption_order)))
                 if best is None or plan.cost < best.cost:
@@ -119,6 +119,67 @@ def plan_over(job: JobRequested, pairs, limit: int | None = None) -> Plan | None
         if limit is not None and found >= limit:
             break
     return best
+
+
+class Room:
+    """Whether `job` fits on a node once some of its jobs are gone, by arithmetic on the node's free CPU, memory and
+    per-card free compute and GPU memory: exactly `fits(released(view, victims), job)` for a node that passes the
+    NodeReady and Constraints filters (which stopping work does not change), without building a scratch view.
+    A node with MIG cards (free instances, not amounts) is left to the trial on a scratch view."""
+
+    __slots__ = ("view", "job", "cpu", "mem", "cards", "mig", "share", "whole")
+
+    def __init__(self, view: node_view.NodeView, job: JobRequested):
+        self.view, self.job = view, job
+        self.cpu, self.mem = view.free_cpu_memory()
+        free = view.card_free()
+        self.mig = any(c.mig for c in free)
+        # allowed cards: (uuid, model, free milli, free memory); per model what one share needs, and how many
+        # whole cards a gang needs
+        self.cards = [(c.uuid, c.model, c.milli, c.memory_mib) for c in free
+                      if not c.mig and _card_allowed(c, job, view)]
+        self.share: dict[str, int] = {}
+        self.whole: dict[str, tuple[int, int]] = {}
+        for name in {c[1] for c in self.cards}:
+            m = model(name)
+            if job.compute_milli <= m.cu_milli and job.gpu_memory_mib <= m.memory_mib:
+                self.share[name] = share_for(job.compute_milli, m)
+            elif job.gang:
+                self.whole[name] = (cards_needed(job.compute_milli, job.gpu_memory_mib, name), m.memory_mib)
+
+    def fits(self, victims) -> bool:
+        if self.mig:
+            return _could_fit(self.view, self.job, victims) and fits(_without(self.view, victims), self.job)
+        job, allocations = self.job, self.view.allocations
+        cpu, mem = self.cpu, self.mem
+        freed: dict[str, list[int]] = {}
+        for v in victims:
+            held = allocations.get(v.job_id)
+            if held is None:
+                continue
+            cpu += held.cpu_milli
+            mem += held.memory_mib
+            for a in held.slices:
+                f = freed.get(a.gpu_uuid)
+                if f is None:
+                    freed[a.gpu_uuid] = [a.milli, a.memory_mib]
+                else:
+                    f[0] += a.milli
+                    f[1] += a.memory_mib
+        if cpu < job.cpu_milli or mem < job.memory_mib:
+            return False
+        whole: dict[str, int] = {}
+        for uuid, name, milli, memory in self.cards:
+            f = freed.get(uuid)
+            if f is not None:
+                milli, memory = milli + f[0], memory + f[1]
+            need = self.share.get(name)
+            if need is not None:
+                if milli >= need and memory >= job.gpu_memory_mib:
+                    return True
+            elif name in self.whole and milli == 1000 and memory == self.whole[name][1]:
+                whole[name] = whole.get(name, 0) + 1
+        return any(n >= self.whole[name][0] for name, n in whole.items())
 
 
 def _could_fit(view: node_view.NodeView, job: JobRequested, victims) -> bool:
