@@ -1,22 +1,28 @@
 """Which nodes can still take what: buckets of schedulable nodes, kept current as views change.
 
 Scanning 5,000 nodes for every job is what makes a naive scheduler slow. Each schedulable node sits in a few buckets:
-per card model, the free compute and free memory of each card (both in tenths of a card) and the number of completely
-free cards; and whether it has a free MIG instance or MIG room to create one. A job then looks only at buckets that can hold it,
-tightest first (best fit), and the exact checks run on those few nodes.
+per card model, one per exact free state (free compute milli, free memory MiB) of its healthy non-MIG cards that
+have compute left, and one for the number of completely free cards; and whether it has a free MIG instance or MIG
+room to create one. A job then looks only at buckets whose state holds it, tightest first (best fit), so every node
+it is shown has a card with room; the exact checks (host CPU and memory, constraints, scoring) run on those few.
+
+The share states present are kept per model in a sorted list (coarse tenths of a card, then the exact values), so
+a lookup skips the states too small for the job without visiting their nodes. Free states are few in practice
+(request shapes are discrete); a bucket that empties is dropped with its state.
 
 Buckets are insertion-ordered dicts, never sets: iteration order must be a function of the input history so that a
 replay makes the same choices (string hashing is salted per process).
 """
 from __future__ import annotations
 
+from bisect import bisect_left, insort
 from dataclasses import dataclass, field
 from typing import Iterator
 
 from schemas.gpu_models import model
 from streams.node_view import NodeView
 
-SHARE_BUCKETS = 11  # largest free milli on one card // 100: 0..10
+SHARE_BUCKETS = 11  # coarse tenths of a card (0..10) that order the share states: tightest tenth first
 
 
 def _keys(v: NodeView) -> tuple:
@@ -26,7 +32,7 @@ def _keys(v: NodeView) -> tuple:
     s = v.fit_summary
     for c in v.card_free():
         if c.healthy and not c.mig and c.milli > 0:
-            keys.add(("share", c.model, c.milli // 100, c.memory_mib * 10 // model(c.model).memory_mib))
+            keys.add(("share", c.model, c.milli, c.memory_mib))
     for name, (_milli, _mem, whole) in s.by_model.items():
         if whole > 0:
             keys.add(("whole", name, whole))
@@ -37,6 +43,12 @@ def _keys(v: NodeView) -> tuple:
     return tuple(keys)
 
 
+def _share_entry(model_name: str, milli: int, memory_mib: int) -> tuple[int, int, int, int]:
+    """How a share state sorts: (tenths of compute, tenths of memory, milli, MiB) -- tightest first."""
+    mem = model(model_name).memory_mib
+    return (min(milli // 100, SHARE_BUCKETS - 1), min(memory_mib * 10 // mem, SHARE_BUCKETS - 1), milli, memory_mib)
+
+
 @dataclass
 class NodeIndex:
     buckets: dict[tuple, dict[str, None]] = field(default_factory=dict)
@@ -45,6 +57,18 @@ class NodeIndex:
     cu: dict[str, int] = field(default_factory=dict)  # node -> compute (milli-CU) of its healthy cards, if schedulable
     capacity_milli: int = 0  # the pool's schedulable compute
     _inventory: dict[str, object] = field(default_factory=dict)
+    # model -> sorted share states present (see _share_entry); derived from `buckets`, rebuilt when None (an index
+    # built from copied buckets gets it on first use)
+    _shares: dict[str, list[tuple[int, int, int, int]]] | None = None
+    # node -> (view, workload, typical-set version, {job shape: outcome}): what placement found on this exact view,
+    # reused while the view object and the workload's typical set are the same (views are immutable)
+    fit_cache: dict[str, tuple] = field(default_factory=dict)
+
+    def copy(self) -> "NodeIndex":
+        """An independent copy (bucket dicts copied, order kept) that can be updated without touching this one."""
+        return NodeIndex(buckets={k: dict(v) for k, v in self.buckets.items()}, keys=dict(self.keys),
+                         models=dict(self.models), cu=dict(self.cu), capacity_milli=self.capacity_milli,
+                         _inventory=dict(self._inventory))
 
     def _capacity(self, v: NodeView) -> None:
         cu = sum(model(c.model).cu_milli for c in v.cards() if c.uuid not in v.unhealthy) if v.schedulable else 0
@@ -54,15 +78,30 @@ class NodeIndex:
         self.cu[v.node] = cu
 
     def update(self, v: NodeView) -> None:
+        self.fit_cache.pop(v.node, None)
         self._capacity(v)
         new = _keys(v)
         old = self.keys.get(v.node)
         if old == new:
             return
+        shares = self._shares
         for k in old or ():
-            self.buckets[k].pop(v.node, None)
+            b = self.buckets.get(k)
+            if b is None:
+                continue
+            b.pop(v.node, None)
+            if not b and k[0] == "share":  # a state nobody has any more: dropped, so lookups never walk it
+                del self.buckets[k]
+                if shares is not None:
+                    entries = shares[k[1]]
+                    del entries[bisect_left(entries, _share_entry(k[1], k[2], k[3]))]
         for k in new:
-            self.buckets.setdefault(k, {})[v.node] = None
+            b = self.buckets.get(k)
+            if b is None:
+                b = self.buckets[k] = {}
+            if not b and k[0] == "share" and shares is not None:
+                insort(shares.setdefault(k[1], []), _share_entry(k[1], k[2], k[3]))
+            b[v.node] = None
         self.keys[v.node] = new
         if self._inventory.get(v.node) is not v.inventory:  # only a new inventory changes what cards there are
             self._inventory[v.node] = v.inventory
@@ -73,27 +112,29 @@ class NodeIndex:
                 if n > self.models.get(name, 0):
                     self.models[name] = n
 
+    def _share_states(self, model_name: str) -> list[tuple[int, int, int, int]]:
+        if self._shares is None:
+            shares: dict[str, list] = {}
+            for k, nodes in self.buckets.items():
+                if k[0] == "share" and nodes:
+                    shares.setdefault(k[1], []).append(_share_entry(k[1], k[2], k[3]))
+            for entries in shares.values():
+                entries.sort()
+            self._shares = shares
+        return self._shares.get(model_name, ())
+
     @property
     def down(self) -> dict[str, None]:
         return self.buckets.get(("down",), {})
 
     def share_nodes(self, model_name: str, need_milli: int, need_memory_mib: int) -> Iterator[str]:
-        """Nodes with a card of this model that has at least roughly `need_milli` and `need_memory_mib` free (in
-        tenths of a card, both), tightest first."""
-        # Buckets whose every card has room come first, tightest first; the two boundary rows (cards that may
-        # or may not have room) last -- walking them first visits many nearly full cards that do not fit.
-        mem = model(model_name).memory_mib
-        b0 = min(need_milli // 100, SHARE_BUCKETS - 1)
-        m0 = min(need_memory_mib * 10 // mem, SHARE_BUCKETS - 1)
-        sure_b = b0 if need_milli % 100 == 0 else b0 + 1
-        sure_m = m0 if (need_memory_mib * 10) % mem == 0 else m0 + 1
-        for b in range(sure_b, SHARE_BUCKETS):
-            for bm in range(sure_m, SHARE_BUCKETS):
-                yield from self.buckets.get(("share", model_name, b, bm), ())
-        for b in range(b0, SHARE_BUCKETS):
-            for bm in range(m0, SHARE_BUCKETS):
-                if b < sure_b or bm < sure_m:
-                    yield from self.buckets.get(("share", model_name, b, bm), ())
+        """Nodes with a healthy non-MIG card of this model that has at least `need_milli` and `need_memory_mib`
+        free, tightest first (by tenths of a card, compute then memory, then exact free compute and memory)."""
+        entries = self._share_states(model_name)
+        start = bisect_left(entries, (min(need_milli // 100, SHARE_BUCKETS - 1),))
+        for _b, _bm, milli, mem in entries[start:]:
+            if milli >= need_milli and mem >= need_memory_mib:
+                yield from self.buckets[("share", model_name, milli, mem)]
 
     def whole_nodes(self, model_name: str, cards: int) -> Iterator[str]:
         """Nodes with at least `cards` completely free cards of this model, fewest spare first."""

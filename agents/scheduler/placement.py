@@ -12,7 +12,7 @@ from agents.scheduler import topology
 from agents.scheduler.node_index import NodeIndex, cards_needed
 from agents.scheduler.scoring import Workload, fragmentation, model_order
 from schemas.events import Assignment, JobRequested, MigInstance, Reason
-from schemas.gpu_models import MIG_MEMORY_SLICES, mig_profile, mig_share_milli, model, share_for, version_tuple
+from schemas.gpu_models import MIG_MEMORY_SLICES, MODELS, mig_profile, mig_share_milli, model, share_for, version_tuple
 from streams.node_view import CardFree, NodeView
 
 
@@ -273,31 +273,76 @@ def allowed_models(index: NodeIndex, job: JobRequested) -> list[str]:
     return model_order(job, [m for m in index.models if not c or m in c])
 
 
+def _mig_could_hold(job: JobRequested, models: list[str]) -> bool:
+    """Whether one MIG instance of an allowed model could hold the job (an existing one or a carved one): when none
+    could, the MIG nodes have nothing for it and are not walked. A model without a profile table (instances known
+    only by name) always could."""
+    if not job.constraints.mig_allowed:
+        return False
+    for name in models:
+        m = MODELS.get(name)
+        if m is None:
+            return True
+        for p in m.mig_profiles:
+            if p.compute_slices * m.cu_milli // 7 >= job.compute_milli and p.memory_mib >= job.gpu_memory_mib:
+                return True
+    return False
+
+
+_NO_CONSTRAINTS = JobRequested.model_fields["constraints"].default
+
+
 def place(index: NodeIndex, views: dict[str, NodeView], job: JobRequested, workload: Workload,
           k: int = DEFAULT_CANDIDATES, prefer: str | None = None, exclude: frozenset[str] = frozenset()
           ) -> Placement | MigPlan | "Unschedulable":
     """Fitting nodes from the index, preferred card model first and tightest first; up to `k` of them are scored by
     the fragmentation they would add, the least wins. Failing that, a multi-node gang; failing that, a MIG
-    reconfigure. Every rejection is recorded by plugin and node. `prefer`: a node tried first (a reservation's)."""
+    reconfigure. Every rejection is recorded by plugin and node. `prefer`: a node tried first (a reservation's).
+
+    What a node gives a job of a shape (rejection, or cards and fragmentation added) is a function of the node's
+    view, the shape and the workload's typical set: it is kept in `index.fit_cache` per view object and reused by
+    the next job of the same shape that looks at the unchanged node."""
     models = allowed_models(index, job)
     rejected: dict[tuple[str, str], list[str]] = {}
     fits: list[tuple[int, int, int, str, tuple[Assignment, ...]]] = []
     seen: set[str] = set()
+    cache = index.fit_cache
+    version = workload.version()
+    shape = (job.compute_milli, job.gpu_memory_mib, job.cpu_milli, job.memory_mib, job.gang) \
+        if job.constraints == _NO_CONSTRAINTS else None
 
-    def consider(name: str, rank: int, order: list[str]) -> None:
+    def consider(name: str, rank: int, order: list[str], order_key: str | None) -> None:
         seen.add(name)
+        if name in exclude:
+            rejected.setdefault(("Preemption", "NominatedForOther"), []).append(name)
+            return
         v = views[name]
-        why = ("Preemption", "NominatedForOther") if name in exclude else _rejects(v, job)
+        outcome = None
+        if shape is not None:
+            entry = cache.get(name)
+            if entry is None or entry[0] is not v or entry[1] is not workload or entry[2] != version:
+                entry = cache[name] = (v, workload, version, {})
+            outcome = entry[3].get((shape, order_key))
+        if outcome is None:
+            why = _rejects(v, job)
+            if why is None:
+                fit = fit_cards(v, job, order)
+                if isinstance(fit, str):
+                    why = ("GpuFit", fit)
+                else:
+                    outcome = (None, fit, _delta(v, fit, job, workload))
+            if outcome is None:
+                outcome = (why, None, 0)
+            if shape is not None:
+                entry[3][(shape, order_key)] = outcome
+        why, fit, delta = outcome
         if why is None:
-            fit = fit_cards(v, job, order)
-            if not isinstance(fit, str):
-                fits.append((rank, _delta(v, fit, job, workload), len(fits), name, fit))
-                return
-            why = ("GpuFit", fit)
-        rejected.setdefault(why, []).append(name)
+            fits.append((rank, delta, len(fits), name, fit))
+        else:
+            rejected.setdefault(why, []).append(name)
 
     if prefer in views:
-        consider(prefer, -1, models)
+        consider(prefer, -1, models, None)
     for rank, m in enumerate(models):
         if fits and fits[0][0] == -1:
             break
@@ -308,13 +353,14 @@ def place(index: NodeIndex, views: dict[str, NodeView], job: JobRequested, workl
             if len(fits) >= k:
                 break
             if name not in seen:
-                consider(name, rank, [m])
-    if len(fits) < k and job.constraints.mig_allowed:
+                consider(name, rank, [m], m)
+    mig = _mig_could_hold(job, models)
+    if len(fits) < k and mig:
         for name in index.mig_nodes():
             if len(fits) >= k:
                 break
             if name not in seen:
-                consider(name, len(models), models)
+                consider(name, len(models), models, None)
     if fits:
         rank, delta, _, name, fit = min(fits)
         w = max(1, workload.weight)
@@ -330,12 +376,13 @@ def place(index: NodeIndex, views: dict[str, NodeView], job: JobRequested, workl
         gang = _gang(index, views, job, models, exclude)
         if gang is not None:
             return gang
-    for name in index.mig_nodes():
-        v = views[name]
-        if name not in exclude and _rejects(v, job) is None:
-            plan = mig_plan(v, job, models)
-            if plan is not None:
-                return plan
+    if mig:
+        for name in index.mig_nodes():
+            v = views[name]
+            if name not in exclude and _rejects(v, job) is None:
+                plan = mig_plan(v, job, models)
+                if plan is not None:
+                    return plan
     return _unschedulable(index, views, job, rejected, seen)
 
 

@@ -65,6 +65,12 @@ class Workload:
         self._refresh()
         return sum(n for _, n in self._typical)
 
+    def version(self) -> int:
+        """Which typical set is in force (it changes only as the workload grows): results that depend on it are
+        reused only while this is the same."""
+        self._refresh()
+        return self._typical_at
+
     def cached(self, view, card: str, compute):
         """What a node's cards of one model look like before a placement (and their fragmentation), kept while the
         view object and the typical set are the same ones (views are immutable: a changed node is a new object)."""

@@ -1,0 +1,159 @@
+"""The node index kept incrementally must equal one rebuilt from the final views, and its lookups must return
+exactly the nodes that have room -- after any sequence of placements, releases, faults, cordons and new nodes."""
+from __future__ import annotations
+
+from hypothesis import given, settings, strategies as st
+
+from agents.scheduler.node_index import NodeIndex, _share_entry
+from agents.scheduler.placement import place
+from agents.scheduler.scoring import Workload
+from schemas.envelope import envelope
+from schemas.events import Assignment, GpuHealth, NodeCordon, PlaceJob, ReleaseJob
+from schemas.gpu_models import model, share_for
+from streams import node_view
+from tests.builders import inventory, job
+
+NODES = (("a", "A100-80GB", 4, None), ("b", "H100-80GB", 2, None), ("c", "A100-80GB", 2, ["1g.10gb"] * 7),
+         ("d", "H200", 3, None), ("e", "A100-80GB", 4, None))
+SHARES = ((100, 8), (250, 20), (500, 40), (1000, 80), (300, 1), (70, 60), (100, 75))  # (milli of the card, GiB)
+
+op = st.one_of(
+    st.tuples(st.just("place"), st.integers(0, len(NODES) - 1), st.integers(0, 3), st.integers(0, len(SHARES) - 1)),
+    st.tuples(st.just("release"), st.integers(0, 200)),
+    st.tuples(st.just("fault"), st.integers(0, len(NODES) - 1), st.integers(0, 3), st.booleans()),
+    st.tuples(st.just("cordon"), st.integers(0, len(NODES) - 1), st.booleans()),
+)
+
+
+class Fleet:
+    def __init__(self):
+        self.views: dict[str, node_view.NodeView] = {}
+        self.index = NodeIndex()
+        self.seq = 0
+        self.jobs: list[tuple[str, str]] = []  # (job id, node)
+
+    def apply(self, payload, node: str) -> None:
+        self.seq += 1
+        self.views[node] = node_view.evolve(self.views.get(node), envelope(payload, source="t", seq=self.seq,
+                                                                            time_ms=self.seq))
+        self.index.update(self.views[node])
+
+    def add(self, i: int) -> None:
+        name, m, gpus, mig = NODES[i]
+        self.apply(inventory(name, m, gpus, mig=mig, rack=f"r{i % 2}"), name)
+
+    def step(self, o) -> None:
+        if o[0] == "place":
+            name = NODES[o[1]][0]
+            if name not in self.views:
+                self.add(o[1])
+                return
+            v = self.views[name]
+            cards = [c for c in v.card_free() if not c.mig]
+            if not cards:
+                return
+            c = cards[o[2] % len(cards)]
+            milli, gib = SHARES[o[3]]
+            milli, mem = min(milli, c.milli), min(gib * 1024, c.memory_mib)
+            if milli <= 0 or mem <= 0:
+                return
+            jid = f"j{self.seq}"
+            self.apply(PlaceJob(command_id=jid, job_id=jid, tenant="t", node=name, cpu_milli=1000, memory_mib=1024,
+                                assignments=(Assignment(gpu_uuid=c.uuid, milli=milli, memory_mib=mem),)), name)
+            self.jobs.append((jid, name))
+        elif o[0] == "release" and self.jobs:
+            jid, name = self.jobs.pop(o[1] % len(self.jobs))
+            self.apply(ReleaseJob(command_id=f"r{jid}", job_id=jid, node=name), name)
+        elif o[0] == "fault":
+            name = NODES[o[1]][0]
+            if name in self.views:
+                cards = self.views[name].cards()
+                self.apply(GpuHealth(node=name, gpu_uuid=cards[o[2] % len(cards)].uuid, healthy=o[3],
+                                     reason="xid 79"), name)
+        elif o[0] == "cordon":
+            name = NODES[o[1]][0]
+            if name in self.views:
+                self.apply(NodeCordon(node=name, cordoned=o[2]), name)
+
+
+def rebuilt(views) -> NodeIndex:
+    index = NodeIndex()
+    for v in views.values():
+        index.update(v)
+    return index
+
+
+def live(index: NodeIndex) -> dict[tuple, set[str]]:
+    return {k: set(b) for k, b in index.buckets.items() if b}
+
+
+def fitting(views, model_name: str, milli: int, mem: int) -> set[str]:
+    return {n for n, v in views.items() if v.schedulable and any(
+        c.model == model_name and c.healthy and not c.mig and c.milli >= milli and c.memory_mib >= mem
+        for c in v.card_free())}
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, len(NODES) - 1), min_size=1, max_size=5), st.lists(op, min_size=5, max_size=80),
+       st.integers(0, 20))
+def test_incremental_index_equals_rebuilt(first, ops, early):
+    f = Fleet()
+    for i in first:
+        f.add(i)
+    for n, o in enumerate(ops):
+        if n == early:  # the sorted share states are built on first use and kept current from then on
+            list(f.index.share_nodes("A100-80GB", 1, 1))
+        f.step(o)
+    again = rebuilt(f.views)
+    assert live(f.index) == live(again)
+    assert f.index.keys == again.keys and f.index.models == again.models
+    assert f.index.cu == again.cu and f.index.capacity_milli == again.capacity_milli
+    # the sorted share states kept incrementally are those of the non-empty buckets, and a copy rebuilds them alike
+    for m in f.index.models:
+        states = sorted(_share_entry(m, k[2], k[3]) for k in live(again) if k[0] == "share" and k[1] == m)
+        assert list(f.index._share_states(m)) == states
+        assert list(f.index.copy()._share_states(m)) == states
+        assert list(NodeIndex(buckets={k: dict(b) for k, b in f.index.buckets.items()})._share_states(m)) == states
+    # no share bucket is left empty (lookups never walk a state nobody has)
+    assert all(b for k, b in f.index.buckets.items() if k[0] == "share")
+    # lookups: exactly the nodes with a card that has room, each state's nodes tightest first
+    for m in f.index.models:
+        for milli, gib in SHARES:
+            need = share_for(milli, model(m)) if milli <= 1000 else milli
+            got = list(f.index.share_nodes(m, need, gib * 1024))
+            assert set(got) == fitting(f.views, m, need, gib * 1024) == set(again.share_nodes(m, need, gib * 1024))
+        for n in range(1, 5):
+            whole = {name for name, v in f.views.items() if v.schedulable and sum(
+                1 for c in v.card_free() if c.model == m and c.healthy and not c.mig and c.milli == 1000
+                and c.memory_mib == model(m).memory_mib) >= n}
+            assert set(f.index.whole_nodes(m, n)) == whole
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, len(NODES) - 1), min_size=2, max_size=5), st.lists(op, min_size=5, max_size=40),
+       st.lists(st.tuples(st.sampled_from((100, 250, 500, 1000, 2000, 4000)), st.sampled_from((8, 20, 40, 80, 160)),
+                          st.booleans()), min_size=1, max_size=6))
+def test_cached_placement_equals_uncached(first, ops, shapes):
+    """The same job shapes placed against the same views give the same answer with the fit cache warm or cold, so
+    the cache never changes a decision or a reason."""
+    f = Fleet()
+    for i in first:
+        f.add(i)
+    for o in ops:
+        f.step(o)
+    w = Workload()
+    jobs = [job(f"x{i}", compute=c, mem_gib=g, gang=gang) for i, (c, g, gang) in enumerate(shapes)]
+    for j in jobs:
+        w.observe(j)
+    for j in jobs:
+        warm = [place(f.index, f.views, j, w) for _ in range(2)]
+        f.index.fit_cache.clear()
+        cold = place(f.index, f.views, j, w)
+        assert warm[0] == warm[1] == cold
+    # and after the fleet changes, what was cached for the old views is not used
+    for o in ops[::-1]:
+        f.step(o)
+    for j in jobs:
+        warm = place(f.index, f.views, j, w)
+        f.index.fit_cache.clear()
+        assert warm == place(f.index, f.views, j, w)
