@@ -97,7 +97,7 @@ class Scheduler:
         if name is not None:
             view = self.nodes[name] = node_view.evolve(self.nodes.get(name), env)
             self.index.update(view)
-            self.victim_index.mark(name)
+            self.victim_index.fold(name, p, view, self.jobs)
 
     def _command_id(self) -> str:
         return f"c{self.out_seq + 1}"
@@ -381,8 +381,8 @@ class Scheduler:
         """The nodes that may hold a victim for `rec`, in node order (the victim index; a superset of the nodes
         `_victims_on` finds anyone on, and the same order as a walk over every node)."""
         self.victim_index.sync(self.nodes, self.jobs)
-        names = self.victim_index.nodes_for(TIER_RANK[rec.request.tier], rec.request.tenant, within_quota)
-        return self.victim_index.in_order(self.nodes, names)
+        tables = self.victim_index.nodes_for(TIER_RANK[rec.request.tier], rec.request.tenant, within_quota)
+        return self.victim_index.in_order(self.nodes, tables)
 
     def _anyone_to_stop(self, rec: JobRecord, within_quota: bool) -> bool:
         """Whether any job at all could be a victim (lower-tier work, or borrowed work of another tenant) -- so a

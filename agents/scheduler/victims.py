@@ -8,11 +8,11 @@ quota) another tenant's borrowed work, in the scheduler's node order, so the pla
 the walk over every node gave. Who exactly may be stopped (state, protection) is still decided per node by the caller:
 the index is a superset, never a guess.
 
-It is synced lazily: the scheduler marks a node when its view changes, and the marked nodes are re-read from their
-views before a search (by then every placement has its command and borrowed flag on record). A node's entry is a
-function of its view object and of facts fixed while that view stands (a job's tier and tenant; the borrowed flag of
-the placement the view holds), so re-reading only the views that changed gives the index a rebuild would give
-(`rebuilt` is that rebuild; the tests hold the two equal).
+It is kept as the scheduler's own commands change the views: a placement adds its job to the node (its tier and
+tenant, and the borrowed flag the command carries), a release takes it off. A node's entry is thus a function of the
+jobs its view holds and of facts fixed while they hold it, and `rebuilt` (read afresh from every view) must give the
+same index; the tests hold the two equal. Views that never went through the scheduler's fold (set by hand) are read
+in full on the next search.
 """
 from __future__ import annotations
 
@@ -40,62 +40,80 @@ def entries(view, jobs) -> dict[str, Entry]:
 @dataclass
 class VictimIndex:
     pos: dict[str, int] = field(default_factory=dict)  # node -> place in the scheduler's node order
-    dirty: dict[str, None] = field(default_factory=dict)  # nodes whose view changed since the last sync
-    seen: dict[str, object] = field(default_factory=dict)  # node -> the view object last read
     held: dict[str, dict[str, Entry]] = field(default_factory=dict)  # node -> job -> entry
     by_rank: dict[int, dict[str, int]] = field(default_factory=dict)  # tier rank -> node -> jobs of that rank there
     by_borrowed: dict[str, dict[str, int]] = field(default_factory=dict)  # tenant -> node -> its borrowed jobs there
 
-    def mark(self, node: str) -> None:
+    def fold(self, node: str, payload, view, jobs: dict) -> None:
+        """After the scheduler folded `payload` into `node`'s view: keep the job it placed or released current."""
         if node not in self.pos:
             self.pos[node] = len(self.pos)
-        self.dirty[node] = None
+        job = getattr(payload, "job_id", None)
+        kind = getattr(payload, "kind", "")
+        if job is None or kind not in ("cmd.place", "cmd.release"):
+            return  # nothing else adds or removes a job's holding (a resize keeps the job where it is)
+        old = self.held.get(node, {}).get(job)
+        rec = jobs.get(job)
+        new = None
+        if job in view.allocations and rec is not None and rec.hold is None:
+            r = rec.request
+            borrowed = payload.borrowed if kind == "cmd.place" else (old[2] if old else True)
+            new = (TIER_RANK[r.tier], r.tenant, borrowed)
+        if new == old:
+            return
+        if old is not None:
+            self._drop(node, job, old)
+        if new is not None:
+            self._add(node, job, new)
 
     def sync(self, views: dict, jobs: dict) -> None:
-        if len(self.pos) != len(views):  # views that never went through mark (built by hand): take them all
-            self.pos = {name: i for i, name in enumerate(views)}
-            self.dirty = dict.fromkeys(views)
-        for name in self.dirty:
-            view = views.get(name)
-            if view is None or self.seen.get(name) is view:
-                continue
-            self.seen[name] = view
+        """Read in full any view the scheduler's fold never saw (views set by hand): every node is then known."""
+        if len(self.pos) == len(views):
+            return
+        self.pos = {name: i for i, name in enumerate(views)}
+        for name, view in views.items():
             self._set(name, entries(view, jobs))
-        self.dirty.clear()
 
     def _set(self, node: str, new: dict[str, Entry]) -> None:
-        old = self.held.get(node, {})
-        if old == new:
-            return
-        for e in old.values():
-            _dec(self.by_rank, e[0], node)
-            if e[2]:
-                _dec(self.by_borrowed, e[1], node)
-        for e in new.values():
-            _inc(self.by_rank, e[0], node)
-            if e[2]:
-                _inc(self.by_borrowed, e[1], node)
-        if new:
-            self.held[node] = new
-        else:
-            self.held.pop(node, None)
+        for job, e in list(self.held.get(node, {}).items()):
+            self._drop(node, job, e)
+        for job, e in new.items():
+            self._add(node, job, e)
 
-    def nodes_for(self, rank: int, tenant: str, within_quota: bool) -> set[str]:
-        """Nodes holding work of a lower tier than `rank`, or (within quota) another tenant's borrowed work."""
-        out: set[str] = set()
-        for r, ns in self.by_rank.items():
-            if r > rank:
-                out.update(ns)
+    def _add(self, node: str, job: str, e: Entry) -> None:
+        self.held.setdefault(node, {})[job] = e
+        _inc(self.by_rank, e[0], node)
+        if e[2]:
+            _inc(self.by_borrowed, e[1], node)
+
+    def _drop(self, node: str, job: str, e: Entry) -> None:
+        held = self.held[node]
+        del held[job]
+        if not held:
+            del self.held[node]
+        _dec(self.by_rank, e[0], node)
+        if e[2]:
+            _dec(self.by_borrowed, e[1], node)
+
+    def nodes_for(self, rank: int, tenant: str, within_quota: bool) -> list[dict[str, int]]:
+        """The node tables to look in: work of a lower tier than `rank`, or (within quota) another tenant's borrowed
+        work. A node is a candidate when any of them names it."""
+        out = [ns for r, ns in self.by_rank.items() if r > rank and ns]
         if within_quota:
-            for t, ns in self.by_borrowed.items():
-                if t != tenant:
-                    out.update(ns)
+            out += [ns for t, ns in self.by_borrowed.items() if t != tenant and ns]
         return out
 
-    def in_order(self, views: dict, names: set[str]) -> Iterator[str]:
-        """`names` in the scheduler's node order (the order of `views`), lazily where most nodes are named."""
-        if len(names) * 4 >= len(views):
-            return (n for n in views if n in names)
+    def in_order(self, views: dict, tables: list[dict[str, int]]) -> Iterator[str]:
+        """The nodes any of `tables` names, in the scheduler's node order (the order of `views`): lazily, walking the
+        views, where they name many of the nodes (a search usually stops early); else the few, sorted."""
+        if len(tables) == 1 and len(tables[0]) * 4 >= len(views):
+            only = tables[0]
+            return (n for n in views if n in only)
+        if sum(len(t) for t in tables) * 4 >= len(views):
+            return (n for n in views if any(n in t for t in tables))
+        names: set[str] = set()
+        for t in tables:
+            names.update(t)
         return iter(sorted(names, key=self.pos.__getitem__))
 
     def state(self) -> tuple:
@@ -107,8 +125,6 @@ class VictimIndex:
 def rebuilt(views: dict, jobs: dict) -> VictimIndex:
     """The index read afresh from every view (what the incremental one must equal)."""
     idx = VictimIndex()
-    for name in views:
-        idx.mark(name)
     idx.sync(views, jobs)
     return idx
 
