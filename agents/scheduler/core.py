@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 
 from agents.scheduler.node_index import NodeIndex, cards_needed
 from agents.scheduler.placement import DEFAULT_CANDIDATES, MigPlan, Placement, place
-from agents.scheduler.placement import allowed_models, fit_cards
+from agents.scheduler.placement import FILTERS, allowed_models, fit_cards
 from agents.scheduler.preemption import (
-    PreemptionConfig, Victim, fits, placed, plan_gang, plan_over, protected, released,
+    PreemptionConfig, Room, Victim, fits, placed, plan_gang, plan_over, protected, released,
 )
 from agents.scheduler.quota import Ledger
 from agents.scheduler.reservations import LIVE, Book, Booking
@@ -490,8 +490,14 @@ class Scheduler:
             if o.nominated is not None and o.state == "pending" and o is not rec:
                 claims.setdefault(o.nominated[0], []).append(o)
         for node in sorted(stopping):
+            if node not in claims:  # nobody else waits for this node: arithmetic, no scratch view
+                view = self.nodes[node]
+                if not any(f(view, rec.request) for name, f in FILTERS if name != "HostResources") and \
+                        Room(view, rec.request).fits_without(stopping[node]):
+                    return node, tuple(stopping[node])
+                continue
             view = released(self.nodes[node], stopping[node])
-            for o in sorted(claims.get(node, ()), key=lambda o: o.arrival):
+            for o in sorted(claims[node], key=lambda o: o.arrival):
                 fit = fit_cards(view, o.request)
                 if not isinstance(fit, str):
                     view = placed(view, o.request, fit)

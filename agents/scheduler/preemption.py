@@ -148,13 +148,17 @@ class Room:
                 self.whole[name] = (cards_needed(job.compute_milli, job.gpu_memory_mib, name), m.memory_mib)
 
     def fits(self, victims) -> bool:
+        return self.fits_without([v.job_id for v in victims])
+
+    def fits_without(self, job_ids) -> bool:
+        """Whether the job fits once these jobs are gone (ids of jobs not on the node free nothing)."""
         if self.mig:
-            return _could_fit(self.view, self.job, victims) and fits(_without(self.view, victims), self.job)
+            return fits(released(self.view, job_ids), self.job)
         job, allocations = self.job, self.view.allocations
         cpu, mem = self.cpu, self.mem
         freed: dict[str, list[int]] = {}
-        for v in victims:
-            held = allocations.get(v.job_id)
+        for j in job_ids:
+            held = allocations.get(j)
             if held is None:
                 continue
             cpu += held.cpu_milli
