@@ -131,8 +131,8 @@ def test_incremental_index_equals_rebuilt(first, ops, early):
 
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.integers(0, len(NODES) - 1), min_size=2, max_size=5), st.lists(op, min_size=5, max_size=40),
-       st.lists(st.tuples(st.sampled_from((100, 250, 500, 1000, 2000, 4000)), st.sampled_from((8, 20, 40, 80, 160)),
-                          st.booleans()), min_size=1, max_size=6))
+       st.lists(st.tuples(st.sampled_from((100, 250, 500, 1000, 2000, 4000, 8000)), st.sampled_from((8, 20, 40, 80, 160)),
+                          st.booleans(), st.sampled_from((1000, 60000, 200000))), min_size=1, max_size=6))
 def test_cached_placement_equals_uncached(first, ops, shapes):
     """The same job shapes placed against the same views give the same answer with the fit cache warm or cold, so
     the cache never changes a decision or a reason."""
@@ -142,7 +142,7 @@ def test_cached_placement_equals_uncached(first, ops, shapes):
     for o in ops:
         f.step(o)
     w = Workload()
-    jobs = [job(f"x{i}", compute=c, mem_gib=g, gang=gang) for i, (c, g, gang) in enumerate(shapes)]
+    jobs = [job(f"x{i}", compute=c, mem_gib=g, gang=gang, cpu_milli=cpu) for i, (c, g, gang, cpu) in enumerate(shapes)]
     for j in jobs:
         w.observe(j)
     for j in jobs:
@@ -157,3 +157,37 @@ def test_cached_placement_equals_uncached(first, ops, shapes):
         warm = place(f.index, f.views, j, w)
         f.index.fit_cache.clear()
         assert warm == place(f.index, f.views, j, w)
+
+
+def test_gang_room_is_cached_per_part_size():
+    """What a node can give one part of a gang depends on the host CPU and memory each card's part needs: a cached
+    answer for a lighter gang must not let a heavier one through."""
+    f = Fleet()
+    f.add(0)
+    f.add(4)  # two 4-card A100 nodes, one rack
+    w = Workload()
+    light = job("light", compute=8000, mem_gib=320, gang=True, cpu_milli=60000)
+    heavy = job("heavy", compute=8000, mem_gib=320, gang=True, cpu_milli=200000)
+    w.observe(light)
+    got = place(f.index, f.views, light, w)
+    assert len(got.parts) == 2 and got.reasons[1].data["level"] == "rack"
+    warm = place(f.index, f.views, heavy, w)  # 25,000 CPU a card: two cards a node, four in all
+    f.index.fit_cache.clear()
+    assert warm == place(f.index, f.views, heavy, w) and not hasattr(warm, "parts")
+
+
+def test_gang_tries_the_next_model_when_one_is_spread_too_wide():
+    """Enough H200 cards in all, but only across data centers (beyond the job's max_spread): the gang goes to the
+    next model that has room within one rack, instead of giving up."""
+    views, index = {}, NodeIndex()
+    for name, m, dc in (("h1", "H200", "dc-0"), ("h2", "H200", "dc-1"), ("a1", "A100-80GB", "dc-0"),
+                        ("a2", "A100-80GB", "dc-0")):
+        views[name] = node_view.evolve(None, envelope(inventory(name, m, 2, rack=f"{dc}-r", datacenter=dc),
+                                                      source=f"{name}/inv", seq=1, time_ms=1))
+        index.update(views[name])
+    w = Workload()
+    j = job("g", compute=4000, mem_gib=320, gang=True)  # 3 H200 cards (first choice) or 4 A100s
+    w.observe(j)
+    got = place(index, views, j, w)
+    assert hasattr(got, "parts") and {p.node for p in got.parts} == {"a1", "a2"}
+    assert got.reasons[1].data["level"] == "rack"

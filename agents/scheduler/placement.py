@@ -273,6 +273,14 @@ def allowed_models(index: NodeIndex, job: JobRequested) -> list[str]:
     return model_order(job, [m for m in index.models if not c or m in c])
 
 
+def _known(index: NodeIndex, v: NodeView, workload: Workload, version: int) -> dict:
+    """What placement already found on this exact view (outcomes by job shape), for this workload's typical set."""
+    entry = index.fit_cache.get(v.node)
+    if entry is None or entry[0] is not v or entry[1] is not workload or entry[2] != version:
+        entry = index.fit_cache[v.node] = (v, workload, version, {})
+    return entry[3]
+
+
 def _mig_could_hold(job: JobRequested, models: list[str]) -> bool:
     """Whether one MIG instance of an allowed model could hold the job (an existing one or a carved one): when none
     could, the MIG nodes have nothing for it and are not walked. A model without a profile table (instances known
@@ -306,7 +314,6 @@ def place(index: NodeIndex, views: dict[str, NodeView], job: JobRequested, workl
     rejected: dict[tuple[str, str], list[str]] = {}
     fits: list[tuple[int, int, int, str, tuple[Assignment, ...]]] = []
     seen: set[str] = set()
-    cache = index.fit_cache
     version = workload.version()
     shape = (job.compute_milli, job.gpu_memory_mib, job.cpu_milli, job.memory_mib, job.gang) \
         if job.constraints == _NO_CONSTRAINTS else None
@@ -319,10 +326,8 @@ def place(index: NodeIndex, views: dict[str, NodeView], job: JobRequested, workl
         v = views[name]
         outcome = None
         if shape is not None:
-            entry = cache.get(name)
-            if entry is None or entry[0] is not v or entry[1] is not workload or entry[2] != version:
-                entry = cache[name] = (v, workload, version, {})
-            outcome = entry[3].get((shape, order_key))
+            known = _known(index, v, workload, version)
+            outcome = known.get((shape, order_key))
         if outcome is None:
             why = _rejects(v, job)
             if why is None:
@@ -334,7 +339,7 @@ def place(index: NodeIndex, views: dict[str, NodeView], job: JobRequested, workl
             if outcome is None:
                 outcome = (why, None, 0)
             if shape is not None:
-                entry[3][(shape, order_key)] = outcome
+                known[(shape, order_key)] = outcome
         why, fit, delta = outcome
         if why is None:
             fits.append((rank, delta, len(fits), name, fit))
@@ -373,7 +378,7 @@ def place(index: NodeIndex, views: dict[str, NodeView], job: JobRequested, workl
             reasons.append(_topology_reason(index, views, parts, fit_model(views[name], fit)))
         return Placement(parts, tuple(reasons))
     if job.gang:
-        gang = _gang(index, views, job, models, exclude)
+        gang = _gang(index, views, job, models, exclude, (workload, version) if shape is not None else None)
         if gang is not None:
             return gang
     if mig:
@@ -431,28 +436,35 @@ def group_by(level: str, names, views: dict[str, NodeView]) -> list[list[str]]:
 
 
 def _gang(index: NodeIndex, views: dict[str, NodeView], job: JobRequested, models: list[str],
-          exclude: frozenset[str] = frozenset()) -> Placement | None:
+          exclude: frozenset[str] = frozenset(), cache: tuple[Workload, int] | None = None) -> Placement | None:
     """All or nothing over several nodes: the fewest parts inside one rack, else one data center, else anywhere --
-    as far as the job's max_spread allows."""
+    as far as the job's max_spread allows. `cache` (a job without constraints): what each node can give a part is
+    kept per view in the index's fit cache, so the next gang reads the nodes that did not change."""
     limit = "nvlink" if job.constraints.interconnect == "nvlink" else job.constraints.max_spread
     for m in models:
         n = cards_needed(job.compute_milli, job.gpu_memory_mib, m)
         if n < 2:
             continue
         cpu_per, mem_per = -(-job.cpu_milli // n), -(-job.memory_mib // n)
+        key = ("gang", m, cpu_per, mem_per)
         avail: dict[str, int] = {}
         for name, _k in index.whole_free(m):
-            v = views[name]
-            if name in exclude or _rejects(v, job, skip_host=True):
+            if name in exclude:
                 continue
-            usable = gang_room(v, job, m, cpu_per, mem_per)
+            v = views[name]
+            known = _known(index, v, cache[0], cache[1]) if cache is not None else None
+            usable = known.get(key) if known is not None else None
+            if usable is None:
+                usable = 0 if _rejects(v, job, skip_host=True) else gang_room(v, job, m, cpu_per, mem_per)
+                if known is not None:
+                    known[key] = usable
             if usable > 0:
                 avail[name] = usable
         if sum(avail.values()) < n:
             continue
         for level in ("rack", "datacenter", "any"):
             if not topology.allowed(level, limit):
-                return None
+                break  # not within the allowed spread on this model: the next model may have room closer together
             best = None
             for members in group_by(level, avail, views):
                 take, total = [], 0
