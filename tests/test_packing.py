@@ -9,6 +9,7 @@ from agents.scheduler.packing import (
     FGDPolicy,
     GpupoolPolicy,
     PodRequest,
+    scarcity_weights,
     TypicalPod,
     bestfit_scores,
     choose,
@@ -146,12 +147,63 @@ def test_gpupool_counts_gpus_stranded_by_cpu():
     fgd.bind(st)
     ours.bind(st)
     assert fgd.tracker.node_scaled[0] == 0
-    assert ours.node_scaled[0] == 7000
+    assert ours.node_scaled[0] == 7000 * ours.weight_total
     st2 = one_node([1000] * 8, cpu=12_000, mem=2048)
     mem_typ = [TypicalPod(10_000, 1000, 1, None, 1, 4096)]
     ours2 = GpupoolPolicy(mem_typ)
     ours2.bind(st2)
-    assert ours2.node_scaled[0] == 8000  # no memory for even one pod
+    assert ours2.node_scaled[0] == 8000 * ours2.weight_total  # no memory for even one pod
+
+
+def test_scarcity_weights_scale_popularity_by_the_share_of_gpus_that_can_host_a_type():
+    # 3 nodes of 8 GPUs; only the 128-core node hosts the 120-core type.
+    st = ClusterState([96_000, 96_000, 128_000], [1 << 20] * 3, [8, 8, 8], ["G2", "G2", "G3"])
+    anywhere = TypicalPod(4_000, 1000, 1, None, 30, 0)
+    big = TypicalPod(120_000, 1000, 8, None, 2, 0)
+    never = TypicalPod(200_000, 1000, 8, None, 5, 0)
+    w = scarcity_weights([anywhere, big, never], st)
+    assert w[anywhere] == 30 * 1000  # all 24 GPUs can host it: C / S = 1
+    assert w[big] == 2 * 1000 * 24 // 8  # 8 of 24 GPUs: three times its popularity
+    assert w[never] == 0  # no node could ever host it
+
+
+def test_scarcity_keeps_the_only_home_of_a_big_type_for_it():
+    """A 4-GPU pod fits every node; only the G3 node can ever host the 120-core 8-GPU type.
+
+    On a G2 node the pod leaves too little memory for more than one of the small
+    type, so the capped measure alone prefers to break the G3 node (openb's
+    multigpu variants lost their 120-core pods exactly this way).
+    """
+    small = TypicalPod(11_300, 1000, 1, None, 40, 49_152)
+    big = TypicalPod(120_000, 1000, 8, None, 5, 737_280)
+    st = ClusterState([96_000] * 7 + [128_000], [393_216] * 7 + [786_432], [8] * 8, ["G2"] * 7 + ["G3"])
+    pod = PodRequest(60_200, 320_512, 4, 1000)
+    prio = np.arange(8)
+    rng = np.random.default_rng(0)
+    plain = GpupoolPolicy([small, big], scarcity=False, dead=False)
+    plain.bind(st)
+    assert choose(st, pod, plain, prio, rng).node == 7
+    scarce = GpupoolPolicy([small, big], scarcity=True, dead=False)
+    scarce.bind(st)
+    assert choose(st, pod, scarce, prio, rng).node != 7
+
+
+def test_dead_capacity_counts_shares_no_type_that_still_fits_could_take():
+    typ = [TypicalPod(4_000, 500, 1, None, 1, 0), TypicalPod(1_000, 300, 1, None, 1, 0)]
+    st = one_node([1000, 400, 200], cpu=6_000)
+    ours = GpupoolPolicy(typ)
+    ours.bind(st)
+    node = np.array([0])
+    # Now: the 1-core type fits (smallest share 300): the 200 is dead, the 400 is not.
+    assert ours.smallest_share(st.cpu_free[node], st.mem_free[node], st.model_idx[node])[0] == 300
+    # A 5.5-core pod taking 100 of the 400: 500 milli-cores left, no type fits: all 1,300 left are dead.
+    pod = PodRequest(5_500, 0, 1, 100)
+    inc = ours.dead_increase(node, pod)
+    assert inc.shape == (1, 3)
+    assert inc[0, 1] == (1000 + 300 + 200) - 200
+    # A 1-core pod on the full GPU: 5 cores left, both types fit; 500 of the full GPU stays usable.
+    inc2 = ours.dead_increase(node, PodRequest(1_000, 0, 1, 500))
+    assert inc2[0, 0] == 0
 
 
 def test_gpupool_keeps_cpu_rich_node_for_cpu_heavy_pods():
@@ -167,5 +219,24 @@ def test_gpupool_keeps_cpu_rich_node_for_cpu_heavy_pods():
 def test_make_policy_names():
     for name in ("random", "bestfit", "fgd", "gpupool"):
         assert make_policy(name, ()).name == name
+    ablation = make_policy("gpupool-cap", ())
+    assert (ablation.scarcity, ablation.dead) == (False, False)
     with pytest.raises(ValueError):
         make_policy("tetris")
+
+
+def test_dead_capacity_keeps_a_pod_off_a_node_whose_last_cores_it_would_take():
+    """Node 0's CPU hosts one small pod for two free GPUs: the capped measure already counts one GPU lost,
+    so taking its last cores looks free (a tie, broken by priority).  It leaves a GPU no type could use."""
+    typ = [TypicalPod(3_000, 1000, 1, None, 1, 0)]
+    st = ClusterState([4_000, 64_000], [1 << 20] * 2, [2, 8], ["T4", "T4"])
+    pod = PodRequest(3_500, 0, 1, 1000)
+    prio = np.array([1, 0])  # ties go to node 0
+    rng = np.random.default_rng(0)
+    cap_only = GpupoolPolicy(typ, scarcity=False, dead=False)
+    cap_only.bind(st)
+    assert choose(st, pod, cap_only, prio, rng).node == 0
+    ours = GpupoolPolicy(typ)
+    ours.bind(st)
+    assert ours.dead_increase(np.array([0, 1]), pod).tolist() == [1000, 0]
+    assert choose(st, pod, ours, prio, rng).node == 1

@@ -16,7 +16,8 @@ Policies (``make_policy(name, ...)``):
 * ``fgd``     – Fragmentation Gradient Descent (Weng et al., ATC'23) as the
   FGD protocol describes it: typical-pod set, fragmentation measure, sigmoid
   score and FGD's own GPU choice.
-* ``gpupool`` – the product policy (default); see ``GpupoolPolicy``.
+* ``gpupool`` – the product policy (default); see ``GpupoolPolicy``.  ``gpupool-cap``,
+  ``gpupool-cap-dead`` and ``gpupool-cap-scarce`` are its ablations.
 """
 
 from __future__ import annotations
@@ -29,7 +30,14 @@ import numpy as np
 
 GPU_MILLI = 1000
 DEFAULT_POLICY = "gpupool"
-POLICY_NAMES = ("random", "bestfit", "fgd", "gpupool")
+# The product policy and its ablations: name -> (scarcity weights, dead capacity).
+GPUPOOL_VARIANTS = {
+    "gpupool": (True, True),
+    "gpupool-cap": (False, False),  # the product policy before scarcity and dead capacity
+    "gpupool-cap-dead": (False, True),
+    "gpupool-cap-scarce": (True, False),
+}
+POLICY_NAMES = ("random", "bestfit", "fgd", *GPUPOOL_VARIANTS)
 
 # BestFit normalisers from the FGD artifact: the largest node's CPU and GPU.
 BESTFIT_CPU_NORM = 128_000
@@ -147,6 +155,8 @@ class ClusterState:
     ) -> None:
         self.cpu_free = np.array(cpu_milli, dtype=np.int64)
         self.mem_free = np.array(memory_mib, dtype=np.int64)
+        self.cpu_total = self.cpu_free.copy()
+        self.mem_total = self.mem_free.copy()
         self.gpu_count = np.array(gpu_count, dtype=np.int64)
         n = len(self.cpu_free)
         if not (len(self.mem_free) == len(self.gpu_count) == len(models) == n):
@@ -517,41 +527,99 @@ class FGDPolicy(Policy):
         return (int(pick[0]),)
 
 
-class GpupoolPolicy(Policy):
-    """Product policy: FGD with a CPU- and memory-capacity-aware fragment.
+SCARCITY_SCALE = 1000
 
-    FGD asks, per typical pod type t, "does t fit on this node at all?" and
-    then counts every GPU with free >= m_t as usable by t.  But a node whose
-    CPU (or memory) can host only n more pods of type t can give t at most
-    n * k_t GPUs, however many are free: the rest is stranded for t exactly
-    like a too-small GPU share.  So the usable amount for t is capped at
-    n * k_t * 1000 milli, where n = min(free CPU // cpu_t, free mem // mem_t)
-    (mem_t is the type's median memory request).  Everything else -- the
-    typical-pod set, the sigmoid score, the GPU choice by lowest resulting
-    fragmentation, ties by node priority -- is FGD's.  Placements that would
-    leave GPUs free behind exhausted CPU or memory therefore score as the
-    fragmentation they really cause.
+
+def host_gpus(t: TypicalPod, state: ClusterState) -> int:
+    """GPUs on the nodes that could host a pod of type ``t`` were they empty."""
+    ok = (state.cpu_total >= t.cpu_milli) & (state.mem_total >= t.memory_mib) & (state.gpu_count >= t.num_gpu)
+    allowed = state.allowed(t.models) if t.num_gpu else None
+    if allowed is not None:
+        ok &= allowed
+    return int(state.gpu_count[ok].sum())
+
+
+def scarcity_weights(typical: Sequence[TypicalPod], state: ClusterState) -> dict[TypicalPod, int]:
+    """Integer weight per type: its popularity times C / S_t.
+
+    A pod of type t can only land on the nodes able to host it, which hold S_t
+    of the cluster's C GPUs; so each such node sees C / S_t times the average
+    arrival rate of t, and what a node loses for t weighs in that proportion.
+    A type every node can host keeps FGD's weight (times a constant); a type
+    only a few nodes can host (the 120-core 8-GPU pods of openb fit only its
+    39 G3 nodes) weighs as much as its demand on those nodes really is.
+    """
+    total = int(state.gpu_count.sum())
+    out: dict[TypicalPod, int] = {}
+    for t in typical:
+        s = host_gpus(t, state)
+        out[t] = t.weight * SCARCITY_SCALE * total // s if s else 0
+    return out
+
+
+class GpupoolPolicy(Policy):
+    """Product policy: FGD's score over a measure that knows CPU, memory and scarcity.
+
+    Three changes to FGD's fragmentation measure; the typical-pod set, the
+    sigmoid score, the GPU choice by lowest resulting measure and ties by node
+    priority are FGD's.
+
+    1. **Capacity cap.** FGD asks, per typical type t, "does t fit on this
+       node at all?" and then counts every GPU with free >= m_t as usable by t.
+       A node whose CPU (or memory) hosts only n more pods of t can give t at
+       most n * k_t GPUs; the rest is stranded for t like a too-small share.
+       So usable_t = min(free milli on GPUs >= m_t, n * k_t * 1000), with
+       n = min(free CPU // cpu_t, free memory // mem_t) (mem_t: the type's
+       median memory request).
+    2. **Scarcity weights** (``scarcity``): each type weighs its popularity
+       times C / S_t (``scarcity_weights``), so nodes that are the only home of
+       a type are not given away to work that fits anywhere.
+    3. **Dead capacity** (``dead``): free GPU milli on a node that no
+       single-GPU typical type could use any more (the share is smaller than
+       every type that still fits the node's CPU, memory and model) is lost to
+       every future pod, not only to the next one as the expected measure
+       assumes; its increase is subtracted from the score's fragmentation
+       decrease once more, in full, and among a share's GPU choices the ones
+       creating the least dead capacity come first.  Without it the cap makes
+       filling an already CPU-starved node look free, and such nodes end with
+       GPUs behind exhausted CPU.
+
+    ``scarcity=False, dead=False`` is the earlier product policy
+    (``gpupool-cap``); the other two combinations are ablations.
     """
 
     name = "gpupool"
 
-    def __init__(self, typical: Sequence[TypicalPod]) -> None:
+    def __init__(self, typical: Sequence[TypicalPod], scarcity: bool = True, dead: bool = True) -> None:
         self.typical = tuple(typical)
+        self.scarcity = scarcity
+        self.dead = dead
 
     def bind(self, state):
         super().bind(state)
         self.index = FragIndex(self.typical, state.model_names, state.gpu_width)
         gpu_types = [t for t in self.typical if t.num_gpu > 0]
-        self.weight_total = self.index.total_weight
+        if self.scarcity:
+            weights = scarcity_weights(self.typical, state)
+        else:
+            weights = {t: t.weight for t in self.typical}
+        self.weight_total = max(1, sum(weights.values()))
         self._m = np.array([t.gpu_milli for t in gpu_types], dtype=np.int64)
         self._k = np.array([t.num_gpu for t in gpu_types], dtype=np.int64)
         self._cpu = np.array([t.cpu_milli for t in gpu_types], dtype=np.int64)
         self._mem = np.array([t.memory_mib for t in gpu_types], dtype=np.int64)
-        self._w = np.array([t.weight for t in gpu_types], dtype=np.int64)
+        self._w = np.array([weights[t] for t in gpu_types], dtype=np.int64)
         self._u = np.searchsorted(self.index.thresholds, self._m)
         self._allowed = np.array(
             [[t.models is None or name in t.models for t in gpu_types] for name in state.model_names],
             dtype=bool).reshape(len(state.model_names), len(gpu_types))
+        single = [t for t in gpu_types if t.num_gpu == 1]
+        self._cpu1 = np.array([t.cpu_milli for t in single], dtype=np.int64)
+        self._mem1 = np.array([t.memory_mib for t in single], dtype=np.int64)
+        self._m1 = np.array([t.gpu_milli for t in single], dtype=np.int64)
+        self._allowed1 = np.array(
+            [[t.models is None or name in t.models for t in single] for name in state.model_names],
+            dtype=bool).reshape(len(state.model_names), len(single))
         self.cnt, self.ssum = self.index.gpu_stats(state.gpu_free)
         self.node_scaled = self._scaled(state.gpu_free_sum, self.cnt, self.ssum, state.model_idx,
                                         state.cpu_free, state.mem_free)
@@ -575,36 +643,75 @@ class GpupoolPolicy(Policy):
         self.node_scaled[node] = self._scaled(st.gpu_free_sum[node], c, s, st.model_idx[node],
                                               st.cpu_free[node], st.mem_free[node])
 
-    def _best_after(self, nodes: np.ndarray, pod: PodRequest) -> tuple[np.ndarray, np.ndarray | None]:
+    # -- dead capacity
+
+    def smallest_share(self, cpu: np.ndarray, mem: np.ndarray, model: np.ndarray) -> np.ndarray:
+        """Per node, the smallest share a single-GPU typical type that fits could take (1001 if none)."""
+        fit = (cpu[:, None] >= self._cpu1) & (mem[:, None] >= self._mem1) & self._allowed1[model]
+        return np.where(fit, self._m1, GPU_MILLI + 1).min(axis=1, initial=GPU_MILLI + 1)
+
+    @staticmethod
+    def _dead(free: np.ndarray, smallest: np.ndarray) -> np.ndarray:
+        return (free * (free < smallest[:, None])).sum(axis=1)
+
+    def dead_increase(self, nodes: np.ndarray, pod: PodRequest) -> np.ndarray:
+        """Dead GPU milli the pod would add on each node; per GPU choice (nodes x GPUs) for a share."""
+        st = self.state
+        model = st.model_idx[nodes]
+        f = st.gpu_free[nodes]
+        before = self._dead(f, self.smallest_share(st.cpu_free[nodes], st.mem_free[nodes], model))
+        smallest = self.smallest_share(st.cpu_free[nodes] - pod.cpu_milli,
+                                       st.mem_free[nodes] - pod.memory_mib, model)
+        after = self._dead(f, smallest)
+        if not pod.is_sharing:
+            # Its whole GPUs are taken: not dead after, whatever the smallest share is then.
+            return after - pod.num_gpu * GPU_MILLI * (smallest > GPU_MILLI) - before
+        f2 = f - pod.gpu_milli
+        sm = smallest[:, None]
+        per = after[:, None] - f * (f < sm) + np.where(f2 >= 0, f2 * (f2 < sm), 0)
+        return per - before[:, None]
+
+    # -- scoring
+
+    def _best_after(self, nodes: np.ndarray, pod: PodRequest) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """Per node: W * measure after the best GPU choice, the dead milli it adds, and that choice."""
         st, ix = self.state, self.index
         cpu = st.cpu_free[nodes] - pod.cpu_milli
         mem = st.mem_free[nodes] - pod.memory_mib
+        no_dead = np.zeros(len(nodes), dtype=np.int64)
         if not pod.is_sharing:
             k = pod.num_gpu
             after = self._scaled(st.gpu_free_sum[nodes] - k * GPU_MILLI, self.cnt[nodes] - k,
                                  self.ssum[nodes] - k * ix.usable(np.array(GPU_MILLI)),
                                  st.model_idx[nodes], cpu, mem)
-            return after, None
+            return after, (self.dead_increase(nodes, pod) if self.dead else no_dead), None
         m = pod.gpu_milli
         f = st.gpu_free[nodes]
         f2 = f - m
         thr = ix.thresholds
         cnt = self.cnt[nodes][:, None, :] - (f[..., None] >= thr) + (f2[..., None] >= thr)
         ssum = self.ssum[nodes][:, None, :] - ix.usable(f) + ix.usable(f2)
+        worst = np.iinfo(np.int64).max
         per = self._scaled((st.gpu_free_sum[nodes] - m)[:, None], cnt, ssum,
                            st.model_idx[nodes][:, None], cpu[:, None], mem[:, None])
-        per = np.where(f >= m, per, np.iinfo(np.int64).max)
-        pick = per.argmin(axis=1)
-        return per[np.arange(len(nodes)), pick], pick
+        per = np.where(f >= m, per, worst)
+        rows = np.arange(len(nodes))
+        if not self.dead:
+            pick = per.argmin(axis=1)  # lowest index among equals
+            return per[rows, pick], no_dead, pick
+        dead = np.where(f >= m, self.dead_increase(nodes, pod), worst)
+        least = dead.min(axis=1)
+        pick = np.where(dead == least[:, None], per, worst).argmin(axis=1)
+        return per[rows, pick], least, pick
 
     def score(self, pod, nodes, rng):
-        after, _ = self._best_after(nodes, pod)
-        return sigmoid_score((self.node_scaled[nodes] - after) / self.weight_total)
+        after, dead, _ = self._best_after(nodes, pod)
+        return sigmoid_score((self.node_scaled[nodes] - after) / self.weight_total - dead)
 
     def gpus(self, pod, node, rng):
         if not pod.is_sharing:
             return default_gpus(self.state, pod, node)
-        _, pick = self._best_after(np.array([node]), pod)
+        _, _, pick = self._best_after(np.array([node]), pod)
         return (int(pick[0]),)
 
 
@@ -616,8 +723,9 @@ def make_policy(name: str, typical: Sequence[TypicalPod] = ()) -> Policy:
         return BestFitPolicy()
     if name == "fgd":
         return FGDPolicy(typical)
-    if name == "gpupool":
-        return GpupoolPolicy(typical)
+    if name in GPUPOOL_VARIANTS:
+        scarcity, dead = GPUPOOL_VARIANTS[name]
+        return GpupoolPolicy(typical, scarcity=scarcity, dead=dead)
     raise ValueError(f"unknown policy {name!r}; choose from {', '.join(POLICY_NAMES)}")
 
 
