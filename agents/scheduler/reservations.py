@@ -5,10 +5,12 @@ The book is pure bookkeeping; the scheduler turns an accepted reservation into a
 placement of the booked shape that emits no command (nothing runs), keeps its capacity from every other job, and is
 never a preemption victim. The job that names the reservation takes the hold's capacity (its node is tried first).
 
-Admission at booking time: the overlapping accepted reservations plus the new one must fit the pool's schedulable
-compute (a conservative sum over the window, not a peak-concurrency calendar). When they do not, reservations weaker
-than the new one are displaced, weakest first, until it fits; weaker = a lower tier, or the same tier booked later.
-A new booking is never stronger than an earlier one of its own tier, so among equals the first booked keeps its lock.
+Admission at booking time is a calendar: at every instant of the new window, the live bookings covering that instant
+plus the new one must fit the pool's schedulable compute (two bookings that overlap the new window but not each
+other are never counted together). When they do not, bookings weaker than the new one are displaced, weakest
+first, and only those booked at an instant that is still over capacity: each displacement is needed. Weaker = a
+lower tier, or the same tier booked later. A new booking is never stronger than an earlier one of its own tier, so
+among equals the first booked keeps its lock.
 """
 from __future__ import annotations
 
@@ -47,6 +49,23 @@ def _overlaps(a: ReservationRequested, b: ReservationRequested) -> bool:
     return a.start_ms < b.end_ms and b.start_ms < a.end_ms
 
 
+def _overlaps_span(a: ReservationRequested, span: tuple[int, int]) -> bool:
+    return a.start_ms < span[1] and span[0] < a.end_ms
+
+
+def peak_load(bookings: list[Booking], start_ms: int, end_ms: int, limit: int) -> tuple[int, list[tuple[int, int]]]:
+    """Most compute booked at once within [start, end), and the spans where it exceeds ``limit``."""
+    cuts = sorted({start_ms, end_ms, *(t for b in bookings for t in (b.request.start_ms, b.request.end_ms)
+                                      if start_ms < t < end_ms)})
+    peak, over = 0, []
+    for lo, hi in zip(cuts, cuts[1:]):
+        load = sum(b.request.compute_milli for b in bookings if b.request.start_ms < hi and lo < b.request.end_ms)
+        peak = max(peak, load)
+        if load > limit:
+            over.append((lo, hi))
+    return peak, over
+
+
 @dataclass
 class Book:
     bookings: dict[str, Booking] = field(default_factory=dict)
@@ -62,17 +81,21 @@ class Book:
             return new, [], (Reason(code="InvalidWindow", plugin="Reservation", message="end must follow start"),)
         live = [b for b in self.bookings.values()
                 if b is not new and b.status in LIVE and _overlaps(b.request, r)]
-        used = sum(b.request.compute_milli for b in live)
-        data = {"booked_milli": used, "request_milli": r.compute_milli, "capacity_milli": capacity_milli}
-        if used + r.compute_milli <= capacity_milli:
+        need = capacity_milli - r.compute_milli
+        peak, over = peak_load(live, r.start_ms, r.end_ms, need)
+        data = {"booked_milli": peak, "request_milli": r.compute_milli, "capacity_milli": capacity_milli}
+        if not over:
             return new, [], (Reason(code="Booked", plugin="Reservation", data=data),)
+        kept = list(live)
         displaced = []
         for b in sorted((b for b in live if b.strength > new.strength), key=lambda b: b.strength, reverse=True):
-            if used + r.compute_milli <= capacity_milli:
+            if not over:
                 break
-            displaced.append(b)
-            used -= b.request.compute_milli
-        if used + r.compute_milli > capacity_milli:
+            if any(_overlaps_span(b.request, span) for span in over):
+                kept.remove(b)
+                displaced.append(b)
+                _, over = peak_load(kept, r.start_ms, r.end_ms, need)
+        if over:
             new.status = "rejected"
             return new, [], (Reason(code="ReservationConflict", plugin="Reservation", data=data,
                                     message="overlapping reservations at least as strong hold the capacity"),)
