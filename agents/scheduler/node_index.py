@@ -29,16 +29,23 @@ def _keys(v: NodeView) -> tuple:
     if not v.schedulable:
         return (("down",),)
     keys: set[tuple] = set()
-    s = v.fit_summary
-    for c in v.card_free():
-        if c.healthy and not c.mig and c.milli > 0:
+    whole: dict[str, int] = {}
+    mig_free = False
+    for g, c in zip(v.cards(), v.card_free()):  # card_free is one entry per card, in inventory order
+        if not c.healthy:
+            continue
+        if c.mig:
+            mig_free = mig_free or bool(c.free_instances)
+            continue
+        if c.milli > 0:
             keys.add(("share", c.model, c.milli, c.memory_mib))
-    for name, (_milli, _mem, whole) in s.by_model.items():
-        if whole > 0:
-            keys.add(("whole", name, whole))
+            if c.milli == 1000 and c.memory_mib == g.memory_mib:
+                whole[c.model] = whole.get(c.model, 0) + 1
+    for name, n in whole.items():
+        keys.add(("whole", name, n))
     keys = sorted(keys)
-    if s.mig_free or any(c.mig_enabled and v.free_mig_slices(c) and c.uuid not in v.unhealthy and
-                         c.uuid not in v.mig_pending for c in v.cards()):
+    if mig_free or any(c.mig_enabled and v.free_mig_slices(c) and c.uuid not in v.unhealthy and
+                       c.uuid not in v.mig_pending for c in v.cards()):
         keys.append(("mig",))
     return tuple(keys)
 
@@ -63,6 +70,7 @@ class NodeIndex:
     # node -> (view, workload, typical-set version, {job shape: outcome}): what placement found on this exact view,
     # reused while the view object and the workload's typical set are the same (views are immutable)
     fit_cache: dict[str, tuple] = field(default_factory=dict)
+    _capacity_basis: dict[str, tuple] = field(default_factory=dict)  # node -> what its `cu` was computed from
 
     def copy(self) -> "NodeIndex":
         """An independent copy (bucket dicts copied, order kept) that can be updated without touching this one."""
@@ -71,6 +79,11 @@ class NodeIndex:
                          _inventory=dict(self._inventory))
 
     def _capacity(self, v: NodeView) -> None:
+        basis = (v.inventory, v.faults, v.cleared, v.schedulable)  # all a node's compute depends on
+        seen = self._capacity_basis.get(v.node)
+        if seen is not None and all(a is b for a, b in zip(seen[:3], basis)) and seen[3] == basis[3]:
+            return  # the same objects: a placement or release changed only what is free
+        self._capacity_basis[v.node] = basis
         cu = sum(model(c.model).cu_milli for c in v.cards() if c.uuid not in v.unhealthy) if v.schedulable else 0
         if cu == self.cu.get(v.node):
             return
