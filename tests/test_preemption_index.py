@@ -7,9 +7,36 @@ show the lazy sync does not change decisions."""
 from hypothesis import settings
 from hypothesis.stateful import invariant
 
+from agents.scheduler.preemption import Victim, protected
 from agents.scheduler.victims import VictimIndex, rebuilt
 from schemas.events import TIER_RANK
 from tests.test_scheduler_invariants import SchedulerMachine
+
+
+def victims_by_walk(s, view, rec, within_quota):
+    """Who on the node may be stopped for `rec`, by a walk over the view's allocations (what the scheduler did
+    before the index): the index-driven `_victims_on` must give exactly these."""
+    r = rec.request
+    rank = TIER_RANK[r.tier]
+    out = []
+    for j in view.allocations:
+        other = s.jobs.get(j)
+        if other is None or other.state not in ("placed", "running") or other.placement is None or \
+                other.hold is not None:
+            continue
+        o = other.request
+        if TIER_RANK[o.tier] > rank:
+            rule = "tier"
+        elif within_quota and other.placement.borrowed and o.tenant != r.tenant:
+            rule = "reclaim"
+        else:
+            continue
+        if protected(other.preempted_at, s.now_ms, s.preemption):
+            continue
+        since = max(other.started_ms, other.checkpoint_ms) if other.state == "running" else s.now_ms
+        out.append(Victim(o.job_id, view.node, TIER_RANK[o.tier], other.placement.borrowed,
+                          max(0, s.now_ms - since), rule))
+    return out
 
 
 class VictimIndexMachine(SchedulerMachine):
@@ -29,7 +56,10 @@ class VictimIndexMachine(SchedulerMachine):
             for within_quota in (False, True):
                 named = list(s._victim_nodes(rec, within_quota))
                 assert named == [n for n in order if n in set(named)]
-                with_victims = [n for n in order if s._victims_on(s.nodes[n], rec, within_quota)]
+                for n in order:
+                    assert sorted(s._victims_on(s.nodes[n], rec, within_quota), key=lambda v: v.job_id) == sorted(
+                        victims_by_walk(s, s.nodes[n], rec, within_quota), key=lambda v: v.job_id)
+                with_victims = [n for n in order if victims_by_walk(s, s.nodes[n], rec, within_quota)]
                 assert set(with_victims) <= set(named), (rec.request.job_id, within_quota)
                 # and the index is tight: a node it names holds lower-tier or borrowed work of another tenant
                 r = rec.request
@@ -61,3 +91,24 @@ def test_views_set_by_hand_are_read_in_full():
 
 VictimIndexMachine.TestCase.settings = settings(max_examples=40, stateful_step_count=40, deadline=None)
 TestVictimIndex = VictimIndexMachine.TestCase
+
+
+def test_protected_and_stopping_work_is_no_victim():
+    """A job preempted max_preemptions times within the window is protected; a stopping one is on its way out:
+    neither is offered, on the node that still holds them, and the walk agrees."""
+    from agents.scheduler.core import Scheduler
+    from schemas.events import Tier
+    from tests.builders import Clock, inventory, job
+
+    clock, s = Clock(), Scheduler()
+    s.step(clock.env(inventory("n0", gpus=4), "n0/inventory"))
+    for k in range(4):
+        s.step(clock.env(job(f"o{k}", compute=1000, mem_gib=80, tier=Tier.OFFLINE), f"cli/o{k}", dt=1))
+    s.jobs["o1"].preempted_at = (s.now_ms - 3, s.now_ms - 2, s.now_ms - 1)
+    s.jobs["o2"].state = "stopping"
+    hi = s.jobs["o0"].__class__(request=job("hi", tier=Tier.INFERENCE), arrival=99)
+    got = s._victims_on(s.nodes["n0"], hi, False)
+    assert sorted(v.job_id for v in got) == ["o0", "o3"]
+    assert got == victims_by_walk(s, s.nodes["n0"], hi, False)
+    s.now_ms += s.preemption.protect_ms + 1  # protection runs out
+    assert sorted(v.job_id for v in s._victims_on(s.nodes["n0"], hi, False)) == ["o0", "o1", "o3"]

@@ -395,27 +395,26 @@ class Scheduler:
 
     def _victims_on(self, view: node_view.NodeView, rec: JobRecord, within_quota: bool) -> list[Victim]:
         """Who on this node may be stopped for `rec`: lower tiers, or (for a job within its own quota) another
-        tenant's borrowed work; never a reservation hold, never a protected job."""
+        tenant's borrowed work; never a reservation hold, never a protected job. Read from the victim index's entries
+        for the node (the jobs its view holds, holds aside), so other work is passed over without a look-up."""
         r = rec.request
         rank = TIER_RANK[r.tier]
         out: list[Victim] = []
-        for j in view.allocations:
-            other = self.jobs.get(j)
-            if other is None or other.state not in ("placed", "running") or other.placement is None or \
-                    other.hold is not None:
-                continue
-            o = other.request
-            if TIER_RANK[o.tier] > rank:
+        self.victim_index.sync(self.nodes, self.jobs)
+        for j, (o_rank, tenant, borrowed) in self.victim_index.held.get(view.node, {}).items():
+            if o_rank > rank:
                 rule = "tier"
-            elif within_quota and other.placement.borrowed and o.tenant != r.tenant:
+            elif within_quota and borrowed and tenant != r.tenant:
                 rule = "reclaim"
             else:
                 continue
-            if protected(other.preempted_at, self.now_ms, self.preemption):
+            other = self.jobs[j]
+            if other.state not in ("placed", "running") or other.placement is None:
+                continue
+            if other.preempted_at and protected(other.preempted_at, self.now_ms, self.preemption):
                 continue
             since = max(other.started_ms, other.checkpoint_ms) if other.state == "running" else self.now_ms
-            out.append(Victim(o.job_id, view.node, TIER_RANK[o.tier], other.placement.borrowed,
-                              max(0, self.now_ms - since), rule))
+            out.append(Victim(j, view.node, o_rank, borrowed, max(0, self.now_ms - since), rule))
         return out
 
     def _preempt_for(self, out: list[Envelope], cause: Envelope, rec: JobRecord, within_quota: bool) -> bool:

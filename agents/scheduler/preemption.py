@@ -101,16 +101,20 @@ def plan_over(job: JobRequested, pairs, limit: int | None = None) -> Plan | None
         room = Room(view, job)
         if not room.fits(victims):
             continue
-        victims = sorted(victims, key=disruption_order)
+        # least disruptive first, until the job fits (the room's tally follows `chosen`)
+        room.start()
         chosen: list[Victim] = []
-        for v in victims:
+        for v in sorted(victims, key=disruption_order):
             chosen.append(v)
-            if room.fits(chosen):
+            room.add(v.job_id)
+            if room.ok():
                 # as much as it needs: drop, most disruptive first, every victim the job fits without
                 for extra in sorted(chosen, key=disruption_order, reverse=True):
-                    rest = [c for c in chosen if c is not extra]
-                    if room.fits(rest):
-                        chosen = rest
+                    room.add(extra.job_id, -1)
+                    if room.ok():
+                        chosen = [c for c in chosen if c is not extra]
+                    else:
+                        room.add(extra.job_id)
                 plan = Plan(view.node, tuple(sorted(chosen, key=disruption_order)))
                 if best is None or plan.cost < best.cost:
                     best = plan
@@ -125,9 +129,12 @@ class Room:
     """Whether `job` fits on a node once some of its jobs are gone, by arithmetic on the node's free CPU, memory and
     per-card free compute and GPU memory: exactly `fits(released(view, victims), job)` for a node that passes the
     NodeReady and Constraints filters (which stopping work does not change), without building a scratch view.
-    A node with MIG cards (free instances, not amounts) is left to the trial on a scratch view."""
+    A node with MIG cards (free instances, not amounts) is left to the trial on a scratch view.
 
-    __slots__ = ("view", "job", "cpu", "mem", "cards", "mig", "share", "whole")
+    Either ask at once (`fits`, `fits_without`) or keep a tally: `start`, then `add` (or take back, sign -1) one job
+    at a time and ask `ok` -- a search that adds victims one by one then costs one pass over the cards per step."""
+
+    __slots__ = ("view", "job", "cpu", "mem", "cards", "mig", "share", "whole", "_cpu", "_mem", "_freed", "_ids")
 
     def __init__(self, view: node_view.NodeView, job: JobRequested):
         self.view, self.job = view, job
@@ -146,32 +153,51 @@ class Room:
                 self.share[name] = share_for(job.compute_milli, m)
             elif job.gang:
                 self.whole[name] = (cards_needed(job.compute_milli, job.gpu_memory_mib, name), m.memory_mib)
+        self.start()
 
     def fits(self, victims) -> bool:
         return self.fits_without([v.job_id for v in victims])
 
     def fits_without(self, job_ids) -> bool:
         """Whether the job fits once these jobs are gone (ids of jobs not on the node free nothing)."""
-        if self.mig:
-            return fits(released(self.view, job_ids), self.job)
-        job, allocations = self.job, self.view.allocations
-        cpu, mem = self.cpu, self.mem
-        freed: dict[str, list[int]] = {}
+        self.start()
         for j in job_ids:
-            held = allocations.get(j)
-            if held is None:
-                continue
-            cpu += held.cpu_milli
-            mem += held.memory_mib
-            for a in held.slices:
-                f = freed.get(a.gpu_uuid)
-                if f is None:
-                    freed[a.gpu_uuid] = [a.milli, a.memory_mib]
-                else:
-                    f[0] += a.milli
-                    f[1] += a.memory_mib
-        if cpu < job.cpu_milli or mem < job.memory_mib:
+            self.add(j)
+        return self.ok()
+
+    def start(self) -> None:
+        self._cpu, self._mem, self._freed, self._ids = self.cpu, self.mem, {}, []
+
+    def add(self, job_id: str, sign: int = 1) -> None:
+        """Count `job_id`'s holding as freed (sign 1) or no longer freed (sign -1)."""
+        if self.mig:
+            if sign > 0:
+                self._ids.append(job_id)
+            else:
+                self._ids.remove(job_id)
+            return
+        held = self.view.allocations.get(job_id)
+        if held is None:
+            return
+        self._cpu += sign * held.cpu_milli
+        self._mem += sign * held.memory_mib
+        freed = self._freed
+        for a in held.slices:
+            f = freed.get(a.gpu_uuid)
+            if f is None:
+                freed[a.gpu_uuid] = [sign * a.milli, sign * a.memory_mib]
+            else:
+                f[0] += sign * a.milli
+                f[1] += sign * a.memory_mib
+
+    def ok(self) -> bool:
+        """Whether the job fits once the tallied jobs are gone."""
+        job = self.job
+        if self.mig:
+            return fits(released(self.view, self._ids), job)
+        if self._cpu < job.cpu_milli or self._mem < job.memory_mib:
             return False
+        freed = self._freed
         whole: dict[str, int] = {}
         for uuid, name, milli, memory in self.cards:
             f = freed.get(uuid)
