@@ -108,14 +108,15 @@ def plan_over(job: JobRequested, pairs, limit: int | None = None) -> Plan | None
             chosen.append(v)
             room.add(v.job_id)
             if room.ok():
-                # as much as it needs: drop, most disruptive first, every victim the job fits without
-                for extra in sorted(chosen, key=disruption_order, reverse=True):
+                # as much as it needs: drop, most disruptive first, every victim the job fits without (`chosen` is
+                # in disruption order already, and stays so)
+                for extra in reversed(chosen):
                     room.add(extra.job_id, -1)
                     if room.ok():
                         chosen = [c for c in chosen if c is not extra]
                     else:
                         room.add(extra.job_id)
-                plan = Plan(view.node, tuple(sorted(chosen, key=disruption_order)))
+                plan = Plan(view.node, tuple(chosen))
                 if best is None or plan.cost < best.cost:
                     best = plan
                 found += 1
