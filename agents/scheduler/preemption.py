@@ -1,8 +1,11 @@
 """Preemption and reclaim: which running work to stop so a waiting job fits, tried before anything is emitted.
 
-A candidate plan is tried on a scratch copy of a node's view (the statement): victims are released one by one,
-least disruptive first, until the job fits; the copy is then discarded (rollback) whatever the outcome. Only the
-chosen plan becomes commands. Pure: no I/O, no clock; time comes in as `now_ms`.
+A candidate plan is tried before anything is emitted: victims are released one by one, least disruptive first, until
+the job fits. On a node of plain cards the trial is arithmetic (`Room`: host CPU and memory, per-card free compute
+and GPU memory once the victims' holdings are added back -- exactly what a scratch view with them released would
+say, and the tests hold it to that); on a node with MIG cards it runs on a scratch copy of the node's view (the
+statement), discarded (rollback) whatever the outcome. Only the chosen plan becomes commands. Pure: no I/O, no clock;
+time comes in as `now_ms`.
 
 Who may be stopped for whom:
 - tier: work of a lower tier than the waiting job (inference > online training > offline);
