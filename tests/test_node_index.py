@@ -191,3 +191,19 @@ def test_gang_tries_the_next_model_when_one_is_spread_too_wide():
     got = place(index, views, j, w)
     assert hasattr(got, "parts") and {p.node for p in got.parts} == {"a1", "a2"}
     assert got.reasons[1].data["level"] == "rack"
+
+
+def test_fit_cache_is_bounded_per_node(monkeypatch):
+    from agents.scheduler import placement
+    monkeypatch.setattr(placement, "FIT_CACHE_SHAPES", 2)
+    f = Fleet()
+    for i in range(len(NODES)):
+        f.add(i)
+    w = Workload()
+    jobs = [job(f"s{i}", compute=100 + 50 * i, mem_gib=4 + i) for i in range(6)]
+    for j in jobs:
+        w.observe(j)
+    for j in jobs * 2:
+        warm = place(f.index, f.views, j, w)
+        assert all(len(entry[3]) <= 2 for entry in f.index.fit_cache.values())
+        assert warm == place(f.index, f.views, j, w)

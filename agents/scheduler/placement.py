@@ -273,11 +273,16 @@ def allowed_models(index: NodeIndex, job: JobRequested) -> list[str]:
     return model_order(job, [m for m in index.models if not c or m in c])
 
 
+FIT_CACHE_SHAPES = 256  # outcomes kept per node view, so a workload of many distinct shapes cannot grow it unbounded
+
+
 def _known(index: NodeIndex, v: NodeView, workload: Workload, version: int) -> dict:
     """What placement already found on this exact view (outcomes by job shape), for this workload's typical set."""
     entry = index.fit_cache.get(v.node)
     if entry is None or entry[0] is not v or entry[1] is not workload or entry[2] != version:
         entry = index.fit_cache[v.node] = (v, workload, version, {})
+    elif len(entry[3]) >= FIT_CACHE_SHAPES:
+        entry[3].clear()  # many shapes against a node that does not change: start over (answers are recomputed alike)
     return entry[3]
 
 
