@@ -96,12 +96,13 @@ def plan_over(job: JobRequested, pairs, limit: int | None = None) -> Plan | None
     can yield a plan (kube-scheduler likewise stops after a number of candidate nodes); pairs may be lazy."""
     best: Plan | None = None
     found = 0
+    shape = Shape(job)
     for view, victims in pairs:
         if not victims:
             continue
-        if any(f(view, job) for name, f in FILTERS if name != "HostResources"):
+        if any(f(view, job) for f in _NODE_FILTERS):
             continue  # a node that is down, cordoned or of the wrong kind does not fit whatever we stop
-        room = Room(view, job)
+        room = Room(view, job, shape)
         if not room.fits(victims):
             continue
         # least disruptive first, until the job fits (the room's tally follows `chosen`)
@@ -129,6 +130,36 @@ def plan_over(job: JobRequested, pairs, limit: int | None = None) -> Plan | None
     return best
 
 
+_NODE_FILTERS = tuple(f for name, f in FILTERS if name != "HostResources")  # what stopping work does not change
+
+
+class Shape:
+    """What `job` needs of one card model, worked out once per search rather than once per node: the share of one
+    card (a job that fits one card), else (cards, their memory) for a gang of whole cards, else nothing."""
+
+    __slots__ = ("job", "per_model", "plain")
+
+    def __init__(self, job: JobRequested):
+        self.job = job
+        self.per_model: dict[str, tuple[int | None, tuple[int, int] | None]] = {}
+        c = job.constraints
+        # no card-level constraint: a card is allowed when it is healthy (what _card_allowed says then)
+        self.plain = not (c.models or c.min_compute_capability or c.min_driver or c.min_cuda)
+
+    def of(self, name: str) -> tuple[int | None, tuple[int, int] | None]:
+        got = self.per_model.get(name)
+        if got is None:
+            job, m = self.job, model(name)
+            if job.compute_milli <= m.cu_milli and job.gpu_memory_mib <= m.memory_mib:
+                got = (share_for(job.compute_milli, m), None)
+            elif job.gang:
+                got = (None, (cards_needed(job.compute_milli, job.gpu_memory_mib, name), m.memory_mib))
+            else:
+                got = (None, None)
+            self.per_model[name] = got
+        return got
+
+
 class Room:
     """Whether `job` fits on a node once some of its jobs are gone, by arithmetic on the node's free CPU, memory and
     per-card free compute and GPU memory: exactly `fits(released(view, victims), job)` for a node that passes the
@@ -140,23 +171,29 @@ class Room:
 
     __slots__ = ("view", "job", "cpu", "mem", "cards", "mig", "share", "whole", "_cpu", "_mem", "_freed", "_ids")
 
-    def __init__(self, view: node_view.NodeView, job: JobRequested):
+    def __init__(self, view: node_view.NodeView, job: JobRequested, shape: Shape | None = None):
         self.view, self.job = view, job
+        shape = shape or Shape(job)
         self.cpu, self.mem = view.free_cpu_memory()
         free = view.card_free()
         self.mig = any(c.mig for c in free)
         # allowed cards: (uuid, model, free milli, free memory); per model what one share needs, and how many
-        # whole cards a gang needs
-        self.cards = [(c.uuid, c.model, c.milli, c.memory_mib) for c in free
-                      if not c.mig and _card_allowed(c, job, view)]
+        # whole cards (of what memory) a gang needs
+        if shape.plain:
+            self.cards = [(c.uuid, c.model, c.milli, c.memory_mib) for c in free if not c.mig and c.healthy]
+        else:
+            self.cards = [(c.uuid, c.model, c.milli, c.memory_mib) for c in free
+                          if not c.mig and _card_allowed(c, job, view)]
         self.share: dict[str, int] = {}
         self.whole: dict[str, tuple[int, int]] = {}
-        for name in {c[1] for c in self.cards}:
-            m = model(name)
-            if job.compute_milli <= m.cu_milli and job.gpu_memory_mib <= m.memory_mib:
-                self.share[name] = share_for(job.compute_milli, m)
-            elif job.gang:
-                self.whole[name] = (cards_needed(job.compute_milli, job.gpu_memory_mib, name), m.memory_mib)
+        for c in self.cards:
+            name = c[1]
+            if name not in self.share and name not in self.whole:
+                share, whole = shape.of(name)
+                if share is not None:
+                    self.share[name] = share
+                elif whole is not None:
+                    self.whole[name] = whole
         self.start()
 
     def fits(self, victims) -> bool:
