@@ -112,3 +112,23 @@ def test_protected_and_stopping_work_is_no_victim():
     assert got == victims_by_walk(s, s.nodes["n0"], hi, False)
     s.now_ms += s.preemption.protect_ms + 1  # protection runs out
     assert sorted(v.job_id for v in s._victims_on(s.nodes["n0"], hi, False)) == ["o0", "o1", "o3"]
+
+
+def test_views_set_by_hand_then_folded_are_read_in_full():
+    """Views set by hand, then changed through the fold before any search (so the index has met every node): the
+    index still reads them all on the next search."""
+    from agents.scheduler.core import Scheduler
+    from schemas.events import NodeCordon, Tier
+    from tests.builders import Clock, inventory, job
+
+    clock, s = Clock(), Scheduler()
+    for i in range(2):
+        s.step(clock.env(inventory(f"n{i}", gpus=2), f"n{i}/inventory"))
+    for k in range(4):
+        s.step(clock.env(job(f"o{k}", compute=1000, mem_gib=80, tier=Tier.OFFLINE), f"cli/o{k}", dt=1))
+    by_hand = Scheduler(nodes=dict(s.nodes), jobs=s.jobs, applied=dict(s.applied), out_seq=s.out_seq)
+    for i in range(2):  # every node folded once more, in reverse order, before any search
+        by_hand.step(clock.env(NodeCordon(node=f"n{1 - i}", cordoned=False), "operator", dt=1))
+    hi = s.jobs["o0"].__class__(request=job("hi", tier=Tier.INFERENCE), arrival=99)
+    assert list(by_hand._victim_nodes(hi, False)) == ["n0", "n1"]
+    assert by_hand.victim_index.state() == rebuilt(by_hand.nodes, by_hand.jobs).state()

@@ -97,7 +97,7 @@ class Scheduler:
         if name is not None:
             view = self.nodes[name] = node_view.evolve(self.nodes.get(name), env)
             self.index.update(view)
-            self.victim_index.fold(name, p, view, self.jobs)
+            self.victim_index.fold(name, p, view, self.jobs, self.nodes)
 
     def _command_id(self) -> str:
         return f"c{self.out_seq + 1}"

@@ -43,10 +43,14 @@ class VictimIndex:
     held: dict[str, dict[str, Entry]] = field(default_factory=dict)  # node -> job -> entry
     by_rank: dict[int, dict[str, int]] = field(default_factory=dict)  # tier rank -> node -> jobs of that rank there
     by_borrowed: dict[str, dict[str, int]] = field(default_factory=dict)  # tenant -> node -> its borrowed jobs there
+    stale: bool = False  # the fold met a node it had not seen arrive: read every view on the next sync
 
-    def fold(self, node: str, payload, view, jobs: dict) -> None:
-        """After the scheduler folded `payload` into `node`'s view: keep the job it placed or released current."""
+    def fold(self, node: str, payload, view, jobs: dict, views: dict) -> None:
+        """After the scheduler folded `payload` into `node`'s view (`views`, the scheduler's, now holds it): keep the
+        job it placed or released current."""
         if node not in self.pos:
+            if len(self.pos) != len(views) - 1:
+                self.stale = True  # a node that was there before the index saw it (views set by hand)
             self.pos[node] = len(self.pos)
         job = getattr(payload, "job_id", None)
         kind = getattr(payload, "kind", "")
@@ -67,9 +71,10 @@ class VictimIndex:
             self._add(node, job, new)
 
     def sync(self, views: dict, jobs: dict) -> None:
-        """Read in full any view the scheduler's fold never saw (views set by hand): every node is then known."""
-        if len(self.pos) == len(views):
+        """Read every view afresh if some were never seen through the scheduler's fold (views set by hand)."""
+        if len(self.pos) == len(views) and not self.stale:
             return
+        self.stale = False
         self.pos = {name: i for i, name in enumerate(views)}
         for name, view in views.items():
             self._set(name, entries(view, jobs))
