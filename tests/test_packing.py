@@ -180,52 +180,42 @@ def test_scarcity_keeps_the_only_home_of_a_big_type_for_it():
     pod = PodRequest(60_200, 320_512, 4, 1000)
     prio = np.arange(8)
     rng = np.random.default_rng(0)
-    plain = GpupoolPolicy([small, big], scarcity=False, dead=False)
+    plain = GpupoolPolicy([small, big], scarcity=False, stranded=False)
     plain.bind(st)
     assert choose(st, pod, plain, prio, rng).node == 7
-    scarce = GpupoolPolicy([small, big], scarcity=True, dead=False)
+    scarce = GpupoolPolicy([small, big], scarcity=True, stranded=False)
     scarce.bind(st)
     assert choose(st, pod, scarce, prio, rng).node != 7
 
 
-def test_dead_capacity_counts_shares_no_type_that_still_fits_could_take():
-    typ = [TypicalPod(4_000, 500, 1, None, 1, 0), TypicalPod(1_000, 300, 1, None, 1, 0)]
-    st = one_node([1000, 400, 200], cpu=6_000)
+def test_stranded_counts_free_gpus_behind_cpu_and_memory_no_gpu_type_fits():
+    typ = [TypicalPod(4_000, 500, 1, None, 1, 1024), TypicalPod(2_000, 1000, 2, None, 1, 512)]
+    st = ClusterState([6_000, 64_000], [8_192, 8_192], [3, 3], ["T4", "T4"])
+    st.gpu_free[0] = [1000, 400, 200]
+    st._refresh_all()
     ours = GpupoolPolicy(typ)
     ours.bind(st)
-    node = np.array([0])
-    # Now: the 1-core type fits (smallest share 300): the 200 is dead, the 400 is not.
-    assert ours.smallest_share(st.cpu_free[node], st.mem_free[node], st.model_idx[node])[0] == 300
-    # A 5.5-core pod taking 100 of the 400: 500 milli-cores left, no type fits: all 1,300 left are dead.
-    pod = PodRequest(5_500, 0, 1, 100)
-    inc = ours.dead_increase(node, pod)
-    assert inc.shape == (1, 3)
-    assert inc[0, 1] == (1000 + 300 + 200) - 200
-    # A 1-core pod on the full GPU: 5 cores left, both types fit; 500 of the full GPU stays usable.
-    inc2 = ours.dead_increase(node, PodRequest(1_000, 0, 1, 500))
-    assert inc2[0, 0] == 0
-
-
-def test_gpupool_keeps_cpu_rich_node_for_cpu_heavy_pods():
-    """A light pod should use the GPU that would be stranded behind scarce CPU."""
-    typ = [TypicalPod(10_000, 1000, 1, None, 3, 0), TypicalPod(1_000, 1000, 1, None, 1, 0)]
-    st = ClusterState([12_000, 40_000], [1 << 20] * 2, [2, 2], ["T4", "T4"])
-    ours = GpupoolPolicy(typ)
-    ours.bind(st)
-    placed = choose(st, PodRequest(1_000, 0, 1, 1000), ours, np.array([0, 1]), np.random.default_rng(0))
-    assert placed.node == 0
+    nodes = np.array([0, 1])
+    assert ours.host_fits(st.cpu_free[nodes], st.mem_free[nodes], st.model_idx[nodes]).tolist() == [True, True]
+    # 5 cores on node 0 leave 1 core: no type fits, the 1,500 milli left are stranded; node 1 keeps 59 cores.
+    assert ours.stranded_increase(nodes, PodRequest(5_000, 0, 1, 100)).tolist() == [1500, 0]
+    # Memory too: 8,000 MiB asked leaves 192, too little for either type on both nodes.
+    assert ours.stranded_increase(nodes, PodRequest(1_000, 8_000, 1, 1000)).tolist() == [600, 2000]
+    # A node already stranded stays so: placing there frees nothing, strands nothing new but what it takes.
+    st.cpu_free[0] = 1_000
+    assert ours.stranded_increase(np.array([0]), PodRequest(500, 0, 1, 200)).tolist() == [-200]
 
 
 def test_make_policy_names():
     for name in ("random", "bestfit", "fgd", "gpupool"):
         assert make_policy(name, ()).name == name
     ablation = make_policy("gpupool-cap", ())
-    assert (ablation.scarcity, ablation.dead) == (False, False)
+    assert (ablation.scarcity, ablation.stranded) == (False, False)
     with pytest.raises(ValueError):
         make_policy("tetris")
 
 
-def test_dead_capacity_keeps_a_pod_off_a_node_whose_last_cores_it_would_take():
+def test_stranded_keeps_a_pod_off_a_node_whose_last_cores_it_would_take():
     """Node 0's CPU hosts one small pod for two free GPUs: the capped measure already counts one GPU lost,
     so taking its last cores looks free (a tie, broken by priority).  It leaves a GPU no type could use."""
     typ = [TypicalPod(3_000, 1000, 1, None, 1, 0)]
@@ -233,10 +223,10 @@ def test_dead_capacity_keeps_a_pod_off_a_node_whose_last_cores_it_would_take():
     pod = PodRequest(3_500, 0, 1, 1000)
     prio = np.array([1, 0])  # ties go to node 0
     rng = np.random.default_rng(0)
-    cap_only = GpupoolPolicy(typ, scarcity=False, dead=False)
+    cap_only = GpupoolPolicy(typ, scarcity=False, stranded=False)
     cap_only.bind(st)
     assert choose(st, pod, cap_only, prio, rng).node == 0
     ours = GpupoolPolicy(typ)
     ours.bind(st)
-    assert ours.dead_increase(np.array([0, 1]), pod).tolist() == [1000, 0]
+    assert ours.stranded_increase(np.array([0, 1]), pod).tolist() == [1000, 0]
     assert choose(st, pod, ours, prio, rng).node == 1
