@@ -7,8 +7,10 @@ from dataclasses import replace
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from agents.scheduler.placement import FILTERS
-from agents.scheduler.preemption import Plan, Room, Victim, _could_fit, disruption_order, fits, plan_over, released
+from agents.scheduler.placement import FILTERS, gang_room
+from agents.scheduler.preemption import (
+    Plan, Room, Victim, _could_fit, disruption_order, fits, gang_room_after, plan_over, released,
+)
 from schemas.envelope import envelope
 from schemas.events import Assignment, GpuHealth, JobRequested, Constraints, PlaceJob
 from schemas.gpu_models import model
@@ -144,3 +146,13 @@ def test_plan_over_chooses_what_the_trials_chose(views, job, picks, limit):
     views = [replace(v, node=f"n{i}") for i, v in enumerate(views)]
     pairs = [(v, victims(v, p)) for v, p in zip(views, picks)]
     assert plan_over(job, pairs, limit) == _plan_over_by_trials(job, pairs, limit)
+
+
+@settings(max_examples=800, deadline=None)
+@given(view=nodes(), job=jobs(), picks=st.lists(st.integers(0, 40), max_size=14),
+       model_name=st.sampled_from(MODELS + ("A100-40GB",)), cpu_per=st.sampled_from([0, 500, 4000]),
+       mem_per=st.sampled_from([0, 2048, 65536]))
+def test_gang_room_after_is_the_room_on_a_scratch_view(view, job, picks, model_name, cpu_per, mem_per):
+    ids = [v.job_id for v in victims(view, picks)]
+    assert gang_room_after(view, job, model_name, cpu_per, mem_per, ids) == \
+        gang_room(released(view, ids), job, model_name, cpu_per, mem_per)

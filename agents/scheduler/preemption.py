@@ -82,10 +82,6 @@ def placed(view: node_view.NodeView, job: JobRequested, fit) -> node_view.NodeVi
         source="placement-trial", seq=len(view.allocations) + 1, time_ms=0))
 
 
-def _without(view: node_view.NodeView, victims: list[Victim]) -> node_view.NodeView:
-    return released(view, [v.job_id for v in victims])
-
-
 def plan_for(job: JobRequested, nodes: list[node_view.NodeView], candidates: dict[str, list[Victim]]) -> Plan | None:
     """The cheapest node plan that makes `job` fit, or None."""
     return plan_over(job, ((view, candidates.get(view.node, ())) for view in nodes))
@@ -309,7 +305,7 @@ def plan_gang(job: JobRequested, views: dict[str, node_view.NodeView], index: No
             if any(f(view, job) for plugin, f in FILTERS if plugin != "HostResources"):
                 continue
             now = gang_room(view, job, m, cpu_per, mem_per)
-            most = gang_room(released(view, [v.job_id for v in candidates.get(name, ())]), job, m, cpu_per, mem_per)
+            most = gang_room_after(view, job, m, cpu_per, mem_per, [v.job_id for v in candidates.get(name, ())])
             if most > 0:
                 rooms[name] = (now, most)
         if sum(most for _, most in rooms.values()) < n:
@@ -340,14 +336,50 @@ def _gang_plan(job, views, m, n, cpu_per, mem_per, members, rooms, candidates) -
             chosen: list[Victim] = []
             for v in sorted(candidates.get(name, ()), key=disruption_order):
                 chosen.append(v)
-                if gang_room(_without(view, chosen), job, m, cpu_per, mem_per) >= take:
+                if gang_room_after(view, job, m, cpu_per, mem_per, [c.job_id for c in chosen]) >= take:
                     break
             for extra in sorted(chosen, key=disruption_order, reverse=True):
                 rest = [c for c in chosen if c is not extra]
-                if gang_room(_without(view, rest), job, m, cpu_per, mem_per) >= take:
+                if gang_room_after(view, job, m, cpu_per, mem_per, [c.job_id for c in rest]) >= take:
                     chosen = rest
             victims.extend(chosen)
         total += take
     if total < n or not victims:
         return None  # enough without stopping anything is the placement's business, not preemption's
     return Plan(first, tuple(sorted(victims, key=disruption_order)))
+
+
+def gang_room_after(view: node_view.NodeView, job: JobRequested, model_name: str, cpu_per: int, mem_per: int,
+                    job_ids) -> int:
+    """`gang_room(released(view, job_ids), ...)` by arithmetic: whole free cards of this model the node could give one
+    part of a gang once these jobs are gone (host CPU and memory included), without a scratch view."""
+    cpu, mem = view.free_cpu_memory()
+    freed: dict[str, list[int]] = {}
+    allocations = view.allocations
+    for j in job_ids:
+        held = allocations.get(j)
+        if held is None:
+            continue
+        cpu += held.cpu_milli
+        mem += held.memory_mib
+        for a in held.slices:
+            f = freed.get(a.gpu_uuid)
+            if f is None:
+                freed[a.gpu_uuid] = [a.milli, a.memory_mib]
+            else:
+                f[0] += a.milli
+                f[1] += a.memory_mib
+    full = model(model_name).memory_mib
+    room = 0
+    for c in view.card_free():
+        if c.model != model_name or c.mig:
+            continue
+        f = freed.get(c.uuid)
+        milli, memory = (c.milli + f[0], c.memory_mib + f[1]) if f is not None else (c.milli, c.memory_mib)
+        if milli == 1000 and memory == full and _card_allowed(c, job, view):
+            room += 1
+    if cpu_per:
+        room = min(room, cpu // cpu_per)
+    if mem_per:
+        room = min(room, mem // mem_per)
+    return max(room, 0)
