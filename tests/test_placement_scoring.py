@@ -15,8 +15,10 @@ def test_fragmentation_by_hand():
     assert fragmentation([1000, 500, 0], 64000, 1 << 20, shapes) == 500
     # CPU for one pod only: the 500-type can use at most one card's worth -> 500 stranded for it too
     assert fragmentation([1000, 500, 0], 1000, 1 << 20, shapes) == 1000
-    # no CPU at all: every free milli is a fragment for both types
-    assert fragmentation([1000, 500], 0, 1 << 20, shapes) == 3000
+    # no CPU at all: every free milli is a fragment for both types, and stranded (counted again, weight 2)
+    assert fragmentation([1000, 500], 0, 1 << 20, shapes) == 3000 + 3000
+    # memory alone can strand too
+    assert fragmentation([1000, 500], 64000, 512, shapes) == 6000
 
 
 def test_slowdown_estimates():

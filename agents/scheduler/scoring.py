@@ -9,9 +9,11 @@ Model preference (seeds 000/002: heterogeneous pool, cost vs performance):
 Fragmentation is FGD's measure (Weng et al., ATC'23) with this project's CPU/host-memory cap (the `gpupool` policy
 of packing.py, evaluated in docs/evaluation.md): for each typical job type t of the workload, the free GPU milli of a
 node that t could use -- on cards with at least t's share free, capped by how many t's the node's free CPU and memory
-can still host -- and everything else counts as fragment. Among fitting nodes the one whose placement adds the least
-fragmentation wins. Typical types are learned from the requests the scheduler has seen (most frequent shapes first).
-Integer arithmetic throughout.
+can still host -- and everything else counts as fragment; free GPUs behind CPU and memory that no typical type fits
+any more count once more in full (lost to every later job, not only the next). Among fitting nodes the one whose
+placement adds the least fragmentation wins. The offline policy also weighs types by how scarce their hosts are;
+the live scorer does not (yet). Typical types are learned from the requests the scheduler has seen (most frequent
+shapes first). Integer arithmetic throughout.
 """
 from __future__ import annotations
 
@@ -120,11 +122,17 @@ def fragmentation(free: list[int], cpu: int, mem: int, shapes: tuple[Shape, ...]
     for f in free:
         below.append(below[-1] + f)
     total = 0
+    host_fits = False
     for t in shapes:
+        host = cpu >= t.cpu_milli and mem >= t.memory_mib
+        host_fits = host_fits or host
         i = bisect_left(free, t.milli)  # cards from i on have at least the type's share free
-        if len(free) - i >= t.cards and cpu >= t.cpu_milli and mem >= t.memory_mib:
+        if len(free) - i >= t.cards and host:
             n = min(cpu // t.cpu_milli if t.cpu_milli else _BIG, mem // t.memory_mib if t.memory_mib else _BIG)
             total += t.weight * (g - min(g - below[i], n * t.cards * 1000))
         else:
             total += t.weight * g
+    if shapes and not host_fits:
+        # Stranded behind CPU/memory no typical job fits: lost to every later job, counted once more in full.
+        total += sum(t.weight for t in shapes) * g
     return total
