@@ -7,6 +7,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from agents.scheduler.core import Scheduler, replay
 from schemas.events import TIER_RANK, ReservationRequested, JobCompleted, JobStarted, JobStopped, QuotaSet, SchedulerTick, Tier
 from tests.builders import Clock, inventory, job
+from schemas.gpu_models import model as gpu_model
 
 TENANTS = ("t1", "t2", "t3")
 
@@ -119,10 +120,20 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert {k: v for k, v in self.s.held_by_tier.items() if v} == by_tier
         assert self.s.stopping == {j for j, r in self.s.jobs.items() if r.state == "stopping"}
         for r in self.s.jobs.values():
-            if len(r.parts) > 1:  # a gang is all or nothing: its parts add up to what it needs
-                cards = sum(len(p.assignments) for p in r.parts)
-                assert cards * 1000 * 1000 >= r.request.compute_milli * 1000 and len({p.node for p in r.parts}) == \
-                    len(r.parts)
+            if len(r.parts) > 1:  # a gang is all or nothing: its parts add up to what it needs, by what each card
+                # brings (a low-tier gang may mix card models)
+                brought_cu = brought_mem = 0
+                kinds = set()
+                for p in r.parts:
+                    by_uuid = {g.uuid: g.model for g in self.s.nodes[p.node].inventory.gpus}
+                    for a in p.assignments:
+                        m = gpu_model(by_uuid[a.gpu_uuid])
+                        kinds.add(m.name)
+                        brought_cu += m.cu_milli
+                        brought_mem += a.memory_mib
+                assert brought_cu >= r.request.compute_milli and brought_mem >= r.request.gpu_memory_mib
+                assert len({p.node for p in r.parts}) == len(r.parts)
+                assert len(kinds) == 1 or r.request.tier == Tier.OFFLINE
 
     @invariant()
     def quota_ledger_matches_holdings(self):

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from agents.scheduler import topology
 from agents.scheduler.node_index import NodeIndex, cards_needed
 from agents.scheduler.scoring import Workload, fragmentation, model_order
-from schemas.events import Assignment, JobRequested, MigInstance, Reason
+from schemas.events import Assignment, JobRequested, MigInstance, Reason, Tier
 from schemas.gpu_models import MIG_MEMORY_SLICES, MODELS, mig_profile, mig_share_milli, model, share_for, version_tuple
 from streams.node_view import CardFree, NodeView
 
@@ -384,6 +384,8 @@ def place(index: NodeIndex, views: dict[str, NodeView], job: JobRequested, workl
         return Placement(parts, tuple(reasons))
     if job.gang:
         gang = _gang(index, views, job, models, exclude, (workload, version) if shape is not None else None)
+        if gang is None and job.tier == Tier.OFFLINE and len(models) > 1:
+            gang = _mixed_gang(index, views, job, models, exclude)
         if gang is not None:
             return gang
     if mig:
@@ -489,6 +491,81 @@ def _gang(index: NodeIndex, views: dict[str, NodeView], job: JobRequested, model
                            message=f"{n} whole {m} card(s) in {len(parts)} part(s), all or nothing",
                            data={"cards": n, "parts": len(parts)}),
                     _topology_reason(index, views, parts, m)))
+    return None
+
+
+def _mixed_gang(index: NodeIndex, views: dict[str, NodeView], job: JobRequested, models: list[str],
+                exclude: frozenset[str] = frozenset()) -> Placement | None:
+    """Low-tier work may mix card models (issue #4, heterogeneity): when no one model can hold the gang, whole cards
+    of several models, counted by what each card brings (its compute units and memory), until the job's compute and
+    GPU memory are both covered. Host CPU and memory are asked per card in proportion to the share of the job the
+    card covers. Fewest parts inside one rack, else one data center, else anywhere, as max_spread allows."""
+    if job.constraints.interconnect == "nvlink" or not job.compute_milli:
+        return None
+    limit = job.constraints.max_spread
+    need_cu, need_mem = job.compute_milli, job.gpu_memory_mib
+    offers: list[tuple[str, str, int]] = []  # node, model, whole cards it can give
+    per_card: dict[str, tuple[int, int, int, int]] = {}
+    for m in models:
+        gm = model(m)
+        share = max(gm.cu_milli * 1000 // need_cu, gm.memory_mib * 1000 // max(1, need_mem)) if need_mem else \
+            gm.cu_milli * 1000 // need_cu
+        share = min(1000, share)
+        cpu_per, mem_per = -(-job.cpu_milli * share // 1000), -(-job.memory_mib * share // 1000)
+        per_card[m] = (gm.cu_milli, gm.memory_mib, cpu_per, mem_per)
+        for name, _k in index.whole_free(m):
+            if name in exclude:
+                continue
+            v = views[name]
+            if _rejects(v, job, skip_host=True):
+                continue
+            room = gang_room(v, job, m, cpu_per, mem_per)
+            if room > 0:
+                offers.append((name, m, room))
+    total_cu = sum(per_card[m][0] * c for _, m, c in offers)
+    total_mem = sum(per_card[m][1] * c for _, m, c in offers)
+    if total_cu < need_cu or total_mem < need_mem:
+        return None
+    nodes = {name for name, _, _ in offers}
+    for level in ("rack", "datacenter", "any"):
+        if not topology.allowed(level, limit):
+            break
+        best = None
+        for members in group_by(level, nodes, views):
+            inside = set(members)
+            mine = sorted((o for o in offers if o[0] in inside),
+                          key=lambda o: (-per_card[o[1]][0] * o[2], o[0], o[1]))
+            take, cu, mem = [], 0, 0
+            for name, m, room in mine:
+                c_cu, c_mem = per_card[m][0], per_card[m][1]
+                want = max(-(-(need_cu - cu) // c_cu), -(-(need_mem - mem) // c_mem) if need_mem > mem else 0)
+                c = min(room, max(1, want))
+                take.append((name, m, c))
+                cu, mem = cu + c * c_cu, mem + c * c_mem
+                if cu >= need_cu and mem >= need_mem:
+                    break
+            if cu >= need_cu and mem >= need_mem and len({m for _, m, _ in take}) > 1 and (
+                    best is None or len(take) < len(best)):
+                best = take
+        if best is not None:
+            taken_mem = sum(per_card[m][1] * c for _, m, c in best)
+            parts = []
+            for name, m, c in best:
+                card_mem = min(per_card[m][1], -(-need_mem * per_card[m][1] // taken_mem)) if need_mem else 0
+                parts.append(Part(name, _whole_cards(views[name], job, free_whole(views[name], job, m), c, card_mem),
+                                  per_card[m][2] * c, per_card[m][3] * c))
+            parts_t = tuple(parts)
+            mix: dict[str, int] = {}
+            for _, m, c in best:
+                mix[m] = mix.get(m, 0) + c
+            return Placement(parts_t, (
+                Reason(code="Placed", plugin="Gang", nodes=tuple(p.node for p in parts_t),
+                       message="no one card model has room: low-tier gang over "
+                               + " + ".join(f"{c} {m}" for m, c in sorted(mix.items()))
+                               + f" in {len(parts_t)} part(s), all or nothing",
+                       data={"cards": sum(mix.values()), "parts": len(parts_t), "mixed_models": len(mix),
+                             **{f"cards_{m}": c for m, c in sorted(mix.items())}}),
+                _topology_reason(index, views, parts_t, best[0][1])))
     return None
 
 
