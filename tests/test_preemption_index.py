@@ -70,6 +70,26 @@ class VictimIndexMachine(SchedulerMachine):
                         for o in (s.jobs[j] for j in s.nodes[n].allocations) if o.hold is None)
 
 
+class TooBigMachine(SchedulerMachine):
+    """A job too big for every node's cards of every model (a multi-node gang) gets no single-node plan whatever is
+    stopped: `_preempt_for` skips `plan_over` for it, and this holds the skip to what `plan_over` would say."""
+
+    @invariant()
+    def no_single_node_plan_for_a_job_too_big_for_every_node(self):
+        from agents.scheduler.node_index import cards_needed
+        from agents.scheduler.preemption import plan_over
+        s = self.s
+        for rec in list(s.jobs.values()):
+            r = rec.request
+            if rec.state != "pending" or not s.index.models or not all(
+                    cards_needed(r.compute_milli, r.gpu_memory_mib, m) > n for m, n in s.index.models.items()):
+                continue
+            for within_quota in (False, True):
+                # every job on every node offered as a victim: the most any plan could free
+                everyone = {n: [Victim(j, n, 2, True, 0, "tier") for j in v.allocations] for n, v in s.nodes.items()}
+                assert plan_over(r, ((s.nodes[n], vs) for n, vs in everyone.items())) is None
+
+
 def test_views_set_by_hand_are_read_in_full():
     """A scheduler whose views were set by hand (never folded) finds the same victim nodes as the one that folded
     them: the next search reads every view."""
@@ -91,6 +111,8 @@ def test_views_set_by_hand_are_read_in_full():
 
 VictimIndexMachine.TestCase.settings = settings(max_examples=40, stateful_step_count=40, deadline=None)
 TestVictimIndex = VictimIndexMachine.TestCase
+TooBigMachine.TestCase.settings = settings(max_examples=20, stateful_step_count=40, deadline=None)
+TestTooBig = TooBigMachine.TestCase
 
 
 def test_protected_and_stopping_work_is_no_victim():

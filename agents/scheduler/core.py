@@ -434,17 +434,17 @@ class Scheduler:
             return True
         if not self._anyone_to_stop(rec, within_quota):
             return False
-        plan = plan_over(rec.request, ((self.nodes[name], self._victims_on(self.nodes[name], rec, within_quota))
-                                       for name in self._victim_nodes(rec, within_quota)),
-                         self.preemption.candidate_nodes)
-        if plan is None and rec.request.gang and any(
-                cards_needed(rec.request.compute_milli, rec.request.gpu_memory_mib, m) > n
-                for m, n in self.index.models.items()):
+        r = rec.request
+        too_big = {m: cards_needed(r.compute_milli, r.gpu_memory_mib, m) > n for m, n in self.index.models.items()}
+        plan = None
+        if not all(too_big.values()):  # else no node has cards enough, whoever stops: only a multi-node gang plan
+            plan = plan_over(r, ((self.nodes[name], self._victims_on(self.nodes[name], rec, within_quota))
+                                 for name in self._victim_nodes(rec, within_quota)), self.preemption.candidate_nodes)
+        if plan is None and r.gang and any(too_big.values()):
             plan = plan_gang(rec.request, self.nodes, self.index, allowed_models(self.index, rec.request),
                              self._victims(rec, within_quota))
         if plan is None:
             return False
-        r = rec.request
         for v in plan.victims:
             self._emit(out, PreemptJob(command_id=self._command_id(), job_id=v.job_id, node=v.node, reasons=(
                 Reason(code="PreemptedFor", plugin="Preemption", message=f"{v.rule}: {r.job_id} ({r.tier.value})",

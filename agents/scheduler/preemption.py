@@ -291,7 +291,8 @@ def plan_gang(job: JobRequested, views: dict[str, node_view.NodeView], index: No
               candidates: dict[str, list[Victim]]) -> Plan | None:
     """Preemption for a gang that spans nodes: the tightest level (rack, data center, anywhere, within the job's
     max_spread) where free cards plus what lower-tier work holds add up; free cards are used first, and on each node
-    only as many victims are stopped as its part needs (least disruptive first, then pruned). Tried on scratch views."""
+    only as many victims are stopped as its part needs (least disruptive first, then pruned). A node's room once its
+    victims are gone is counted by arithmetic (`gang_room_after`)."""
     limit = "nvlink" if job.constraints.interconnect == "nvlink" else job.constraints.max_spread
     for m in models:
         n = cards_needed(job.compute_milli, job.gpu_memory_mib, m)
@@ -302,12 +303,13 @@ def plan_gang(job: JobRequested, views: dict[str, node_view.NodeView], index: No
         rooms: dict[str, tuple[int, int]] = {}
         for name in names:
             view = views[name]
-            if any(f(view, job) for plugin, f in FILTERS if plugin != "HostResources"):
+            if m not in view.fit_summary.by_model:
+                continue  # no healthy plain card of this model: no room whoever stops (the same cards after it)
+            if any(f(view, job) for f in _NODE_FILTERS):
                 continue
-            now = gang_room(view, job, m, cpu_per, mem_per)
             most = gang_room_after(view, job, m, cpu_per, mem_per, [v.job_id for v in candidates.get(name, ())])
             if most > 0:
-                rooms[name] = (now, most)
+                rooms[name] = (gang_room(view, job, m, cpu_per, mem_per), most)
         if sum(most for _, most in rooms.values()) < n:
             continue
         for level in ("rack", "datacenter", "any"):
