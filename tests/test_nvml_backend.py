@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from agents.node.nvml_agent import Executor, job_argv, visible_devices
+from agents.node.nvml_agent import Executor, JobProc, job_argv, visible_devices
 from agents.node.nvml_backend import NvmlBackend, model_name
 from schemas.envelope import envelope
 from schemas.events import (
@@ -233,6 +233,19 @@ def test_reconfigure_mig_replaces_the_layout():
         [("4g.40gb", 0, 4), ("3g.40gb", 4, 4)]
 
 
+def test_reconfigure_mig_leaves_kept_instances_alone():
+    """A carve next to running work: the 3g (busy) and 2g instances stay, only the 1g at slice 6 is replaced."""
+    nv, b = backend([mig_a100()])
+    layout = (MigInstance(uuid="MIG-1111", profile="3g.40gb", start=0, size=4),
+              MigInstance(uuid="MIG-2222", profile="2g.20gb", start=4, size=2),
+              MigInstance(uuid="new", profile="2g.20gb", start=6, size=2))
+    b.reconfigure_mig("GPU-mig0", layout)
+    assert nv.destroyed == [("GPU-mig0", 13)]
+    assert nv.created == [("GPU-mig0", 14, 6, 2)]
+    assert [(i.profile, i.start, i.size) for i in b.inventory("n1").gpus[0].mig_layout] == \
+        [("3g.40gb", 0, 4), ("2g.20gb", 4, 2), ("2g.20gb", 6, 2)]
+
+
 # ---------------------------------------------------------------- the executor
 
 class Recorder:
@@ -450,6 +463,31 @@ def test_mig_reconfigure_is_a_dry_run_unless_allowed():
     assert calls == []
     run(go(True, "c2"))
     assert calls == ["GPU-mig0"]
+
+
+def test_mig_reconfigure_refused_only_when_it_would_remove_a_running_jobs_instance():
+    calls, republished = [], []
+
+    async def reconfigure(p):
+        calls.append(p.command_id)
+
+    async def republish(cause):
+        republished.append(cause)
+
+    keep = (MigInstance(uuid="MIG-1111", profile="3g.40gb", start=0, size=4),
+            MigInstance(uuid="new", profile="2g.20gb", start=4, size=2))
+    drop = (MigInstance(uuid="new", profile="7g.80gb", start=0, size=8),)
+
+    async def go(layout, command_id):
+        ex = Executor("n1", Recorder(), allow_mig_reconfigure=True, reconfigure=reconfigure, republish=republish)
+        ex.running["j"] = JobProc("j", "c0", None, 0, 0, "", (
+            Assignment(gpu_uuid="GPU-mig0", milli=428, memory_mib=40192, mig_uuid="MIG-1111"),))
+        await ex.execute(cmd(MigReconfigure(command_id=command_id, node="n1", gpu_uuid="GPU-mig0", layout=layout)))
+
+    run(go(keep, "c1"))
+    assert calls == ["c1"] and republished == []
+    run(go(drop, "c2"))
+    assert calls == ["c1"] and republished == ["c2"]
 
 
 def test_job_argv_from_the_environment_or_a_sleep(tmp_path):

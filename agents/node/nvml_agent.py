@@ -102,12 +102,14 @@ class Executor:
 
     def __init__(self, node: str, publish: Publish, *, argv_for: Callable[[PlaceJob], list[str] | None] = job_argv,
                  allow_mig_reconfigure: bool = False, reconfigure: Callable[[MigReconfigure], Awaitable[None]]
-                 | None = None, log_dir: Path | None = None, clock: Callable[[], int] = wall_ms):
+                 | None = None, republish: Callable[[str], Awaitable[None]] | None = None,
+                 log_dir: Path | None = None, clock: Callable[[], int] = wall_ms):
         self.node = node
         self.publish = publish
         self.argv_for = argv_for
         self.allow_mig_reconfigure = allow_mig_reconfigure
         self.reconfigure = reconfigure
+        self.republish = republish  # the node's inventory again, as the answer to a refused command
         self.log_dir = log_dir
         self.clock = clock
         self.seen: set[str] = set()
@@ -260,8 +262,15 @@ class Executor:
             log.warning("dry run: would reconfigure MIG on %s to %s (start the agent with --allow-mig-reconfigure)",
                         p.gpu_uuid, layout)
             return
-        if any(j for j in self.running.values() if any(a.gpu_uuid == p.gpu_uuid for a in j.assignments)):
-            log.error("MIG reconfigure of %s refused: jobs are running on it", p.gpu_uuid)
+        kept = {i.uuid for i in p.layout}
+        busy = sorted(j.job_id for j in self.running.values()
+                      if any(a.gpu_uuid == p.gpu_uuid and a.mig_uuid not in kept for a in j.assignments))
+        if busy:
+            # Instances the layout keeps may be busy (a carve next to running work); one that goes may not.
+            log.error("MIG reconfigure of %s refused: it would remove the instance(s) of running job(s) %s",
+                      p.gpu_uuid, ", ".join(busy))
+            if self.republish is not None:
+                await self.republish(p.command_id)  # the scheduler stops waiting for a layout that will not come
             return
         await self.reconfigure(p)
 
@@ -336,7 +345,8 @@ class NvmlAgent:
         self.stopping = asyncio.Event()
         self.executor = Executor(self.node, self.publish,
                                  allow_mig_reconfigure=bool(getattr(args, "allow_mig_reconfigure", False)),
-                                 reconfigure=self._reconfigure, log_dir=cfg.home / "jobs" / self.node)
+                                 reconfigure=self._reconfigure, republish=self._republish,
+                                 log_dir=cfg.home / "jobs" / self.node)
 
     async def publish(self, payload, source: str, cause: str | None = None) -> None:
         env = envelope(payload, source=source, seq=self.seq.next(source), time_ms=wall_ms(), causation_id=cause)
@@ -349,6 +359,9 @@ class NvmlAgent:
         if force or inv != self.inventory:
             await self.publish(inv, f"{self.node}/inventory", cause)
             self.inventory = inv
+
+    async def _republish(self, cause: str) -> None:
+        await self.publish_inventory(force=True, cause=cause)
 
     async def _reconfigure(self, p: MigReconfigure) -> None:
         try:

@@ -430,17 +430,27 @@ class NvmlBackend:
     # ---------------------------------------------------------------- MIG reconfiguration
 
     def reconfigure_mig(self, gpu_uuid: str, layout: tuple[MigInstance, ...]) -> None:
-        """Destroy the card's instances and create `layout` (GPU instance with placement + one full compute
-        instance each). Needs root, MIG mode already on, and no process on the card; NVML errors propagate."""
+        """Make the card's instances `layout`: an instance the layout keeps (same profile at the same placement) is
+        left alone, with whatever runs on it; the others are destroyed (their compute instances first) and the
+        missing ones created (GPU instance with placement + one full compute instance each). Needs root and MIG
+        mode already on; the caller makes sure nothing runs on an instance that goes. NVML errors propagate."""
         nv = self.nv
         h = nv.nvmlDeviceGetHandleByUUID(gpu_uuid)
         mode = nv.nvmlDeviceGetMigMode(h)
         if mode[0] != nv.NVML_DEVICE_MIG_ENABLE:
             raise CardFault(f"{gpu_uuid}: MIG mode is off (turning it on needs a GPU reset, left to the operator)")
         model = model_name(_text(nv.nvmlDeviceGetName(h)), int(nv.nvmlDeviceGetMemoryInfo(h).total // MIB))
+        wanted = {(i.profile, i.start, i.size) for i in layout}
+        for inst in layout:
+            if inst.start + inst.size > MIG_MEMORY_SLICES:
+                raise CardFault(f"{gpu_uuid}: placement {inst.start}+{inst.size} is off the card")
         gis: dict[int, list[int]] = {}
+        kept: set[tuple[str, int, int]] = set()
         for m in self._migs(gpu_uuid, h, model):
-            gis.setdefault(m.gi_id, []).append(m.ci_id)
+            if (m.profile, m.start, m.size) in wanted:
+                kept.add((m.profile, m.start, m.size))
+            else:
+                gis.setdefault(m.gi_id, []).append(m.ci_id)
         for gi_id, cis in gis.items():
             gi = nv.nvmlDeviceGetGpuInstanceById(h, gi_id)
             for ci_id in cis:
@@ -449,10 +459,10 @@ class NvmlBackend:
         by_name = {_mig_profile_name(name, model, slices, 0): (pid, slices)
                    for pid, (name, slices) in self._gi_profiles(gpu_uuid, h).items() if "+" not in name}
         for inst in sorted(layout, key=lambda i: i.start):
+            if (inst.profile, inst.start, inst.size) in kept:
+                continue
             if inst.profile not in by_name:
                 raise CardFault(f"{gpu_uuid}: no MIG profile {inst.profile} on {model}")
-            if inst.start + inst.size > MIG_MEMORY_SLICES:
-                raise CardFault(f"{gpu_uuid}: placement {inst.start}+{inst.size} is off the card")
             pid, slices = by_name[inst.profile]
             placement = nv.c_nvmlGpuInstancePlacement_t(inst.start, inst.size)
             gi = nv.nvmlDeviceCreateGpuInstanceWithPlacement(h, pid, ctypes.byref(placement))
