@@ -154,3 +154,14 @@ def test_views_set_by_hand_then_folded_are_read_in_full():
     hi = s.jobs["o0"].__class__(request=job("hi", tier=Tier.INFERENCE), arrival=99)
     assert list(by_hand._victim_nodes(hi, False)) == ["n0", "n1"]
     assert by_hand.victim_index.state() == rebuilt(by_hand.nodes, by_hand.jobs).state()
+
+
+def test_lazy_victims_work_each_node_out_once_and_only_when_asked():
+    from agents.scheduler.victims import LazyVictims
+
+    asked = []
+    lazy = LazyVictims(iter(["n2", "n0"]), lambda n: asked.append(n) or ([n] if n != "n0" else []))
+    assert list(lazy) == ["n2", "n0"] and len(lazy) == 2 and asked == []
+    assert lazy["n2"] == ["n2"] and lazy.get("n2") == ["n2"] and asked == ["n2"]
+    assert lazy.get("n0", ()) == [] and lazy.get("n9", ()) == () and "n9" not in lazy
+    assert asked == ["n2", "n0"]

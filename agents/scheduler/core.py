@@ -18,7 +18,7 @@ from agents.scheduler.preemption import (
 from agents.scheduler.quota import Ledger
 from agents.scheduler.reservations import LIVE, Book, Booking
 from agents.scheduler.scoring import Workload
-from agents.scheduler.victims import VictimIndex
+from agents.scheduler.victims import LazyVictims, VictimIndex
 from schemas.envelope import Envelope, envelope
 from schemas.events import (
     TIER_RANK, GpuHealth, JobCancelled, JobCheckpointed, JobCompleted, JobFailed, JobPending, JobRequested,
@@ -368,14 +368,11 @@ class Scheduler:
 
     # ---------------------------------------------------------------- preemption and reclaim
 
-    def _victims(self, rec: JobRecord, within_quota: bool) -> dict[str, list[Victim]]:
-        """Every node's candidate victims for `rec` (multi-node gang plans need them all)."""
-        out: dict[str, list[Victim]] = {}
-        for name in self._victim_nodes(rec, within_quota):
-            found = self._victims_on(self.nodes[name], rec, within_quota)
-            if found:
-                out[name] = found
-        return out
+    def _victims(self, rec: JobRecord, within_quota: bool) -> LazyVictims:
+        """Every node's candidate victims for `rec` (multi-node gang plans may need them all), each node's worked out
+        when the plan first looks at it; the nodes named are those the victim index names (some may hold nobody)."""
+        return LazyVictims(self._victim_nodes(rec, within_quota),
+                           lambda name: self._victims_on(self.nodes[name], rec, within_quota))
 
     def _victim_nodes(self, rec: JobRecord, within_quota: bool):
         """The nodes that may hold a victim for `rec`, in node order (the victim index; a superset of the nodes

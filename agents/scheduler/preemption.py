@@ -15,6 +15,7 @@ A job preempted `max_preemptions` times within `window_ms` is protected for `pro
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from agents.scheduler import topology
@@ -288,7 +289,7 @@ def fits(view: node_view.NodeView, job: JobRequested) -> bool:
 
 
 def plan_gang(job: JobRequested, views: dict[str, node_view.NodeView], index: NodeIndex, models: list[str],
-              candidates: dict[str, list[Victim]]) -> Plan | None:
+              candidates: Mapping[str, list[Victim]]) -> Plan | None:
     """Preemption for a gang that spans nodes: the tightest level (rack, data center, anywhere, within the job's
     max_spread) where free cards plus what lower-tier work holds add up; free cards are used first, and on each node
     only as many victims are stopped as its part needs (least disruptive first, then pruned). A node's room once its
@@ -299,7 +300,8 @@ def plan_gang(job: JobRequested, views: dict[str, node_view.NodeView], index: No
         if n < 2:
             continue
         cpu_per, mem_per = -(-job.cpu_milli // n), -(-job.memory_mib // n)
-        names = sorted(set(candidates) | {name for name, _ in index.whole_free(m)})
+        free = {name for name, _ in index.whole_free(m)}
+        names = sorted(set(candidates) | free)
         rooms: dict[str, tuple[int, int]] = {}
         for name in names:
             view = views[name]
@@ -307,7 +309,10 @@ def plan_gang(job: JobRequested, views: dict[str, node_view.NodeView], index: No
                 continue  # no healthy plain card of this model: no room whoever stops (the same cards after it)
             if any(f(view, job) for f in _NODE_FILTERS):
                 continue
-            most = gang_room_after(view, job, m, cpu_per, mem_per, [v.job_id for v in candidates.get(name, ())])
+            victims = candidates.get(name, ())
+            if not victims and name not in free:
+                continue  # nobody to stop there and no free card (`candidates` may name nodes that hold nobody)
+            most = gang_room_after(view, job, m, cpu_per, mem_per, [v.job_id for v in victims])
             if most > 0:
                 rooms[name] = (gang_room(view, job, m, cpu_per, mem_per), most)
         if sum(most for _, most in rooms.values()) < n:

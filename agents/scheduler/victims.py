@@ -16,8 +16,9 @@ in full on the next search.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Callable, Iterator
 
 from schemas.events import TIER_RANK
 
@@ -125,6 +126,30 @@ class VictimIndex:
         """Everything a rebuild must reproduce (for the tests)."""
         return (self.held, {r: dict(ns) for r, ns in self.by_rank.items() if ns},
                 {t: dict(ns) for t, ns in self.by_borrowed.items() if ns})
+
+
+class LazyVictims(Mapping):
+    """node -> who may be stopped there, for the nodes the index names, each worked out on first look: a multi-node
+    gang's plan looks only at nodes of the card model it tries, and a node named here may turn out to hold nobody."""
+
+    def __init__(self, names, victims_on: Callable[[str], list]):
+        self._names = dict.fromkeys(names)
+        self._victims_on = victims_on
+        self._memo: dict[str, list] = {}
+
+    def __getitem__(self, name: str) -> list:
+        if name not in self._names:
+            raise KeyError(name)
+        got = self._memo.get(name)
+        if got is None:
+            got = self._memo[name] = self._victims_on(name)
+        return got
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
 
 
 def rebuilt(views: dict, jobs: dict) -> VictimIndex:
