@@ -156,3 +156,24 @@ def test_gang_room_after_is_the_room_on_a_scratch_view(view, job, picks, model_n
     ids = [v.job_id for v in victims(view, picks)]
     assert gang_room_after(view, job, model_name, cpu_per, mem_per, ids) == \
         gang_room(released(view, ids), job, model_name, cpu_per, mem_per)
+
+
+@settings(max_examples=300, deadline=None)
+@given(view=nodes(), job=jobs(), steps=st.lists(st.tuples(st.booleans(), st.integers(0, 40)), max_size=20),
+       model_name=st.sampled_from(MODELS), cpu_per=st.sampled_from([0, 500]), mem_per=st.sampled_from([0, 2048]))
+def test_gang_tally_follows_adds_and_take_backs(view, job, steps, model_name, cpu_per, mem_per):
+    """A running tally (as the gang plan prunes its victims) always says what a fresh count of the same set says."""
+    from agents.scheduler.preemption import GangTally
+
+    ids = sorted(view.allocations) + ["gone"]
+    tally, held = GangTally(view, job, model_name, cpu_per, mem_per), []
+    for add, i in steps:
+        j = ids[i % len(ids)]
+        if add and j not in held:
+            held.append(j)
+            tally.add(j)
+        elif not add and j in held:
+            held.remove(j)
+            tally.add(j, -1)
+        assert tally.room() == gang_room_after(view, job, model_name, cpu_per, mem_per, held) == \
+            gang_room(released(view, held), job, model_name, cpu_per, mem_per)

@@ -339,16 +339,20 @@ def _gang_plan(job, views, m, n, cpu_per, mem_per, members, rooms, candidates) -
             break
         first = first or name
         if now < take:
-            view = views[name]
+            tally = GangTally(views[name], job, m, cpu_per, mem_per)
             chosen: list[Victim] = []
             for v in sorted(candidates.get(name, ()), key=disruption_order):
                 chosen.append(v)
-                if gang_room_after(view, job, m, cpu_per, mem_per, [c.job_id for c in chosen]) >= take:
+                tally.add(v.job_id)
+                if tally.room() >= take:
                     break
-            for extra in sorted(chosen, key=disruption_order, reverse=True):
-                rest = [c for c in chosen if c is not extra]
-                if gang_room_after(view, job, m, cpu_per, mem_per, [c.job_id for c in rest]) >= take:
-                    chosen = rest
+            # drop, most disruptive first, every victim the part has room without (`chosen` is in disruption order)
+            for extra in reversed(chosen):
+                tally.add(extra.job_id, -1)
+                if tally.room() >= take:
+                    chosen = [c for c in chosen if c is not extra]
+                else:
+                    tally.add(extra.job_id)
             victims.extend(chosen)
         total += take
     if total < n or not victims:
@@ -360,33 +364,52 @@ def gang_room_after(view: node_view.NodeView, job: JobRequested, model_name: str
                     job_ids) -> int:
     """`gang_room(released(view, job_ids), ...)` by arithmetic: whole free cards of this model the node could give one
     part of a gang once these jobs are gone (host CPU and memory included), without a scratch view."""
-    cpu, mem = view.free_cpu_memory()
-    freed: dict[str, list[int]] = {}
-    allocations = view.allocations
+    tally = GangTally(view, job, model_name, cpu_per, mem_per)
     for j in job_ids:
-        held = allocations.get(j)
+        tally.add(j)
+    return tally.room()
+
+
+class GangTally:
+    """A running count of what a node could give one part of a gang (whole free cards of one model, host CPU and
+    memory per card) as jobs are counted as gone (`add`) or back (`add(.., -1)`)."""
+
+    __slots__ = ("view", "cards", "full", "cpu", "mem", "cpu_per", "mem_per", "freed")
+
+    def __init__(self, view: node_view.NodeView, job: JobRequested, model_name: str, cpu_per: int, mem_per: int):
+        self.view, self.cpu_per, self.mem_per = view, cpu_per, mem_per
+        self.full = model(model_name).memory_mib
+        self.cards = [(c.uuid, c.milli, c.memory_mib) for c in view.card_free()
+                      if c.model == model_name and not c.mig and _card_allowed(c, job, view)]
+        self.cpu, self.mem = view.free_cpu_memory()
+        self.freed: dict[str, list[int]] = {}
+
+    def add(self, job_id: str, sign: int = 1) -> None:
+        held = self.view.allocations.get(job_id)
         if held is None:
-            continue
-        cpu += held.cpu_milli
-        mem += held.memory_mib
+            return
+        self.cpu += sign * held.cpu_milli
+        self.mem += sign * held.memory_mib
+        freed = self.freed
         for a in held.slices:
             f = freed.get(a.gpu_uuid)
             if f is None:
-                freed[a.gpu_uuid] = [a.milli, a.memory_mib]
+                freed[a.gpu_uuid] = [sign * a.milli, sign * a.memory_mib]
             else:
-                f[0] += a.milli
-                f[1] += a.memory_mib
-    full = model(model_name).memory_mib
-    room = 0
-    for c in view.card_free():
-        if c.model != model_name or c.mig:
-            continue
-        f = freed.get(c.uuid)
-        milli, memory = (c.milli + f[0], c.memory_mib + f[1]) if f is not None else (c.milli, c.memory_mib)
-        if milli == 1000 and memory == full and _card_allowed(c, job, view):
-            room += 1
-    if cpu_per:
-        room = min(room, cpu // cpu_per)
-    if mem_per:
-        room = min(room, mem // mem_per)
-    return max(room, 0)
+                f[0] += sign * a.milli
+                f[1] += sign * a.memory_mib
+
+    def room(self) -> int:
+        freed, full = self.freed, self.full
+        room = 0
+        for uuid, milli, memory in self.cards:
+            f = freed.get(uuid)
+            if f is not None:
+                milli, memory = milli + f[0], memory + f[1]
+            if milli == 1000 and memory == full:
+                room += 1
+        if self.cpu_per:
+            room = min(room, self.cpu // self.cpu_per)
+        if self.mem_per:
+            room = min(room, self.mem // self.mem_per)
+        return max(room, 0)
