@@ -72,3 +72,29 @@ def test_index_moves_nodes_between_buckets():
     assert list(index.whole_nodes("A100-80GB", 2)) == []
     assert list(index.whole_nodes("A100-80GB", 1)) == ["x"]
     assert index.capacity_milli == 2000
+
+
+def test_live_weights_scale_with_how_scarce_a_shapes_hosts_are():
+    """Three 96-core nodes and one 128-core node of 8 cards: a 120-core 8-card shape has 8 of 32 cards that could
+    host it, so it weighs 4x its count; a shape every node hosts keeps its count (x 1000)."""
+    index = NodeIndex()
+    for i, cpu in enumerate((96_000, 96_000, 96_000, 128_000)):
+        v = node_view.evolve(None, envelope(inventory(f"n{i}", gpus=8, cpu_milli=cpu), source=f"n{i}/inv", seq=1,
+                                            time_ms=1))
+        index.update(v)
+    w = Workload()
+    for i in range(6):
+        w.observe(job(f"s{i}", compute=500, cpu_milli=4_000))
+    for i in range(2):
+        w.observe(job(f"b{i}", compute=8000, mem_gib=600, cpu_milli=120_000))
+    w.fleet(index)
+    small, big = (500, 10 * 1024, 4_000, 0), (8000, 600 * 1024, 120_000, 0)
+    assert w.multiplier(small) == 1000 and w.multiplier(big) == 4000
+    assert w.weight == 6 * 1000 + 2 * 4000
+    before = w.version()
+    w.fleet(index)
+    assert w.version() == before  # same inventories: nothing recomputed, cached fragmentation still good
+    index.update(node_view.evolve(None, envelope(inventory("n4", gpus=8, cpu_milli=128_000), source="n4/inv", seq=1,
+                                                 time_ms=1)))
+    w.fleet(index)
+    assert w.version() != before and w.multiplier(big) == 40 * 1000 // 16

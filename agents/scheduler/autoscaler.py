@@ -226,8 +226,7 @@ def capacity_milli(view: node_view.NodeView) -> int:
 
 def _scratch_index(index: NodeIndex) -> NodeIndex:
     """A copy of the index that can be updated without touching the original (bucket dicts copied, order kept)."""
-    return NodeIndex(buckets={k: dict(v) for k, v in index.buckets.items()}, keys=dict(index.keys),
-                     models=dict(index.models), cu=dict(index.cu), capacity_milli=index.capacity_milli)
+    return index.copy()
 
 
 def trial_placements(index: NodeIndex, views: Mapping[str, node_view.NodeView], workload: Workload, k: int,

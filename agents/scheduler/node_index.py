@@ -71,12 +71,15 @@ class NodeIndex:
     # reused while the view object and the workload's typical set are the same (views are immutable)
     fit_cache: dict[str, tuple] = field(default_factory=dict)
     _capacity_basis: dict[str, tuple] = field(default_factory=dict)  # node -> what its `cu` was computed from
+    # node -> (cards per model, CPU, host memory) of its inventory: what it could ever host (scarcity weights)
+    hosts: dict[str, tuple] = field(default_factory=dict)
+    hosts_version: int = 0
 
     def copy(self) -> "NodeIndex":
         """An independent copy (bucket dicts copied, order kept) that can be updated without touching this one."""
         return NodeIndex(buckets={k: dict(v) for k, v in self.buckets.items()}, keys=dict(self.keys),
                          models=dict(self.models), cu=dict(self.cu), capacity_milli=self.capacity_milli,
-                         _inventory=dict(self._inventory))
+                         _inventory=dict(self._inventory), hosts=dict(self.hosts), hosts_version=self.hosts_version)
 
     def _capacity(self, v: NodeView) -> None:
         basis = (v.inventory, v.faults, v.cleared, v.schedulable)  # all a node's compute depends on
@@ -124,6 +127,11 @@ class NodeIndex:
             for name, n in per_model.items():
                 if n > self.models.get(name, 0):
                     self.models[name] = n
+            host = (tuple(sorted(per_model.items())), v.inventory.cpu_milli, v.inventory.memory_mib) \
+                if v.inventory is not None else None
+            if host is not None and self.hosts.get(v.node) != host:
+                self.hosts[v.node] = host
+                self.hosts_version += 1
 
     def _share_states(self, model_name: str) -> list[tuple[int, int, int, int]]:
         if self._shares is None:

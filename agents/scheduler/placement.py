@@ -315,6 +315,7 @@ def place(index: NodeIndex, views: dict[str, NodeView], job: JobRequested, workl
     What a node gives a job of a shape (rejection, or cards and fragmentation added) is a function of the node's
     view, the shape and the workload's typical set: it is kept in `index.fit_cache` per view object and reused by
     the next job of the same shape that looks at the unchanged node."""
+    workload.fleet(index)
     models = allowed_models(index, job)
     rejected: dict[tuple[str, str], list[str]] = {}
     fits: list[tuple[int, int, int, str, tuple[Assignment, ...]]] = []

@@ -11,9 +11,9 @@ of packing.py, evaluated in docs/evaluation.md): for each typical job type t of 
 node that t could use -- on cards with at least t's share free, capped by how many t's the node's free CPU and memory
 can still host -- and everything else counts as fragment; free GPUs behind CPU and memory that no typical type fits
 any more count once more in full (lost to every later job, not only the next). Among fitting nodes the one whose
-placement adds the least fragmentation wins. The offline policy also weighs types by how scarce their hosts are;
-the live scorer does not (yet). Typical types are learned from the requests the scheduler has seen (most frequent
-shapes first). Integer arithmetic throughout.
+placement adds the least fragmentation wins. Types weigh their count times how scarce their hosts are (see
+`Workload`), as in the offline policy. Typical types are learned from the requests the scheduler has seen (most
+frequent shapes first). Integer arithmetic throughout.
 """
 from __future__ import annotations
 
@@ -21,10 +21,12 @@ from bisect import bisect_left
 from collections import Counter
 from dataclasses import dataclass
 
+from agents.scheduler.node_index import cards_needed
 from schemas.events import JobRequested, Tier
 from schemas.gpu_models import model, share_for
 
 _BIG = 1 << 40
+SCARCITY_SCALE = 1000
 
 
 @dataclass(frozen=True)
@@ -50,7 +52,12 @@ def model_order(job: JobRequested, models: list[str]) -> list[str]:
 
 
 class Workload:
-    """The shapes of the requests seen so far, and the typical set derived from them (refreshed as it grows)."""
+    """The shapes of the requests seen so far, and the typical set derived from them (refreshed as it grows).
+
+    Each typical shape weighs its count times C / S (x 1000, integers): S is the cards on nodes whose inventory could
+    host the shape (cards of one model, CPU, host memory), C all cards. A shape only a few nodes can host weighs in
+    proportion to the demand those nodes see (the scarcity weights of packing.py's `gpupool`). The fleet comes from
+    the node index (`fleet`); with none known, every shape gets the same multiplier."""
 
     def __init__(self, coverage_pct: int = 95, max_types: int = 12) -> None:
         self.counts: Counter = Counter()
@@ -59,30 +66,57 @@ class Workload:
         self.max_types = max_types
         self._typical: tuple = ()
         self._typical_at = 0
+        self._epoch = 0  # changes whenever the typical set or the fleet's hosts do
+        self._fleet_version = -1
+        self._hosts: Counter = Counter()  # (cards per model, CPU, memory) -> nodes with that inventory
+        self._multiplier: dict[tuple, int] = {}
         self._per_model: dict[str, tuple[Shape, ...]] = {}
-        self._frag: dict[tuple[str, str], tuple] = {}  # (node, card) -> (view, typical_at, value)
+        self._frag: dict[tuple[str, str], tuple] = {}  # (node, card) -> (view, epoch, value)
+
+    def fleet(self, index) -> None:
+        """Take the hosts of this node index (a no-op while its inventories are unchanged)."""
+        if index.hosts_version != self._fleet_version:
+            self._fleet_version = index.hosts_version
+            self._hosts = Counter(index.hosts.values())
+            self._multiplier, self._per_model = {}, {}
+            self._epoch += 1
+
+    def multiplier(self, shape: tuple) -> int:
+        got = self._multiplier.get(shape)
+        if got is None:
+            compute, gpu_mem, cpu, host = shape
+            total = hosting = 0
+            for (per_model, hcpu, hmem), n in self._hosts.items():
+                cards = sum(c for _, c in per_model)
+                total += cards * n
+                if cpu <= hcpu and host <= hmem and any(
+                        cards_needed(compute, gpu_mem, m) <= c for m, c in per_model):
+                    hosting += cards * n
+            got = self._multiplier[shape] = total * SCARCITY_SCALE // hosting if hosting else SCARCITY_SCALE
+        return got
 
     @property
     def weight(self) -> int:
         self._refresh()
-        return sum(n for _, n in self._typical)
+        return sum(n * self.multiplier(shape) for shape, n in self._typical)
 
     def version(self) -> int:
-        """Which typical set is in force (it changes only as the workload grows): results that depend on it are
-        reused only while this is the same."""
+        """Which typical set and fleet are in force: results that depend on them are reused only while this is the
+        same."""
         self._refresh()
-        return self._typical_at
+        return self._epoch
 
     def cached(self, view, card: str, compute):
         """What a node's cards of one model look like before a placement (and their fragmentation), kept while the
-        view object and the typical set are the same ones (views are immutable: a changed node is a new object)."""
+        view object, the typical set and the fleet are the same ones (views are immutable: a changed node is a new
+        object)."""
         self._refresh()
         key = (view.node, card)
         hit = self._frag.get(key)
-        if hit is not None and hit[0] is view and hit[1] == self._typical_at:
+        if hit is not None and hit[0] is view and hit[1] == self._epoch:
             return hit[2]
         value = compute()
-        self._frag[key] = (view, self._typical_at, value)
+        self._frag[key] = (view, self._epoch, value)
         return value
 
     def observe(self, r: JobRequested) -> None:
@@ -99,6 +133,7 @@ class Workload:
                 out.append((shape, n))
                 covered += n
             self._typical, self._typical_at, self._per_model = tuple(out), self.total, {}
+            self._epoch += 1
 
     def shapes(self, model_name: str) -> tuple[Shape, ...]:
         self._refresh()
@@ -106,10 +141,11 @@ class Workload:
         if got is None:
             m = model(model_name)
             out = []
-            for (compute, mem, cpu, host), n in self._typical:
+            for shape, n in self._typical:
+                compute, mem, cpu, host = shape
                 cards = max(-(-compute // m.cu_milli), -(-mem // m.memory_mib))
                 milli = min(1000, share_for(compute, m)) if cards == 1 else 1000
-                out.append(Shape(milli, cards, cpu, host, n))
+                out.append(Shape(milli, cards, cpu, host, n * self.multiplier(shape)))
             got = self._per_model[model_name] = tuple(out)
         return got
 
