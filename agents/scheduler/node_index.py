@@ -19,9 +19,10 @@ from bisect import bisect_left, insort
 from dataclasses import dataclass, field
 from typing import Iterator
 
-from schemas.gpu_models import model
+from schemas.gpu_models import mig_profile, model
 from streams.node_view import NodeView
 
+MIG_COMPUTE_SLICES = 7
 SHARE_BUCKETS = 11  # coarse tenths of a card (0..10) that order the share states: tightest tenth first
 
 
@@ -44,10 +45,15 @@ def _keys(v: NodeView) -> tuple:
     for name, n in whole.items():
         keys.add(("whole", name, n))
     keys = sorted(keys)
-    if mig_free or any(c.mig_enabled and v.free_mig_slices(c) and c.uuid not in v.unhealthy and
-                       c.uuid not in v.mig_pending for c in v.cards()):
+    if mig_free or any(c.mig_enabled and v.free_mig_slices(c) and _free_compute_slices(c) and
+                       c.uuid not in v.unhealthy and c.uuid not in v.mig_pending for c in v.cards()):
         keys.append(("mig",))
     return tuple(keys)
+
+
+def _free_compute_slices(card) -> int:
+    """Compute slices of a MIG card no instance holds: without one, no instance can be carved (memory room or not)."""
+    return MIG_COMPUTE_SLICES - sum(mig_profile(card.model, i.profile).compute_slices for i in card.mig_layout)
 
 
 def _share_entry(model_name: str, milli: int, memory_mib: int) -> tuple[int, int, int, int]:
