@@ -47,9 +47,29 @@ class MigPlan:
     profile: str
 
 
-@dataclass(frozen=True)
 class Unschedulable:
-    reasons: tuple[Reason, ...]
+    """No placement. Its reasons are worked out when first read: a job that then preempts, or that a cycle skips,
+    never needs them (explaining a failure looks at up to EXPLAIN_LIMIT nodes and their running jobs). They are read
+    before the scheduler changes anything, so they describe the state `place` saw."""
+
+    __slots__ = ("_reasons", "_explain")
+
+    def __init__(self, reasons: tuple[Reason, ...] | None = None, explain=None) -> None:
+        self._reasons, self._explain = reasons, explain
+
+    @property
+    def reasons(self) -> tuple[Reason, ...]:
+        if self._reasons is None:
+            self._reasons, self._explain = self._explain(), None
+        return self._reasons
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Unschedulable) and self.reasons == other.reasons
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        return f"Unschedulable(reasons={self.reasons!r})"
 
 
 # ---------------------------------------------------------------- filters: (node, job) -> None | reason code
@@ -396,7 +416,7 @@ def place(index: NodeIndex, views: dict[str, NodeView], job: JobRequested, workl
                 plan = mig_plan(v, job, models)
                 if plan is not None:
                     return plan
-    return _unschedulable(index, views, job, rejected, seen)
+    return Unschedulable(explain=lambda: _unschedulable(index, views, job, rejected, seen).reasons)
 
 
 def fit_model(v: NodeView, fit: tuple[Assignment, ...]) -> str:
