@@ -157,6 +157,22 @@ class Shape:
         return got
 
 
+def _tally(view: node_view.NodeView, job_id: str, sign: int, freed: dict[str, list[int]]) -> tuple[int, int]:
+    """Count `job_id`'s cards as freed (sign 1) or held again (sign -1) in `freed` (card -> [milli, MiB]); returns the
+    host CPU and memory that moves with it."""
+    held = view.allocations.get(job_id)
+    if held is None:
+        return 0, 0
+    for a in held.slices:
+        f = freed.get(a.gpu_uuid)
+        if f is None:
+            freed[a.gpu_uuid] = [sign * a.milli, sign * a.memory_mib]
+        else:
+            f[0] += sign * a.milli
+            f[1] += sign * a.memory_mib
+    return sign * held.cpu_milli, sign * held.memory_mib
+
+
 class Room:
     """Whether `job` fits on a node once some of its jobs are gone, by arithmetic on the node's free CPU, memory and
     per-card free compute and GPU memory: exactly `fits(released(view, victims), job)` for a node that passes the
@@ -214,19 +230,9 @@ class Room:
             else:
                 self._ids.remove(job_id)
             return
-        held = self.view.allocations.get(job_id)
-        if held is None:
-            return
-        self._cpu += sign * held.cpu_milli
-        self._mem += sign * held.memory_mib
-        freed = self._freed
-        for a in held.slices:
-            f = freed.get(a.gpu_uuid)
-            if f is None:
-                freed[a.gpu_uuid] = [sign * a.milli, sign * a.memory_mib]
-            else:
-                f[0] += sign * a.milli
-                f[1] += sign * a.memory_mib
+        cpu, mem = _tally(self.view, job_id, sign, self._freed)
+        self._cpu += cpu
+        self._mem += mem
 
     def ok(self) -> bool:
         """Whether the job fits once the tallied jobs are gone."""
@@ -385,19 +391,9 @@ class GangTally:
         self.freed: dict[str, list[int]] = {}
 
     def add(self, job_id: str, sign: int = 1) -> None:
-        held = self.view.allocations.get(job_id)
-        if held is None:
-            return
-        self.cpu += sign * held.cpu_milli
-        self.mem += sign * held.memory_mib
-        freed = self.freed
-        for a in held.slices:
-            f = freed.get(a.gpu_uuid)
-            if f is None:
-                freed[a.gpu_uuid] = [sign * a.milli, sign * a.memory_mib]
-            else:
-                f[0] += sign * a.milli
-                f[1] += sign * a.memory_mib
+        cpu, mem = _tally(self.view, job_id, sign, self.freed)
+        self.cpu += cpu
+        self.mem += mem
 
     def room(self) -> int:
         freed, full = self.freed, self.full
