@@ -529,9 +529,8 @@ def _mixed_gang(index: NodeIndex, views: dict[str, NodeView], job: JobRequested,
     per_card: dict[str, tuple[int, int, int, int]] = {}
     for m in models:
         gm = model(m)
-        share = max(gm.cu_milli * 1000 // need_cu, gm.memory_mib * 1000 // max(1, need_mem)) if need_mem else \
-            gm.cu_milli * 1000 // need_cu
-        share = min(1000, share)
+        # the share of the job one card covers, in thousandths: by compute or by memory, whichever is larger
+        share = min(1000, max(gm.cu_milli * 1000 // need_cu, gm.memory_mib * 1000 // need_mem if need_mem else 0))
         cpu_per, mem_per = -(-job.cpu_milli * share // 1000), -(-job.memory_mib * share // 1000)
         per_card[m] = (gm.cu_milli, gm.memory_mib, cpu_per, mem_per)
         for name, _k in index.whole_free(m):
