@@ -60,6 +60,7 @@ MODELS: dict[str, GpuModel] = {m.name: m for m in (
 
 MIG_MEMORY_SLICES = 8
 MIG_COMPUTE_SLICES = 7
+MIG_COMPUTE_SLICES = 7
 
 
 def model(name: str) -> GpuModel:

@@ -224,11 +224,6 @@ def capacity_milli(view: node_view.NodeView) -> int:
 
 # ---------------------------------------------------------------- what new replicas would displace
 
-def _scratch_index(index: NodeIndex) -> NodeIndex:
-    """A copy of the index that can be updated without touching the original (bucket dicts copied, order kept)."""
-    return index.copy()
-
-
 def trial_placements(index: NodeIndex, views: Mapping[str, node_view.NodeView], workload: Workload, k: int,
                      requests: Sequence[JobRequested], candidates: Mapping[str, Sequence[Victim]],
                      held_milli: Mapping[str, int]) -> list[int | None]:
@@ -245,7 +240,7 @@ def trial_placements(index: NodeIndex, views: Mapping[str, node_view.NodeView], 
     def apply(node: str, payload) -> None:
         nonlocal seq, scratch, idx
         if scratch is None:  # copied on the first change only: a single trial reads the real state
-            scratch, idx = dict(views), _scratch_index(index)
+            scratch, idx = dict(views), index.copy()
         seq += 1
         scratch[node] = node_view.evolve(scratch[node], envelope(payload, source="autoscaler-trial", seq=seq,
                                                                  time_ms=0))

@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 
 from agents.scheduler.node_index import NodeIndex, cards_needed
 from agents.scheduler.placement import DEFAULT_CANDIDATES, MigPlan, Placement, place
-from agents.scheduler.placement import FILTERS, allowed_models, fit_cards
+from agents.scheduler.placement import allowed_models, fit_cards
 from agents.scheduler.preemption import (
-    PreemptionConfig, Room, Victim, fits, placed, plan_gang, plan_over, protected, released,
+    NODE_FILTERS, PreemptionConfig, Room, Victim, fits, placed, plan_gang, plan_over, protected, released,
 )
 from agents.scheduler.quota import Ledger
 from agents.scheduler.reservations import LIVE, Book, Booking
@@ -488,7 +488,7 @@ class Scheduler:
         for node in sorted(stopping):
             if node not in claims:  # nobody else waits for this node: arithmetic, no scratch view
                 view = self.nodes[node]
-                if not any(f(view, rec.request) for name, f in FILTERS if name != "HostResources") and \
+                if not any(f(view, rec.request) for f in NODE_FILTERS) and \
                         Room(view, rec.request).fits_without(stopping[node]):
                     return node, tuple(stopping[node])
                 continue

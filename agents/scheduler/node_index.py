@@ -19,10 +19,9 @@ from bisect import bisect_left, insort
 from dataclasses import dataclass, field
 from typing import Iterator
 
-from schemas.gpu_models import mig_profile, model
+from schemas.gpu_models import MIG_COMPUTE_SLICES, mig_profile, model
 from streams.node_view import NodeView
 
-MIG_COMPUTE_SLICES = 7
 SHARE_BUCKETS = 11  # coarse tenths of a card (0..10) that order the share states: tightest tenth first
 
 

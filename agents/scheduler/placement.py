@@ -12,7 +12,9 @@ from agents.scheduler import topology
 from agents.scheduler.node_index import NodeIndex, cards_needed
 from agents.scheduler.scoring import Workload, fragmentation, model_order
 from schemas.events import Assignment, JobRequested, MigInstance, Reason, Tier
-from schemas.gpu_models import MIG_MEMORY_SLICES, MODELS, mig_profile, mig_share_milli, model, share_for, version_tuple
+from schemas.gpu_models import (
+    MIG_COMPUTE_SLICES, MIG_MEMORY_SLICES, MODELS, mig_profile, mig_share_milli, model, share_for, version_tuple,
+)
 from streams.node_view import CardFree, NodeView
 
 
@@ -200,7 +202,7 @@ def fit_cards(v: NodeView, job: JobRequested, order: list[str] | None = None) ->
                 continue
             for inst in sorted(c.free_instances, key=lambda i: (i.size, i.start)):
                 p = mig_profile(c.model, inst.profile)
-                if p.compute_slices * m.cu_milli // 7 >= job.compute_milli and p.memory_mib >= job.gpu_memory_mib:
+                if p.compute_slices * m.cu_milli // MIG_COMPUTE_SLICES >= job.compute_milli and p.memory_mib >= job.gpu_memory_mib:
                     share_fits.append((rank.get(c.model, 0), mig_share_milli(p), p.memory_mib, c.uuid,
                                        mig_share_milli(p), p.memory_mib, p.name, inst.uuid))
                     break
@@ -244,9 +246,9 @@ def mig_plan(v: NodeView, job: JobRequested, order: list[str]) -> MigPlan | None
         compute_used = sum(mig_profile(c.model, i.profile).compute_slices for i in c.mig_layout)
         room = MIG_MEMORY_SLICES - len(covered)
         for p in sorted(m.mig_profiles, key=lambda p: (p.memory_slices, p.compute_slices)):
-            if p.compute_slices * m.cu_milli // 7 < job.compute_milli or p.memory_mib < job.gpu_memory_mib:
+            if p.compute_slices * m.cu_milli // MIG_COMPUTE_SLICES < job.compute_milli or p.memory_mib < job.gpu_memory_mib:
                 continue
-            if compute_used + p.compute_slices > 7:
+            if compute_used + p.compute_slices > MIG_COMPUTE_SLICES:
                 continue
             start = next((s for s in p.starts if not covered & set(range(s, s + p.memory_slices))), None)
             if start is None:
@@ -317,7 +319,7 @@ def _mig_could_hold(job: JobRequested, models: list[str]) -> bool:
         if m is None:
             return True
         for p in m.mig_profiles:
-            if p.compute_slices * m.cu_milli // 7 >= job.compute_milli and p.memory_mib >= job.gpu_memory_mib:
+            if p.compute_slices * m.cu_milli // MIG_COMPUTE_SLICES >= job.compute_milli and p.memory_mib >= job.gpu_memory_mib:
                 return True
     return False
 

@@ -97,7 +97,7 @@ def plan_over(job: JobRequested, pairs, limit: int | None = None) -> Plan | None
     for view, victims in pairs:
         if not victims:
             continue
-        if any(f(view, job) for f in _NODE_FILTERS):
+        if any(f(view, job) for f in NODE_FILTERS):
             continue  # a node that is down, cordoned or of the wrong kind does not fit whatever we stop
         room = Room(view, job, shape)
         if not room.fits(victims):
@@ -127,7 +127,7 @@ def plan_over(job: JobRequested, pairs, limit: int | None = None) -> Plan | None
     return best
 
 
-_NODE_FILTERS = tuple(f for name, f in FILTERS if name != "HostResources")  # what stopping work does not change
+NODE_FILTERS = tuple(f for name, f in FILTERS if name != "HostResources")  # what stopping work does not change
 
 
 class Shape:
@@ -313,7 +313,7 @@ def plan_gang(job: JobRequested, views: dict[str, node_view.NodeView], index: No
             view = views[name]
             if m not in view.fit_summary.by_model:
                 continue  # no healthy plain card of this model: no room whoever stops (the same cards after it)
-            if any(f(view, job) for f in _NODE_FILTERS):
+            if any(f(view, job) for f in NODE_FILTERS):
                 continue
             victims = candidates.get(name, ())
             if not victims and name not in free:
