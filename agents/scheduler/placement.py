@@ -202,7 +202,7 @@ def fit_cards(v: NodeView, job: JobRequested, order: list[str] | None = None) ->
                 continue
             for inst in sorted(c.free_instances, key=lambda i: (i.size, i.start)):
                 p = mig_profile(c.model, inst.profile)
-                if p.compute_slices * m.cu_milli // MIG_COMPUTE_SLICES >= job.compute_milli and p.memory_mib >= job.gpu_memory_mib:
+                if _instance_holds(m, p, job):
                     share_fits.append((rank.get(c.model, 0), mig_share_milli(p), p.memory_mib, c.uuid,
                                        mig_share_milli(p), p.memory_mib, p.name, inst.uuid))
                     break
@@ -232,6 +232,12 @@ def fit_cards(v: NodeView, job: JobRequested, order: list[str] | None = None) ->
     return "InsufficientGPU"
 
 
+def _instance_holds(m, p, job: JobRequested) -> bool:
+    """Whether one instance of MIG profile `p` on a card of model `m` has the job's compute and GPU memory."""
+    return (p.compute_slices * m.cu_milli // MIG_COMPUTE_SLICES >= job.compute_milli
+            and p.memory_mib >= job.gpu_memory_mib)
+
+
 def mig_plan(v: NodeView, job: JobRequested, order: list[str]) -> MigPlan | None:
     """The smallest MIG profile that fits `job`, carved out of memory slices no instance covers, on a healthy
     MIG-enabled card with no reconfigure under way. Existing instances are never touched (busy or not)."""
@@ -246,7 +252,7 @@ def mig_plan(v: NodeView, job: JobRequested, order: list[str]) -> MigPlan | None
         compute_used = sum(mig_profile(c.model, i.profile).compute_slices for i in c.mig_layout)
         room = MIG_MEMORY_SLICES - len(covered)
         for p in sorted(m.mig_profiles, key=lambda p: (p.memory_slices, p.compute_slices)):
-            if p.compute_slices * m.cu_milli // MIG_COMPUTE_SLICES < job.compute_milli or p.memory_mib < job.gpu_memory_mib:
+            if not _instance_holds(m, p, job):
                 continue
             if compute_used + p.compute_slices > MIG_COMPUTE_SLICES:
                 continue
@@ -319,7 +325,7 @@ def _mig_could_hold(job: JobRequested, models: list[str]) -> bool:
         if m is None:
             return True
         for p in m.mig_profiles:
-            if p.compute_slices * m.cu_milli // MIG_COMPUTE_SLICES >= job.compute_milli and p.memory_mib >= job.gpu_memory_mib:
+            if _instance_holds(m, p, job):
                 return True
     return False
 

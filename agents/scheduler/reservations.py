@@ -101,7 +101,8 @@ class Book:
                                     message="overlapping reservations at least as strong hold the capacity"),)
         for b in displaced:
             b.status = "displaced"
-        return new, displaced, (Reason(code="Booked", plugin="Reservation", data={**data, "displaced": len(displaced)}),)
+        return new, displaced, (Reason(code="Booked", plugin="Reservation",
+                                       data={**data, "displaced": len(displaced)}),)
 
     def opening(self, now_ms: int) -> list[Booking]:
         """Accepted bookings whose window has opened (strongest first)."""
