@@ -45,11 +45,13 @@ import orjson
 from agents.scheduler.core import SOURCE
 from agents.scheduler.elastic import SOURCE as AUTOSCALER, ElasticScheduler
 from schemas.envelope import DecodeError, Envelope, decode
-from schemas.topics import COMMANDS, INVENTORY, JOB_EVENTS, JOB_REQUESTS, LEDGER, SCHEDULER_INPUT, TELEMETRY
+from schemas.topics import (
+    COMMANDS, DECISIONS, INVENTORY, JOB_REQUESTS, LEDGER, NODE_CONTROL, SCHEDULER_INPUT, TELEMETRY,
+)
 from streams.rows import COLUMNS, rows_for
 
 SCHEDULER_GROUP = "gpupool-scheduler"
-OUTPUT_TOPICS = (COMMANDS, JOB_EVENTS, LEDGER, JOB_REQUESTS)  # the autoscaler's replica requests are outputs too
+OUTPUT_TOPICS = (COMMANDS, DECISIONS, LEDGER, JOB_REQUESTS)  # the autoscaler's replica requests are outputs too
 OUR_SOURCES = frozenset({SOURCE, AUTOSCALER})
 USAGE_KEY_COLUMNS = ("topic", "partition", "offset")
 USAGE_COMPARED = tuple(c for c in COLUMNS["usage"] if c not in USAGE_KEY_COLUMNS)
@@ -205,17 +207,18 @@ def compare_bill(expected: list[Envelope], rows: list[dict], not_yet_sunk: set[s
     return rep
 
 
-def replay_records(values: list[tuple[int, bytes | None]], progress=None) -> list[tuple[int, Envelope]]:
-    """Step the pure scheduler over (offset, raw value) input records; outputs tagged with their input offset."""
+def replay_records(values: list[tuple[int, bytes | None, int]], progress=None) -> list[tuple[int, Envelope]]:
+    """Step the pure scheduler over (offset, raw value, log time) input records, each at the broker's append time
+    the live scheduler saw; outputs tagged with their input offset."""
     s = ElasticScheduler()  # the live agent's class: services and the autoscaler included
     outs: list[tuple[int, Envelope]] = []
     n = len(values)
-    for i, (off, raw) in enumerate(values):
+    for i, (off, raw, log_ms) in enumerate(values):
         try:
             env = decode(raw)
         except DecodeError:
             continue  # dead-lettered by the folds; the live scheduler skips it the same way
-        outs.extend((off, o) for o in s.step(env))
+        outs.extend((off, o) for o in s.step(env, log_ms))
         if progress:
             progress(i + 1, n)
     return outs
@@ -236,11 +239,11 @@ def _progress_printer(label: str):
     return show
 
 
-async def _committed(bootstrap: str, group: str, topic: str, partition: int = 0) -> int:
+async def _committed(conn, group: str, topic: str, partition: int = 0) -> int:
     from aiokafka import TopicPartition
     from aiokafka.admin import AIOKafkaAdminClient
 
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    admin = AIOKafkaAdminClient(**conn.options())
     await admin.start()
     try:
         offsets = await admin.list_consumer_group_offsets(group)
@@ -250,60 +253,59 @@ async def _committed(bootstrap: str, group: str, topic: str, partition: int = 0)
     return max(meta.offset, 0) if meta is not None else 0
 
 
-async def _read_topic(bootstrap: str, spec, on_record) -> int:
+async def _read_topic(conn, spec, on_record) -> int:
     from aiokafka import TopicPartition
 
     from agents.scheduler.agent import read_partition
 
     n = 0
     for p in range(spec.partitions):
-        n += await read_partition(bootstrap, TopicPartition(spec.name, p), None, on_record)
+        n += await read_partition(conn, TopicPartition(spec.name, p), None, on_record)
     return n
 
 
-def read_log(bootstrap: str) -> tuple[int, list[Recorded], list[tuple[int, bytes | None]]]:
-    """(scheduler committed offset, recorded outputs, scheduler input) read in the race-free order."""
+def read_log(conn) -> tuple[int, list[Recorded], list[tuple[int, bytes | None, int]]]:
+    """(scheduler committed offset, recorded outputs, scheduler input with log times) read in the race-free
+    order. `conn`: an auditor's connection (it may read every topic)."""
     async def go():
-        committed = await _committed(bootstrap, SCHEDULER_GROUP, SCHEDULER_INPUT.name)
+        committed = await _committed(conn, SCHEDULER_GROUP, SCHEDULER_INPUT.name)
         recorded: list[Recorded] = []
         for spec in OUTPUT_TOPICS:
-            await _read_topic(bootstrap, spec,
+            await _read_topic(conn, spec,
                               lambda m: recorded.append(Recorded(m.topic, m.partition, m.offset, m.value)))
-        inputs: list[tuple[int, bytes | None]] = []
-        await _read_topic(bootstrap, SCHEDULER_INPUT, lambda m: inputs.append((m.offset, m.value)))
+        inputs: list[tuple[int, bytes | None, int]] = []
+        await _read_topic(conn, SCHEDULER_INPUT, lambda m: inputs.append((m.offset, m.value, m.timestamp)))
         return committed, recorded, inputs
 
     return asyncio.run(go())
 
 
-def _sink_progress(cfg) -> dict[tuple[str, int], int]:
-    from agents.cli import query
-
-    _, rows = query(cfg, "SELECT topic, partition, max(last_offset) FROM gpupool.sink_progress "
+def _sink_progress(client) -> dict[tuple[str, int], int]:
+    _, rows = client.sql("SELECT topic, partition, max(last_offset) FROM gpupool.sink_progress "
                          "GROUP BY topic, partition")
     return {(t, int(p)): int(o) for t, p, o in rows}
 
 
-def _usage_rows(cfg) -> list[dict]:
-    from agents.cli import query
-
-    cols, rows = query(cfg, f"SELECT {', '.join(COLUMNS['usage'])} FROM gpupool.usage FINAL")
-    return [dict(zip(cols, r)) for r in rows]
+def _usage_rows(client) -> list[dict]:
+    return client.records(f"SELECT {', '.join(COLUMNS['usage'])} FROM gpupool.usage FINAL")
 
 
 # ---------------------------------------------------------------- replay --verify
 
 
 def verify(cfg, window: tuple[int | None, int | None]) -> int:
+    from agents.client import Client
+
     t0 = time.monotonic()
-    committed, recorded, inputs = read_log(cfg.bootstrap)
+    client = Client(cfg)
+    committed, recorded, inputs = read_log(client.conn())
     print(f"scheduler input: {len(inputs)} records, scheduler committed offset {committed}; "
           f"recorded outputs read: {len(recorded)}", file=sys.stderr)
     replayed = replay_records(inputs, _progress_printer("replay"))
     outputs = compare_outputs(replayed, recorded, committed, window)
 
     # The bill: which replay usage events the sink must have written.
-    progress = _sink_progress(cfg)
+    progress = _sink_progress(client)
     where: dict[str, list[Recorded]] = {}
     for rec in recorded:
         if rec.topic == LEDGER.name:
@@ -321,7 +323,7 @@ def verify(cfg, window: tuple[int | None, int | None]) -> int:
             expected.append(env)
         else:
             pending.add(env.event_id)  # not in the log (reported above) or not sunk yet
-    rows = _usage_rows(cfg)
+    rows = _usage_rows(client)
     in_window = {e.event_id for e in usage if _in_window(e.event_time_ms, window)}
     known = {e.event_id for e in usage}
     expected = [e for e in expected if e.event_id in in_window]
@@ -354,7 +356,7 @@ def _write_section(out: Path, name: str, columns: list[str], rows: list[list]) -
     return {"rows": len(rows), "columns": columns, "files": sha}
 
 
-def _read_envelopes(bootstrap: str, specs) -> list[tuple[str, int, int, Envelope]]:
+def _read_envelopes(conn, specs) -> list[tuple[str, int, int, Envelope]]:
     out = []
 
     def keep(m):
@@ -367,7 +369,7 @@ def _read_envelopes(bootstrap: str, specs) -> list[tuple[str, int, int, Envelope
 
     async def go():
         for spec in specs:
-            await _read_topic(bootstrap, spec, keep)
+            await _read_topic(conn, spec, keep)
 
     asyncio.run(go())
     return out
@@ -377,11 +379,13 @@ TENANT_JOBS = "SELECT DISTINCT job_id FROM gpupool.events FINAL WHERE kind = 'jo
 
 
 def export(cfg, tenant: str, out: Path) -> int:
-    from agents.cli import query
+    from agents.client import Client
 
+    client = Client(cfg)
+    query = client.sql
     out.mkdir(parents=True, exist_ok=True)
     sections: dict[str, dict] = {}
-    records = _read_envelopes(cfg.bootstrap, (INVENTORY, TELEMETRY))
+    records = _read_envelopes(client.conn(), (INVENTORY, NODE_CONTROL))
 
     latest: dict[str, Envelope] = {}
     for _, _, _, env in records:
@@ -402,17 +406,17 @@ def export(cfg, tenant: str, out: Path) -> int:
                              env.event_time_ms])
     sections["resources"] = _write_section(out, "resources", res_cols, res_rows)
 
-    cols, rows = query(cfg, "SELECT event_time_ms, kind, job_id, node, command_id, source, event_id, topic, "
+    cols, rows = query("SELECT event_time_ms, kind, job_id, node, command_id, source, event_id, topic, "
                             "partition, offset, payload FROM gpupool.events FINAL WHERE job_id IN (" + TENANT_JOBS +
                             ") ORDER BY event_time_ms, topic, partition, offset", {"t": tenant})
     sections["jobs"] = _write_section(out, "jobs", cols, rows)
 
-    cols, rows = query(cfg, "SELECT event_time_ms, kind, tenant, project, job_id, quota_milli, used_milli, "
+    cols, rows = query("SELECT event_time_ms, kind, tenant, project, job_id, quota_milli, used_milli, "
                             "borrowed_milli, milli, overcommit_pct, event_id FROM gpupool.quota_events FINAL "
                             "WHERE tenant = {t:String} ORDER BY event_time_ms, event_id", {"t": tenant})
     sections["quota"] = _write_section(out, "quota", cols, rows)
 
-    cols, rows = query(cfg, "SELECT event_time_ms, kind, job_id, command_id, node, reasons, event_id "
+    cols, rows = query("SELECT event_time_ms, kind, job_id, command_id, node, reasons, event_id "
                             "FROM gpupool.scheduling FINAL WHERE job_id IN (" + TENANT_JOBS + ") "
                             "ORDER BY event_time_ms, event_id", {"t": tenant})
     sections["decisions"] = _write_section(out, "decisions", cols, rows)
@@ -435,7 +439,17 @@ def export(cfg, tenant: str, out: Path) -> int:
     fault_rows.sort(key=lambda r: (r[0], r[7]))
     sections["faults"] = _write_section(out, "faults", fault_cols, fault_rows)
 
-    cols, rows = query(cfg, f"SELECT {', '.join(COLUMNS['usage'])} FROM gpupool.usage FINAL "
+    # Who did what, when: every request the gateway let in for this tenant, with its authenticated principal, and the
+    # operators' node actions (they concern every tenant).
+    cols, rows = query("SELECT formatDateTime(fromUnixTimestamp64Milli(toInt64(event_time_ms)), '%FT%T.%fZ', 'UTC') "
+                       "AS at, actor, kind, multiIf(job_id != '', job_id, JSONExtractString(payload, 'reservation_id') != '', "
+                       "JSONExtractString(payload, 'reservation_id'), JSONExtractString(payload, 'service_id') != '', "
+                       "JSONExtractString(payload, 'service_id'), node != '', node, tenant) AS subject, "
+                       "tenant, event_id FROM gpupool.events FINAL WHERE actor != '' AND (tenant = {t:String} OR "
+                       "kind IN ('node.cordon', 'gpu.health')) ORDER BY event_time_ms, event_id", {"t": tenant})
+    sections["actions"] = _write_section(out, "actions", cols, rows)
+
+    cols, rows = query(f"SELECT {', '.join(COLUMNS['usage'])} FROM gpupool.usage FINAL "
                             "WHERE tenant = {t:String} ORDER BY end_ms, event_id", {"t": tenant})
     sections["usage"] = _write_section(out, "usage", cols, rows)
 
@@ -443,6 +457,7 @@ def export(cfg, tenant: str, out: Path) -> int:
                 "scope": {"resources": "cluster (latest node.inventory per node)",
                           "faults": "cluster (gpu.health, node.liveness, node.cordon from the topics)",
                           "jobs": "every event of the tenant's jobs", "quota": "tenant", "decisions": "tenant's jobs",
+                          "actions": "who did what, when: the tenant's requests and operators' node actions",
                           "usage": "tenant"},
                 "sections": sections}
     (out / "manifest.json").write_bytes(orjson.dumps(manifest, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS))
@@ -467,12 +482,24 @@ def parser() -> argparse.ArgumentParser:
 
 
 def run_audit(cfg, argv: list[str]) -> int:
+    from aiokafka.errors import GroupAuthorizationFailedError, TopicAuthorizationFailedError
+
+    try:
+        return _run_audit(cfg, argv)
+    except (GroupAuthorizationFailedError, TopicAuthorizationFailedError) as exc:
+        raise SystemExit(f"{cfg.user} may not read the log ({type(exc).__name__}): the audit reads every topic, "
+                         f"which only auditor principals may (gpupool user add NAME --role auditor; then --as NAME)")
+
+
+def _run_audit(cfg, argv: list[str]) -> int:
     from agents.cli import parse_time
 
     args = parser().parse_args(argv)
     if args.action == "replay":
         if not args.verify:
-            committed, _, inputs = read_log(cfg.bootstrap)
+            from agents.client import Client
+
+            committed, _, inputs = read_log(Client(cfg).conn())
             outs = replay_records(inputs, _progress_printer("replay"))
             print(f"replayed {len(inputs)} input records (committed {committed}): {len(outs)} outputs")
             return 0

@@ -11,63 +11,34 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 import uuid
 from pathlib import Path
 
+from agents.client import Client
+from streams.api import BILLING_GROUPS
 from infra import config as config_mod
-from infra import kafka_local
+from infra import kafka_local, security
 
 # ---------------------------------------------------------------- stack plumbing
 
 
 def ensure_broker(cfg) -> str:
-    """GPUPOOL_KAFKA if set, else the project's own local broker (fetched and started on demand)."""
+    """GPUPOOL_KAFKA if set, else the project's own local broker (fetched and started on demand); then the topics
+    and the principals `up` creates (service, node, admin), made with the local broker's own principal or, on an
+    external broker, with the configured operator's credentials."""
+    from infra import principals
+
     if cfg.kafka:
-        return cfg.kafka
-    kafka_local.fetch(cfg.home)
-    kafka_local.default_broker(cfg).start()
+        conn = security.kafka_conn(cfg)
+    else:
+        kafka_local.fetch(cfg.home)
+        conn = kafka_local.default_broker(cfg).start().bootstrap_conn()
+    asyncio.run(principals.bootstrap(cfg, conn))
     return cfg.bootstrap
 
 
-def produce(cfg, envelopes) -> None:
-    from aiokafka import AIOKafkaProducer
-
-    from schemas.envelope import encode
-    from schemas.routing import route
-
-    async def go():
-        producer = AIOKafkaProducer(bootstrap_servers=cfg.bootstrap, acks="all", enable_idempotence=True)
-        await producer.start()
-        try:
-            for env in envelopes:
-                spec, key = route(env)
-                await producer.send(spec.name, key=key, value=encode(env))
-            await producer.flush()
-        finally:
-            await producer.stop()
-
-    asyncio.run(go())
-
-
-def web_up(cfg) -> bool:
-    return kafka_local.port_open("127.0.0.1", cfg.web_port, timeout=0.3)
-
-
-def query(cfg, sql: str, parameters: dict | None = None) -> tuple[list[str], list[list]]:
-    """Ask the running worker (which owns the embedded engine), else open ClickHouse directly."""
-    if web_up(cfg):
-        from agents.stack import web_query
-
-        try:
-            return web_query(cfg.web_port, sql, parameters)
-        except RuntimeError as exc:
-            raise SystemExit(f"query failed: {exc}") from None
-    from infra.clickhouse import connect
-
-    result = connect(cfg.clickhouse).query(sql, parameters=parameters or None)
-    return list(result.column_names), [list(r) for r in result.result_rows]
+def client(cfg) -> Client:
+    return Client(cfg)
 
 
 def emit(columns, rows, fmt: str) -> None:
@@ -87,45 +58,6 @@ def emit(columns, rows, fmt: str) -> None:
             print("  ".join(str(v).ljust(w) for v, w in zip(r, widths)))
 
 
-# ---------------------------------------------------------------- queries
-
-JOBS_SQL = """
-SELECT job_id, argMaxIf(tenant, event_time, kind = 'job.requested') AS tenant,
-       multiIf(countIf(kind = 'job.completed') > 0, 'completed', countIf(kind = 'job.failed') > 0, 'failed',
-               countIf(kind = 'job.cancelled') > 0, 'cancelled',
-               argMaxIf(kind, (event_time, offset), kind IN ('job.started', 'job.stopped')) = 'job.started', 'running',
-               countIf(kind = 'cmd.place') > countIf(kind = 'cmd.release'), 'placed', 'pending') AS state,
-       argMaxIf(node, (event_time, offset), kind = 'cmd.place') AS node,
-       minIf(event_time, kind = 'job.requested') AS submitted
-FROM gpupool.events FINAL WHERE job_id != '' GROUP BY job_id ORDER BY submitted, job_id
-"""
-
-BILLING_GROUPS = {"tenant": "tenant", "project": "tenant, project", "job": "tenant, project, job_id",
-                  "model": "tenant, gpu_model", "day": "tenant, toDate(fromUnixTimestamp64Milli(toInt64(end_ms))) AS day"}
-
-
-def billing_sql(by: str, tenant: str | None, project: str | None, since_ms: int | None, until_ms: int | None):
-    where, params = ["1"], {}
-    if tenant:
-        where.append("tenant = {tenant:String}")
-        params["tenant"] = tenant
-    if project:
-        where.append("project = {project:String}")
-        params["project"] = project
-    if since_ms is not None:
-        where.append("end_ms >= {since:UInt64}")
-        params["since"] = since_ms
-    if until_ms is not None:
-        where.append("start_ms < {until:UInt64}")
-        params["until"] = until_ms
-    group = BILLING_GROUPS[by]
-    keys = group.replace(" AS day", "").replace("toDate(fromUnixTimestamp64Milli(toInt64(end_ms)))", "day")
-    sql = (f"SELECT {group}, sum(gpu_milli_ms) AS milli_gpu_ms, round(sum(gpu_milli_ms) / 1e6, 3) AS gpu_seconds, "
-           f"round(sumIf(gpu_milli_ms, borrowed) / 1e6, 3) AS borrowed_gpu_seconds, uniqExact(job_id) AS jobs "
-           f"FROM gpupool.usage FINAL WHERE {' AND '.join(where)} GROUP BY {keys} ORDER BY {keys}")
-    return sql, params
-
-
 def parse_time(s: str | None) -> int | None:
     if s is None:
         return None
@@ -133,7 +65,10 @@ def parse_time(s: str | None) -> int | None:
         return int(s)
     from datetime import datetime, timezone
 
-    dt = datetime.fromisoformat(s)
+    try:
+        dt = datetime.fromisoformat(s)
+    except ValueError:
+        raise SystemExit(f"time {s!r}: ISO 8601 (2026-12-01T09:00) or epoch milliseconds") from None
     if dt.tzinfo is None:
         dt = dt.replace(tzinfo=timezone.utc)
     return int(dt.timestamp() * 1000)
@@ -147,10 +82,8 @@ def cmd_kafka(cfg, args) -> int:
     if args.action == "fetch":
         print(kafka_local.fetch(cfg.home))
     elif args.action == "start":
-        kafka_local.fetch(cfg.home)
-        broker.start()
-        asyncio.run(kafka_local.ensure_topics(broker.bootstrap))
-        print(f"kafka on {broker.bootstrap}")
+        ensure_broker(cfg)
+        print(f"kafka on {broker.bootstrap} (SASL/SCRAM-SHA-512; credentials under {security.credentials_dir(cfg.home)})")
     elif args.action == "stop":
         broker.stop()
     return 0
@@ -161,7 +94,7 @@ def cmd_worker(cfg, args) -> int:
 
     from streams.app import Worker
 
-    asyncio.run(kafka_local.ensure_topics(cfg.bootstrap))
+    asyncio.run(kafka_local.ensure_topics(security.kafka_conn(cfg, security.SERVICE)))
     w = Worker(cfg, with_scheduler=not args.no_scheduler, with_sink=not args.no_sink)
     FaustWorker(w.app, loglevel=args.loglevel, quiet=True).execute_from_commandline()
     return 0
@@ -174,7 +107,8 @@ def cmd_agent(cfg, args) -> int:
         from agents.node.nvml_agent import run_nvml_agent  # real cards
         return run_nvml_agent(cfg, args)
     agent = SimFleetAgent.from_spec(cfg, args.simulate, telemetry_interval_s=args.interval,
-                                    group_id=args.group or "gpupool-sim-agent", faults=args.fault or [])
+                                    group_id=args.group or "gpupool-agent-sim", faults=args.fault or [],
+                                    principal=args.principal)
 
     async def main():
         loop = asyncio.get_running_loop()
@@ -192,11 +126,11 @@ def cmd_agent(cfg, args) -> int:
     return 0
 
 
-def job_request(args, job_id: str):
+def job_request(args, job_id: str, tenant: str):
     from schemas.events import Constraints, JobRequested, Tier
 
     return JobRequested(
-        job_id=job_id, tenant=args.tenant, project=args.project, tier=Tier(args.tier),
+        job_id=job_id, tenant=tenant, project=args.project, tier=Tier(args.tier),
         compute_milli=args.compute, gpu_memory_mib=int(args.memory_gib * 1024), cpu_milli=args.cpu,
         memory_mib=args.host_memory_mib, duration_s=args.duration, latency_sensitive=args.latency_sensitive,
         reservation_id=args.reservation,
@@ -205,91 +139,92 @@ def job_request(args, job_id: str):
 
 
 def cmd_submit(cfg, args) -> int:
-    from schemas.envelope import envelope
-
+    c = client(cfg)
+    tenant = c.own_tenant(args.tenant)
     job_id = args.job_id or f"job-{uuid.uuid4().hex[:10]}"
-    t = time.time_ns() // 1_000_000
-    produce(cfg, [envelope(job_request(args, job_id), source=f"cli/{job_id}", seq=1, time_ms=t)])
-    print(job_id)
+    c.send([job_request(args, job_id, tenant)])
+    print(c.qualify(tenant, job_id))
     return 0
 
 
 def cmd_quota(cfg, args) -> int:
-    from schemas.envelope import envelope
     from schemas.events import QuotaSet
 
-    t = time.time_ns() // 1_000_000
     q = QuotaSet(tenant=args.tenant, project=args.project, gpu_milli=args.compute,
                  gpu_memory_mib=int(args.memory_gib * 1024) if args.memory_gib is not None else None,
                  overcommit_pct=args.overcommit_pct)
-    produce(cfg, [envelope(q, source=f"cli/quota/{args.tenant}/{args.project or ''}", seq=t, time_ms=t)])
+    client(cfg).send([q])
     return 0
 
 
 def cmd_reserve(cfg, args) -> int:
     """Book capacity for a window (`reserve book`) or cancel a booking (`reserve cancel ID`)."""
-    from schemas.envelope import envelope
     from schemas.events import ReservationCancelled, ReservationRequested, Tier
 
-    t = time.time_ns() // 1_000_000
+    c = client(cfg)
     if args.action == "cancel":
-        produce(cfg, [envelope(ReservationCancelled(reservation_id=args.reservation_id),
-                               source=f"cli/reservation/{args.reservation_id}", seq=t, time_ms=t)])
+        if not args.reservation_id:
+            raise SystemExit("reserve cancel needs the reservation id")
+        c.send([ReservationCancelled(reservation_id=args.reservation_id)])
         return 0
-    missing = [f"--{k.replace('_', '-')}" for k in ("tenant", "compute", "memory_gib") if getattr(args, k) is None]
+    missing = [f"--{k.replace('_', '-')}" for k in ("compute", "memory_gib") if getattr(args, k) is None]
     if missing:
         raise SystemExit(f"reserve book needs {', '.join(missing)}")
+    tenant = c.own_tenant(args.tenant)
     rid = args.reservation_id or f"res-{uuid.uuid4().hex[:10]}"
-    start = parse_time(args.start) if args.start else t
-    r = ReservationRequested(reservation_id=rid, tenant=args.tenant, project=args.project, tier=Tier(args.tier),
+    start = parse_time(args.start) if args.start else time.time_ns() // 1_000_000
+    r = ReservationRequested(reservation_id=rid, tenant=tenant, project=args.project, tier=Tier(args.tier),
                              compute_milli=args.compute, gpu_memory_mib=int(args.memory_gib * 1024),
                              start_ms=start, end_ms=start + int(args.hours * 3_600_000))
-    produce(cfg, [envelope(r, source=f"cli/reservation/{rid}", seq=t, time_ms=t)])
-    print(rid)
+    c.send([r])
+    print(c.qualify(tenant, rid))
     return 0
 
 
 def cmd_service(cfg, args) -> int:
     """Declare (or re-declare) an inference service with its SLO, or remove it."""
-    from schemas.envelope import envelope
     from schemas.events import ServiceDeclared, ServiceRemoved
 
-    t = time.time_ns() // 1_000_000
+    c = client(cfg)
     if args.action == "remove":
         payload = ServiceRemoved(service_id=args.service_id)
     else:
-        missing = [f"--{k.replace('_', '-')}" for k in ("tenant", "compute", "memory_gib", "replica_qps")
+        missing = [f"--{k.replace('_', '-')}" for k in ("compute", "memory_gib", "replica_qps")
                    if getattr(args, k) is None]
         if missing:
             raise SystemExit(f"service declare needs {', '.join(missing)}")
         payload = ServiceDeclared(
-            service_id=args.service_id, tenant=args.tenant, project=args.project,
+            service_id=args.service_id, tenant=c.own_tenant(args.tenant), project=args.project,
             replica_compute_milli=args.compute, replica_memory_mib=int(args.memory_gib * 1024),
             boost_compute_milli=args.boost, replica_qps=args.replica_qps, min_replicas=args.min_replicas,
             max_replicas=args.max_replicas, latency_target_ms=args.latency_ms, max_queue=args.max_queue,
             latency_sensitive=not args.not_latency_sensitive)
-    produce(cfg, [envelope(payload, source=f"cli/service/{args.service_id}", seq=t, time_ms=t)])
+    c.send([payload])
     return 0
 
 
 def cmd_jobs(cfg, args) -> int:
-    cols, rows = query(cfg, JOBS_SQL)
+    cols, rows = client(cfg).rows("/api/jobs", {"tenant": args.tenant})
     emit(cols, rows, args.format)
     return 0
 
 
 def cmd_billing(cfg, args) -> int:
-    sql, params = billing_sql(args.by, args.tenant, args.project, parse_time(args.since), parse_time(args.until))
-    cols, rows = query(cfg, sql, params)
+    cols, rows = client(cfg).rows("/api/billing", {
+        "by": args.by, "tenant": args.tenant, "project": args.project, "since": parse_time(args.since),
+        "until": parse_time(args.until)})
+    emit(cols, rows, args.format)
+    return 0
+
+
+def cmd_sql(cfg, args) -> int:
+    cols, rows = client(cfg).sql(args.statement)
     emit(cols, rows, args.format)
     return 0
 
 
 def cmd_cluster(cfg, args) -> int:
-    if not web_up(cfg):
-        raise SystemExit("the cluster view lives in the worker: start it with `gpupool up` or `gpupool worker`")
-    with urllib.request.urlopen(f"http://127.0.0.1:{cfg.web_port}/cluster/", timeout=30) as resp:
-        doc = json.loads(resp.read())
+    doc = client(cfg).api("/cluster/")
     if args.format == "json":
         print(json.dumps(doc))
         return 0
@@ -305,17 +240,50 @@ def cmd_cluster(cfg, args) -> int:
 
 
 def cmd_explain(cfg, args) -> int:
-    cols, rows = query(cfg, "SELECT event_time, kind, node, reasons FROM gpupool.scheduling FINAL "
-                            "WHERE job_id = {job:String} ORDER BY event_time, event_id", {"job": args.job})
-    if not rows:
-        print(f"no scheduling decisions recorded for {args.job}")
+    c = client(cfg)
+    job = args.job
+    if "/" not in job and c.creds.role == "tenant":
+        job = c.qualify(c.creds.tenant, job)
+    doc = c.api("/api/explain", {"job": job})
+    if not doc["events"]:
+        print(f"no scheduling decisions recorded for {job}")
         return 1
-    for at, kind, node, reasons in rows:
-        print(f"{at}  {kind}  {node or '-'}")
-        for r in json.loads(reasons):
+    for e in doc["events"]:
+        who = f"  by {e['actor']}" if e.get("actor") else ""
+        print(f"{e['time_ms']}  {e['kind']}  {e['node'] or '-'}{who}")
+        for r in e["reasons"]:
             extra = " ".join(f"{k}={v}" for k, v in sorted(r.get("data", {}).items()))
             plugin = f"[{r['plugin']}] " if r.get("plugin") else ""
             print(f"    {plugin}{r['code']}: {r.get('message', '')} {extra}".rstrip())
+    return 0
+
+
+def cmd_user(cfg, args) -> int:
+    """Principals: SCRAM credentials and ACLs on the broker, a registry record, and (for this CLI) the credentials
+    stored under $GPUPOOL_HOME/credentials, mode 0600."""
+    from infra import principals
+
+    c = client(cfg)
+    if args.action == "list":
+        doc = c.api("/api/principals")
+        emit(["name", "role", "tenant"], [[p["name"], p["role"], p["tenant"] or ""] for p in doc["principals"]],
+             args.format)
+        return 0
+    if not args.name:
+        raise SystemExit(f"user {args.action} needs a NAME")
+    if args.action == "remove":
+        n = asyncio.run(principals.remove(c.conn(), args.name))
+        security.forget(cfg.home, args.name)
+        print(f"removed {args.name} ({n} ACLs)")
+        return 0
+    if not args.role:
+        raise SystemExit(f"user add needs --role ({', '.join(security.ROLES)})")
+    creds = security.new_credentials(args.name, args.role, args.tenant)
+    asyncio.run(principals.add(c.conn(), creds))
+    path = security.save(cfg.home, creds)
+    print(f"added {creds.name} ({creds.role}{' of ' + creds.tenant if creds.tenant else ''}); credentials in {path}")
+    if args.show_token:
+        print(f"HTTP token: {creds.token}")
     return 0
 
 
@@ -368,27 +336,24 @@ def stop_pid(pid: int, timeout: float = 20.0) -> None:
 
 def wait_web(cfg, proc: subprocess.Popen, timeout: float = 90.0) -> None:
     deadline = time.monotonic() + timeout
+    c = client(cfg)
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise SystemExit(f"worker exited early; see {cfg.home / 'run' / 'worker.log'}")
-        if web_up(cfg):
-            try:
-                query(cfg, "SELECT 1")
-                return
-            except SystemExit:
-                pass
+        if c.healthy():
+            return
         time.sleep(0.5)
     raise SystemExit("worker did not come up")
 
 
 def cmd_up(cfg, args) -> int:
     ensure_broker(cfg)
-    asyncio.run(kafka_local.ensure_topics(cfg.bootstrap))
     worker = spawn(cfg, "worker", ["worker"])
     wait_web(cfg, worker)
     if args.simulate:
         spawn(cfg, "agent", ["agent", "--simulate", args.simulate])
-    print(f"gpupool up: kafka {cfg.bootstrap}, worker http://127.0.0.1:{cfg.web_port}, home {cfg.home}")
+    print(f"gpupool up: kafka {cfg.bootstrap} (SASL), worker http://{cfg.web_bind}:{cfg.web_port}, home {cfg.home}; "
+          f"acting as {cfg.user}")
     return 0
 
 
@@ -413,7 +378,18 @@ def cmd_demo(cfg, args) -> int:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="gpupool", description="Event-sourced control plane for a shared GPU pool")
+    p.add_argument("--as", dest="as_user", metavar="NAME",
+                   help="act as this principal (default: $GPUPOOL_USER, else admin)")
     sub = p.add_subparsers(dest="command", required=True)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--as", dest="as_user", metavar="NAME", default=argparse.SUPPRESS,
+                        help="act as this principal (default: $GPUPOOL_USER, else admin)")
+    _add = sub.add_parser
+
+    def add_parser(name, **kw):
+        return _add(name, parents=[common], **kw)
+
+    sub.add_parser = add_parser
 
     k = sub.add_parser("kafka", help="fetch, start or stop the local Kafka broker")
     k.add_argument("action", choices=["fetch", "start", "stop"])
@@ -429,10 +405,11 @@ def parser() -> argparse.ArgumentParser:
     a.add_argument("--fault", action="append", help="ecc:NODE:INDEX | clear:NODE:INDEX | lose:NODE | slow:NODE:FACTOR | recover:NODE | restart:NODE, "
                         "optionally @SECONDS after start")
     a.add_argument("--group", help="consumer group for commands")
+    a.add_argument("--principal", default="node", help="the node principal the agent connects as")
     a.add_argument("--allow-mig-reconfigure", action="store_true")
 
-    s = sub.add_parser("submit", help="produce a job request")
-    s.add_argument("--tenant", required=True)
+    s = sub.add_parser("submit", help="submit a job request (a tenant principal: for its own tenant)")
+    s.add_argument("--tenant", help="the tenant (default: the acting tenant principal's; operators must name one)")
     s.add_argument("--project", default="default")
     s.add_argument("--tier", default="offline", choices=["inference", "online-training", "offline"])
     s.add_argument("--compute", type=int, required=True, help="compute units in milli-CU (1000 = one A100)")
@@ -482,8 +459,22 @@ def parser() -> argparse.ArgumentParser:
     q.add_argument("--memory-gib", type=float, help="GPU-memory quota (default: not limited)")
     q.add_argument("--overcommit-pct", type=int, default=120)
 
-    j = sub.add_parser("jobs", help="list jobs with state and node")
+    j = sub.add_parser("jobs", help="list jobs with state and node (a tenant sees its own)")
+    j.add_argument("--tenant")
     j.add_argument("--format", default="table", choices=["table", "json", "csv"])
+
+    sq = sub.add_parser("sql", help="one read-only SQL statement on the bill and the log (finance, auditor, "
+                                    "operator)")
+    sq.add_argument("statement")
+    sq.add_argument("--format", default="table", choices=["table", "json", "csv"])
+
+    us = sub.add_parser("user", help="principals: add NAME --role ROLE [--tenant T] | list | remove NAME")
+    us.add_argument("action", choices=["add", "list", "remove"])
+    us.add_argument("name", nargs="?")
+    us.add_argument("--role", choices=list(security.ROLES))
+    us.add_argument("--tenant", help="the tenant of a tenant principal")
+    us.add_argument("--show-token", action="store_true", help="print the HTTP token (it is also in the file)")
+    us.add_argument("--format", default="table", choices=["table", "json", "csv"])
 
     b = sub.add_parser("billing", help="GPU-seconds per tenant/project/job/model/day")
     b.add_argument("--tenant")
@@ -511,6 +502,7 @@ def parser() -> argparse.ArgumentParser:
     u.add_argument("--simulate", metavar="FLEET", default="demo:4")
     sub.add_parser("down", help="stop what `up` started")
 
+    sub.add_parser = _add
     d = sub.add_parser("demo", help="the end-to-end scenario on the embedded defaults")
     d.add_argument("--jobs", type=int, default=20)
     d.add_argument("--nodes", type=int, default=4)
@@ -523,11 +515,11 @@ def main(argv: list[str] | None = None) -> int:
     args, rest = parser().parse_known_args(argv)
     if rest and args.command not in ("simulate", "audit"):
         parser().error(f"unrecognized arguments: {' '.join(rest)}")
-    cfg = config_mod.load()
+    cfg = config_mod.load().acting_as(getattr(args, "as_user", None))
     handlers = {"kafka": cmd_kafka, "worker": cmd_worker, "agent": cmd_agent, "submit": cmd_submit,
-                "reserve": cmd_reserve, "service": cmd_service,
-                "quota": cmd_quota, "jobs": cmd_jobs, "cluster": cmd_cluster, "billing": cmd_billing, "explain": cmd_explain,
-                "up": cmd_up, "down": cmd_down, "demo": cmd_demo}
+                "reserve": cmd_reserve, "service": cmd_service, "quota": cmd_quota, "jobs": cmd_jobs,
+                "cluster": cmd_cluster, "billing": cmd_billing, "explain": cmd_explain, "sql": cmd_sql,
+                "user": cmd_user, "up": cmd_up, "down": cmd_down, "demo": cmd_demo}
     if args.command == "simulate":
         return cmd_simulate(cfg, args, rest)
     if args.command == "audit":

@@ -1,33 +1,19 @@
-"""A whole local stack in child processes: broker, Faust worker, simulated fleet. Used by the demo and the tests."""
+"""A whole local stack in child processes: an authenticated broker, Faust worker, simulated fleet. Used by the demo
+and the tests; its principals' credentials live under its own home, as `gpupool up` keeps them."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from infra import kafka_local
+from agents.client import Client
+from infra import kafka_local, principals, security
 from infra.config import Config
-
-
-def web_query(port: int, sql: str, parameters: dict | None = None) -> tuple[list[str], list[list]]:
-    """A read-only query through the worker's API (the worker owns the embedded ClickHouse)."""
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/query/", method="POST",
-                                 data=json.dumps({"sql": sql, "parameters": parameters or {}}).encode(),
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=30) as resp:
-            doc = json.loads(resp.read())
-    except urllib.error.HTTPError as exc:
-        raise RuntimeError(exc.read().decode()[:2000]) from None
-    return doc["columns"], doc["rows"]
 
 
 @dataclass
@@ -38,6 +24,7 @@ class Stack:
     web_port: int = 0
     broker: kafka_local.LocalBroker | None = None
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    extra_env: dict[str, str] = field(default_factory=dict)  # for the processes it spawns (tests' settings)
 
     def __post_init__(self):
         self.home.mkdir(parents=True, exist_ok=True)
@@ -46,25 +33,49 @@ class Stack:
     @property
     def env(self) -> dict[str, str]:
         env = {"GPUPOOL_HOME": str(self.home), "GPUPOOL_KAFKA": self.bootstrap or "",
-               "GPUPOOL_WEB_PORT": str(self.web_port), "PYTHONUNBUFFERED": "1"}
+               "GPUPOOL_WEB_PORT": str(self.web_port), "PYTHONUNBUFFERED": "1", "GPUPOOL_USER": security.ADMIN}
         if not os.environ.get("GPUPOOL_CLICKHOUSE"):
             env["GPUPOOL_CLICKHOUSE"] = f"chdb://{self.home / 'clickhouse'}"
-        return env
+        if self.broker is not None and self.broker.tls:
+            env["GPUPOOL_KAFKA_SECURITY"] = "SASL_SSL"
+            env["GPUPOOL_KAFKA_CAFILE"] = str(self.broker.data / "tls" / "ca.pem")
+        return {**env, **self.extra_env}
 
     @property
     def config(self) -> Config:
         return Config(home=self.home, kafka=self.bootstrap, clickhouse=self.env["GPUPOOL_CLICKHOUSE"],
-                      kafka_port=0, web_port=self.web_port)
+                      kafka_port=0, web_port=self.web_port,
+                      kafka_protocol="SASL_SSL" if self.broker is not None and self.broker.tls else "SASL_PLAINTEXT",
+                      kafka_cafile=str(self.broker.data / "tls" / "ca.pem") if self.broker and self.broker.tls
+                      else None)
 
-    def start_broker(self) -> str:
+    def start_broker(self, tls: bool = False) -> str:
+        """A fresh local SASL broker (unless `bootstrap` names one), the topics, and the principals `gpupool up`
+        makes (service, node, admin) with their credentials under `home`."""
         if self.bootstrap is None:
             libs = kafka_local.fetch(self.libs_home)
             port = kafka_local.free_port()
             self.broker = kafka_local.LocalBroker(libs, self.home / "kafka-data", port,
-                                                  controller_port=kafka_local.free_port()).start()
+                                                  controller_port=kafka_local.free_port(), tls=tls).start()
             self.bootstrap = self.broker.bootstrap
-        asyncio.run(kafka_local.ensure_topics(self.bootstrap))
+            conn = self.broker.bootstrap_conn()
+        else:  # an external broker: an operator's credentials come from the environment
+            conn = security.kafka_conn(self.config, os.environ.get("GPUPOOL_USER") or security.ADMIN)
+        asyncio.run(principals.bootstrap(self.config, conn))
         return self.bootstrap
+
+    def client(self, user: str = security.ADMIN) -> Client:
+        return Client(self.config, user)
+
+    def conn(self, user: str = security.ADMIN) -> security.KafkaConn:
+        return security.kafka_conn(self.config, user)
+
+    def add_user(self, name: str, role: str, tenant: str | None = None) -> security.Credentials:
+        """A principal made by the admin operator, as `gpupool user add` does."""
+        creds = security.new_credentials(name, role, tenant)
+        asyncio.run(principals.add(self.conn(security.ADMIN), creds))
+        security.save(self.home, creds)
+        return creds
 
     def spawn(self, name: str, *argv: str) -> subprocess.Popen:
         log = open(self.home / f"{name}.log", "ab")
@@ -76,14 +87,13 @@ class Stack:
     def start_worker(self, timeout: float = 120.0, *extra: str) -> None:
         proc = self.spawn("worker", "worker", *extra)
         deadline = time.monotonic() + timeout
+        c = self.client()
         while time.monotonic() < deadline:
             if proc.poll() is not None:
                 raise RuntimeError(f"worker exited {proc.returncode}: {self.log('worker')[-3000:]}")
-            try:
-                self.query("SELECT 1")
+            if c.healthy():
                 return
-            except (OSError, RuntimeError):
-                time.sleep(0.5)
+            time.sleep(0.5)
         raise TimeoutError(f"worker did not answer: {self.log('worker')[-3000:]}")
 
     def start_agent(self, fleet: str, *extra: str) -> None:
@@ -95,13 +105,12 @@ class Stack:
         except OSError:
             return ""
 
-    def query(self, sql: str, parameters: dict | None = None) -> list[dict]:
-        columns, rows = web_query(self.web_port, sql, parameters)
-        return [dict(zip(columns, r)) for r in rows]
+    def query(self, sql: str, parameters: dict | None = None, user: str = security.ADMIN) -> list[dict]:
+        """One read-only statement through the worker's API (the worker owns the embedded ClickHouse)."""
+        return self.client(user).records(sql, parameters)
 
     def stats(self) -> dict:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.web_port}/stats/", timeout=10) as resp:
-            return json.loads(resp.read())
+        return self.client().api("/stats/")
 
     def stop_process(self, name: str, sig: int = signal.SIGTERM, timeout: float = 30.0) -> None:
         proc = self.procs.pop(name, None)

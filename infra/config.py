@@ -1,8 +1,8 @@
-"""Configuration from the environment; every process reads the same three variables."""
+"""Configuration from the environment; every process reads the same variables (docs/security.md for the Kafka ones)."""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 
@@ -13,10 +13,20 @@ class Config:
     clickhouse: str
     kafka_port: int
     web_port: int
+    user: str = "admin"  # the principal this process acts as (GPUPOOL_USER, or a command's --as)
+    web_bind: str = "127.0.0.1"  # the interface the worker's HTTP API listens on
+    kafka_protocol: str = "SASL_PLAINTEXT"  # or SASL_SSL
+    kafka_mechanism: str = "SCRAM-SHA-512"
+    kafka_cafile: str | None = None  # CA bundle for SASL_SSL (None: the system's, or the local broker's own CA)
+    max_skew_ms: int = 5 * 60_000  # a request whose client time is further off is flagged (docs/security.md)
+    sql_timeout_s: int = 10  # ClickHouse's max_execution_time for people's own SQL
 
     @property
     def bootstrap(self) -> str:
         return self.kafka or f"127.0.0.1:{self.kafka_port}"
+
+    def acting_as(self, user: str | None) -> "Config":
+        return self if not user or user == self.user else replace(self, user=user)
 
 
 def load() -> Config:
@@ -27,4 +37,11 @@ def load() -> Config:
         clickhouse=os.environ.get("GPUPOOL_CLICKHOUSE") or f"chdb://{home / 'clickhouse'}",
         kafka_port=int(os.environ.get("GPUPOOL_KAFKA_PORT", "19092")),
         web_port=int(os.environ.get("GPUPOOL_WEB_PORT", "16066")),
+        user=os.environ.get("GPUPOOL_USER") or "admin",
+        web_bind=os.environ.get("GPUPOOL_WEB_BIND") or "127.0.0.1",
+        kafka_protocol=os.environ.get("GPUPOOL_KAFKA_SECURITY") or "SASL_PLAINTEXT",
+        kafka_mechanism=os.environ.get("GPUPOOL_KAFKA_MECHANISM") or "SCRAM-SHA-512",
+        kafka_cafile=os.environ.get("GPUPOOL_KAFKA_CAFILE") or None,
+        max_skew_ms=int(os.environ.get("GPUPOOL_MAX_SKEW_MS", str(5 * 60_000))),
+        sql_timeout_s=int(os.environ.get("GPUPOOL_SQL_TIMEOUT_S", "10")),
     )

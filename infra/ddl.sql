@@ -37,6 +37,12 @@ ALTER TABLE gpupool.quota_events ADD COLUMN IF NOT EXISTS reserved_milli Int64 D
 ALTER TABLE gpupool.quota_events ADD COLUMN IF NOT EXISTS quota_memory_mib Int64 DEFAULT 0;
 ALTER TABLE gpupool.quota_events ADD COLUMN IF NOT EXISTS used_memory_mib Int64 DEFAULT 0;
 
+-- added with authenticated principals (docs/security.md): who stated a request, and the time its client claimed
+-- (-1: none; the event time is the broker's)
+ALTER TABLE gpupool.events ADD COLUMN IF NOT EXISTS actor String DEFAULT '';
+ALTER TABLE gpupool.events ADD COLUMN IF NOT EXISTS claimed_time_ms Int64 DEFAULT -1;
+ALTER TABLE gpupool.quota_events ADD COLUMN IF NOT EXISTS actor String DEFAULT '';
+
 -- Scheduler decisions (placement, preemption, resize, migration, release, pending, rejection) with their reasons.
 CREATE TABLE IF NOT EXISTS gpupool.scheduling (
     topic LowCardinality(String), partition UInt16, offset UInt64, event_id String,

@@ -16,7 +16,7 @@ async def stop_consumer(consumer) -> None:
             raise
 
 
-async def consume_commands(bootstrap: str, group_id: str, stopping: asyncio.Event, execute, log) -> None:
+async def consume_commands(conn, group_id: str, stopping: asyncio.Event, execute, log) -> None:
     """The node agents' command loop: each command in order, undecodable ones skipped with a warning, offsets
     committed after the batch is carried out (commands are idempotent by id, so a redelivery is harmless)."""
     from aiokafka import AIOKafkaConsumer
@@ -24,7 +24,7 @@ async def consume_commands(bootstrap: str, group_id: str, stopping: asyncio.Even
     from schemas.envelope import DecodeError, decode
     from schemas.topics import COMMANDS
 
-    consumer = AIOKafkaConsumer(COMMANDS.name, bootstrap_servers=bootstrap, group_id=group_id,
+    consumer = AIOKafkaConsumer(COMMANDS.name, **conn.options(), group_id=group_id,
                                 enable_auto_commit=False, auto_offset_reset="earliest")
     await consumer.start()
     try:
@@ -36,6 +36,9 @@ async def consume_commands(bootstrap: str, group_id: str, stopping: asyncio.Even
                         env = decode(msg.value)
                     except DecodeError as exc:
                         log.warning("skipping undecodable command at %s/%d: %s", tp, msg.offset, exc)
+                        continue
+                    if not env.is_command:
+                        log.warning("skipping %s at %s/%d: not a command", env.kind, tp, msg.offset)
                         continue
                     await execute(env)
             if batches:

@@ -8,7 +8,7 @@ from pydantic import Field, ValidationError
 
 from schemas.events import COMMAND_KINDS, KINDS, Event, Frozen, Ident, NonNeg
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 MAX_RECORD_BYTES = 1 << 20
 
 
@@ -21,6 +21,10 @@ class Envelope(Frozen):
     causation_id: str | None = None
     correlation_id: str | None = None
     tenant: str | None = None
+    # Set by the gateway on requests it lets in: the authenticated principal, and the time the client claimed
+    # (event_time_ms is then the broker's append time of the request: docs/security.md).
+    actor: str | None = None
+    claimed_time_ms: int | None = None
     payload: Event
 
     @property
@@ -33,12 +37,14 @@ class Envelope(Frozen):
 
 
 def envelope(payload, *, source: str, seq: int, time_ms: int, causation_id: str | None = None,
-             correlation_id: str | None = None, tenant: str | None = None, event_id: str | None = None) -> Envelope:
+             correlation_id: str | None = None, tenant: str | None = None, event_id: str | None = None,
+             actor: str | None = None, claimed_time_ms: int | None = None) -> Envelope:
     """Build an envelope; the default event id is derived from (source, seq) so a re-send is recognisable."""
     return Envelope(
         event_id=event_id or f"{source}:{seq}", source=source, seq=seq, event_time_ms=time_ms,
         causation_id=causation_id, correlation_id=correlation_id,
-        tenant=tenant if tenant is not None else getattr(payload, "tenant", None), payload=payload,
+        tenant=tenant if tenant is not None else getattr(payload, "tenant", None), actor=actor,
+        claimed_time_ms=claimed_time_ms, payload=payload,
     )
 
 

@@ -95,6 +95,7 @@ class GpuSample(Frozen):
     ecc_uncorrected: NonNeg = 0
     xid_errors: tuple[int, ...] = ()
     job_ids: tuple[str, ...] = ()
+    fault: str = ""  # a fault the node agent saw on the card (an NVML read error, retired pages...): out of service
 
 
 class GpuTelemetry(Frozen):
@@ -307,6 +308,18 @@ class Rejected(Frozen):
     reasons: tuple[Reason, ...] = ()
 
 
+class RequestRejected(Frozen):
+    """The gateway's answer to a request it did not let in (a job request's answer is `job.rejected` instead):
+    which request (`request_id`: inbox and offset), from whom, about what, and why."""
+    kind: Literal["request.rejected"] = "request.rejected"
+    request_id: Ident
+    principal: Ident
+    request_kind: str = ""
+    subject: str = ""  # the reservation, service, node or tenant the request names
+    code: Ident
+    message: str = ""
+
+
 class SchedulerTick(Frozen):
     """A cycle tick: time enters the scheduler only through its input log."""
     kind: Literal["scheduler.tick"] = "scheduler.tick"
@@ -395,6 +408,23 @@ class ServiceScaled(Frozen):
     reasons: tuple[Reason, ...] = ()
 
 
+# ---------------------------------------------------------------- principals (docs/security.md)
+
+class PrincipalRegistered(Frozen):
+    """Who a broker principal is: its role, its tenant (tenant role only) and the SHA-256 of its HTTP token. Written by
+    an operator (`gpupool user add`) to the compacted principals topic, keyed by name."""
+    kind: Literal["principal.registered"] = "principal.registered"
+    name: Ident
+    role: Literal["tenant", "operator", "finance", "auditor", "node", "service"]
+    tenant: str | None = None
+    token_sha256: str = ""
+
+
+class PrincipalRemoved(Frozen):
+    kind: Literal["principal.removed"] = "principal.removed"
+    name: Ident
+
+
 # ---------------------------------------------------------------- quota and ledger
 
 class QuotaSet(Frozen):
@@ -454,7 +484,7 @@ Event = Annotated[
         JobRequested, JobCancelled, JobScaleRequested, JobStarted, JobCheckpointed, JobCompleted,
         JobFailed, JobStopped,
         PlaceJob, ResizeJob, PreemptJob, MigrateJob, MigReconfigure, ReleaseJob, JobPending, Rejected,
-        SchedulerTick,
+        RequestRejected, SchedulerTick, PrincipalRegistered, PrincipalRemoved,
         ReservationRequested, ReservationCancelled, ReservationDecided,
         ServiceDeclared, ServiceRemoved, InferenceLoad, ServiceScaled,
         QuotaSet, QuotaChanged, QuotaBorrowed, QuotaReturned, UsageAccrued,

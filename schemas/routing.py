@@ -1,36 +1,58 @@
-"""Which topic, and which key, each kind of record is written to."""
+"""Which topic, and which key, each kind of record is written to; each kind has exactly one home topic."""
 from __future__ import annotations
 
 from schemas.envelope import Envelope
-from schemas.topics import COMMANDS, INVENTORY, JOB_EVENTS, JOB_REQUESTS, LEDGER, TELEMETRY, TopicSpec
+from schemas.topics import (
+    COMMANDS, DECISIONS, INVENTORY, JOB_EVENTS, JOB_REQUESTS, LEDGER, NODE_CONTROL, PRINCIPALS, TELEMETRY, TopicSpec,
+)
 
 _BY_KIND: dict[str, TopicSpec] = {
-    "node.inventory": INVENTORY, "node.cordon": INVENTORY, "gpu.health": INVENTORY,
-    "node.heartbeat": TELEMETRY, "gpu.telemetry": TELEMETRY, "node.liveness": TELEMETRY,
-    "job.requested": JOB_REQUESTS, "job.cancelled": JOB_REQUESTS, "job.scale_requested": JOB_REQUESTS,
+    # node agents
+    "node.inventory": INVENTORY, "node.heartbeat": TELEMETRY, "gpu.telemetry": TELEMETRY,
     "job.started": JOB_EVENTS, "job.checkpointed": JOB_EVENTS, "job.completed": JOB_EVENTS, "job.failed": JOB_EVENTS,
-    "job.stopped": JOB_EVENTS, "job.pending": JOB_EVENTS, "job.rejected": JOB_EVENTS,
-    "quota.set": LEDGER, "quota.changed": LEDGER, "quota.borrowed": LEDGER, "quota.returned": LEDGER,
-    "usage.accrued": LEDGER,
-    # requests to the scheduler keyed by what they name; its answers beside the job events
+    "job.stopped": JOB_EVENTS,
+    # what operators decide about nodes (through the gateway) and what the worker derives from telemetry
+    "node.cordon": NODE_CONTROL, "gpu.health": NODE_CONTROL, "node.liveness": NODE_CONTROL,
+    # requests, once the gateway let them in (or the autoscaler made them)
+    "job.requested": JOB_REQUESTS, "job.cancelled": JOB_REQUESTS, "job.scale_requested": JOB_REQUESTS,
     "reservation.requested": JOB_REQUESTS, "reservation.cancelled": JOB_REQUESTS,
     "service.declared": JOB_REQUESTS, "service.removed": JOB_REQUESTS, "inference.load": JOB_REQUESTS,
-    "reservation.decided": JOB_EVENTS, "service.scaled": JOB_EVENTS,
+    # the scheduler's and the gateway's answers
+    "job.pending": DECISIONS, "job.rejected": DECISIONS, "reservation.decided": DECISIONS,
+    "service.scaled": DECISIONS, "request.rejected": DECISIONS,
+    # the ledger
+    "quota.set": LEDGER, "quota.changed": LEDGER, "quota.borrowed": LEDGER, "quota.returned": LEDGER,
+    "usage.accrued": LEDGER,
+    "principal.registered": PRINCIPALS, "principal.removed": PRINCIPALS,
 }
 
 
-def route(env: Envelope) -> tuple[TopicSpec, bytes]:
+def home(kind: str) -> TopicSpec | None:
+    """The one topic a kind may be read from (None: scheduler.tick, which lives on the scheduler input only)."""
+    return COMMANDS if kind.startswith("cmd.") else _BY_KIND.get(kind)
+
+
+def at_home(env: Envelope, topic: str) -> bool:
+    spec = home(env.kind)
+    return spec is not None and spec.name == topic
+
+
+def key_of(env: Envelope, spec: TopicSpec) -> bytes:
     p = env.payload
-    if env.is_command:
-        spec = COMMANDS
-    else:
-        spec = _BY_KIND.get(p.kind)
-        if spec is None:
-            raise ValueError(f"{p.kind} has no home topic (scheduler.tick goes to the scheduler input only)")
-    if spec in (INVENTORY, TELEMETRY, COMMANDS):
+    if spec in (INVENTORY, TELEMETRY, COMMANDS, NODE_CONTROL):
         key = getattr(p, "node", None) or getattr(p, "to_node", "")
-    elif spec in (JOB_REQUESTS, JOB_EVENTS):
-        key = getattr(p, "job_id", None) or getattr(p, "reservation_id", None) or p.service_id
+    elif spec in (JOB_REQUESTS, JOB_EVENTS, DECISIONS):
+        key = (getattr(p, "job_id", None) or getattr(p, "reservation_id", None) or getattr(p, "service_id", None)
+               or getattr(p, "subject", None) or getattr(p, "request_id", ""))
+    elif spec is PRINCIPALS:
+        key = p.name
     else:
         key = p.tenant
-    return spec, key.encode()
+    return key.encode()
+
+
+def route(env: Envelope) -> tuple[TopicSpec, bytes]:
+    spec = home(env.kind)
+    if spec is None:
+        raise ValueError(f"{env.kind} has no home topic (scheduler.tick goes to the scheduler input only)")
+    return spec, key_of(env, spec)

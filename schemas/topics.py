@@ -1,4 +1,10 @@
-"""The one topic specification: infra scripts, workers, tests and the audit replayer all read it."""
+"""The one topic specification: infra scripts, workers, tests, the ACLs and the audit replayer all read it.
+
+Each topic has exactly one writing role (`writer`), and each kind of record has exactly one home topic
+(schemas/routing.py): so the broker's ACLs decide who may state which fact, and a consumer that finds a kind off its
+home topic drops it (docs/security.md). Requests from people arrive on per-principal inboxes (`gpupool.in.NAME`):
+the topic a record was written to names the principal that wrote it.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -13,38 +19,70 @@ class TopicSpec:
     key: str  # what the record key holds; documents co-partitioning
     cleanup: str = "delete"  # "delete" | "compact"
     retention_ms: int = -1  # -1: keep forever (the log is the truth)
+    writer: str = "service"  # the one role whose principals may write it (infra/principals.py turns this into ACLs)
+    log_append_time: bool = False  # the broker stamps each record's time: readers take time from the log
 
     def config(self) -> dict[str, str]:
         cfg = {"cleanup.policy": self.cleanup}
         if self.cleanup == "delete":
             cfg["retention.ms"] = str(self.retention_ms)
+        if self.log_append_time:
+            cfg["message.timestamp.type"] = "LogAppendTime"
         return cfg
 
 
-INVENTORY = TopicSpec("gpupool.inventory", 8, key="node id", cleanup="compact")
-TELEMETRY = TopicSpec("gpupool.telemetry", 8, key="node id", retention_ms=DAY_MS)
+# Written by node agents (role `node`)
+INVENTORY = TopicSpec("gpupool.inventory", 8, key="node id", cleanup="compact", writer="node")
+# the broker stamps telemetry: a node's heartbeats are judged on the log's time, not the node's or the worker's
+TELEMETRY = TopicSpec("gpupool.telemetry", 8, key="node id", retention_ms=DAY_MS, writer="node",
+                      log_append_time=True)
+JOB_EVENTS = TopicSpec("gpupool.job-events", 4, key="job id", writer="node")  # what a node did with a job
+# Written by the service (worker, scheduler, sink): what was asked (after the gateway), decided and commanded
 JOB_REQUESTS = TopicSpec("gpupool.job-requests", 4, key="job id")
-JOB_EVENTS = TopicSpec("gpupool.job-events", 4, key="job id")
-# One partition: the scheduler needs a single, totally ordered, replayable input (docs/architecture.md).
-SCHEDULER_INPUT = TopicSpec("gpupool.scheduler-input", 1, key="source")
+DECISIONS = TopicSpec("gpupool.decisions", 4, key="job id")  # pending reasons, rejections, reservation/service answers
+NODE_CONTROL = TopicSpec("gpupool.node-control", 8, key="node id")  # cordon/drain, card health, liveness
+# One partition: the scheduler needs a single, totally ordered, replayable input (docs/architecture.md); its clock is
+# the broker's append time of each record, so no producer's clock moves it.
+SCHEDULER_INPUT = TopicSpec("gpupool.scheduler-input", 1, key="source", log_append_time=True)
 COMMANDS = TopicSpec("gpupool.commands", 8, key="node id")
 LEDGER = TopicSpec("gpupool.ledger", 4, key="tenant")
 DEAD_LETTERS = TopicSpec("gpupool.dead-letters", 1, key="source topic", retention_ms=30 * DAY_MS)
+# The log's clock: each worker appends an empty record every second and reads the broker's append time back, its
+# "now" for judging liveness in log time (streams/liveness.py). Nobody consumes it.
+CLOCK = TopicSpec("gpupool.clock", 1, key="worker", retention_ms=3600 * 1000, log_append_time=True)
+# Written by operators: who is who (name -> role, tenant, HTTP token digest)
+PRINCIPALS = TopicSpec("gpupool.principals", 1, key="principal", cleanup="compact", writer="operator")
 
 # Changelogs of the Faust tables (app id "gpupool"), created up front with the partition count of their source
 # topics: Faust would create them itself, but a table written before its changelog's metadata arrives fails.
 NODE_VIEW_CHANGELOG = TopicSpec("gpupool-node-view-changelog", 8, key="node id", cleanup="compact")
 JOB_VIEW_CHANGELOG = TopicSpec("gpupool-job-view-changelog", 4, key="job id", cleanup="compact")
 
-# inventory, telemetry and commands are co-partitioned (same key, same count): one Faust table folds all three.
+# inventory, telemetry, node-control and commands are co-partitioned (same key, same count): one Faust table folds
+# them; job-requests, decisions and job-events likewise.
 ALL_TOPICS: tuple[TopicSpec, ...] = (
-    INVENTORY, TELEMETRY, JOB_REQUESTS, JOB_EVENTS, SCHEDULER_INPUT, COMMANDS, LEDGER, DEAD_LETTERS,
-    NODE_VIEW_CHANGELOG, JOB_VIEW_CHANGELOG,
+    INVENTORY, TELEMETRY, JOB_EVENTS, JOB_REQUESTS, DECISIONS, NODE_CONTROL, SCHEDULER_INPUT, COMMANDS, LEDGER,
+    DEAD_LETTERS, CLOCK, PRINCIPALS, NODE_VIEW_CHANGELOG, JOB_VIEW_CHANGELOG,
 )
+
+INBOX_PREFIX = "gpupool.in."
+
+
+def inbox(principal: str) -> TopicSpec:
+    """The request topic of one principal (tenant or operator role): only it may write there, so the gateway takes
+    the principal, and so the tenant, from the topic. The broker stamps the time."""
+    return TopicSpec(f"{INBOX_PREFIX}{principal}", 1, key="request subject", writer=f"principal {principal}",
+                     log_append_time=True)
+
+
+def inbox_owner(topic: str) -> str | None:
+    return topic[len(INBOX_PREFIX):] if topic.startswith(INBOX_PREFIX) else None
 
 
 def by_name(name: str) -> TopicSpec:
     for spec in ALL_TOPICS:
         if spec.name == name:
             return spec
+    if inbox_owner(name):
+        return inbox(inbox_owner(name))
     raise KeyError(name)

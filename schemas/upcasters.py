@@ -1,7 +1,8 @@
 """Upcasters: each lifts a document of version N to N+1, so folds only ever see the current contract.
 
 Version 1 (the first wire format) named the event time `time_ms` and asked for GPU memory in whole GiB
-(`gpu_memory_gib`) on job requests; version 2 uses `event_time_ms` and MiB everywhere.
+(`gpu_memory_gib`) on job requests; version 2 uses `event_time_ms` and MiB everywhere; version 3 adds the
+gateway's `actor` and `claimed_time_ms`.
 """
 from __future__ import annotations
 
@@ -24,7 +25,12 @@ def _v1_to_v2(doc: dict) -> dict:
     return doc
 
 
-UPCASTERS: dict[int, Callable[[dict], dict]] = {1: _v1_to_v2}
+def _v2_to_v3(doc: dict) -> dict:
+    # Version 3 adds the gateway's `actor` and `claimed_time_ms` (both absent before: no request was authenticated).
+    return {**doc, "schema_version": 3}
+
+
+UPCASTERS: dict[int, Callable[[dict], dict]] = {1: _v1_to_v2, 2: _v2_to_v3}
 
 
 def upcast(doc: dict) -> dict:

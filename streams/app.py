@@ -1,7 +1,10 @@
-"""The Faust worker: live folds into changelog-backed tables, the feed of the scheduler's input, the scheduler agent,
-the ClickHouse sink and a small query API. Everything that decides anything is in the pure modules it calls."""
+"""The Faust worker: the gateway for people's requests, live folds into changelog-backed tables, the feed of the
+scheduler's input, the scheduler agent, the ClickHouse sink and the HTTP API. Everything that decides anything is in
+the pure modules it calls. It connects as the `service` principal (docs/security.md)."""
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 from collections import Counter
 
@@ -9,14 +12,19 @@ import faust
 from faust.web import View
 
 from infra.config import Config
+from infra.kafka_client import stop_consumer
+from infra.security import SERVICE, KafkaConn, kafka_conn
 from schemas.envelope import DecodeError, Envelope, decode, encode, envelope
 from schemas.events import GpuHealth, NodeLiveness, SchedulerTick
-from schemas.routing import route
+from schemas.routing import at_home, route
 from schemas.topics import (
-    COMMANDS, DEAD_LETTERS, INVENTORY, JOB_EVENTS, JOB_REQUESTS, JOB_VIEW_CHANGELOG, LEDGER, NODE_VIEW_CHANGELOG,
-    SCHEDULER_INPUT, TELEMETRY,
+    CLOCK, COMMANDS, DEAD_LETTERS, DECISIONS, INBOX_PREFIX, INVENTORY, JOB_EVENTS, JOB_REQUESTS, JOB_VIEW_CHANGELOG, LEDGER,
+    NODE_CONTROL, NODE_VIEW_CHANGELOG, PRINCIPALS, SCHEDULER_INPUT, TELEMETRY, inbox_owner,
 )
-from streams import cluster_metrics, codec, job_view, node_view
+from streams import api, cluster_metrics, codec, gateway, job_view, node_view
+from streams.liveness import Liveness
+
+log = logging.getLogger("gpupool.worker")
 
 # What the scheduler must see, in one total order. Telemetry itself stays out: only the health and liveness
 # transitions the folds derive from it go in, so the audit log stays small and the scheduler stays fast.
@@ -34,6 +42,7 @@ SCHEDULER_REQUESTS = frozenset({
 
 HEARTBEAT_INTERVAL_S = 1.0
 TICK_INTERVAL_S = 1.0
+GATEWAY_GROUP = "gpupool-gateway"
 
 
 def _as_view(mod, value):
@@ -51,19 +60,30 @@ def now_ms() -> int:
     return time.time_ns() // 1_000_000
 
 
+def _tp(topic: str, partition: int):
+    from aiokafka import TopicPartition
+
+    return TopicPartition(topic, partition)
+
+
 class Worker:
-    """Holds the app and the in-process counters the query API reports."""
+    """Holds the app and the in-process counters the API reports."""
 
     def __init__(self, cfg: Config, *, with_scheduler: bool = True, with_sink: bool = True,
                  app_id: str = "gpupool"):
         self.cfg = cfg
+        self.conn = kafka_conn(cfg, SERVICE)
         self.dead_letters: Counter[str] = Counter()
         self.folded: Counter[str] = Counter()
+        self.gateway_counts: Counter[str] = Counter()
+        self.registry: dict[str, gateway.Principal] = {}
         self.app = faust.App(
-            app_id, broker=f"kafka://{cfg.bootstrap}", store="memory://", datadir=str(cfg.home / "faust"),
-            web_port=cfg.web_port, web_host="127.0.0.1", web_in_thread=False, topic_partitions=8,
-            table_standby_replicas=0, producer_acks=-1,
+            app_id, broker=f"kafka://{cfg.bootstrap}", broker_credentials=self.conn.faust_credentials(),
+            store="memory://", datadir=str(cfg.home / "faust"),
+            web_port=cfg.web_port, web_host="127.0.0.1", web_bind=cfg.web_bind, web_in_thread=False,
+            topic_partitions=8, table_standby_replicas=0, producer_acks=-1,
             broker_commit_every=500, broker_commit_interval=0.5, stream_buffer_maxsize=16384,
+            broker_session_timeout=10.0, broker_heartbeat_interval=3.0,  # a killed worker is replaced in ~10 s
             consumer_auto_offset_reset="earliest",
         )
         # Changelog-backed tables of serialized views (orjson on the changelog, like every other wire).
@@ -73,27 +93,125 @@ class Worker:
         self.node_table.value_serializer = "node-view"
         self.job_table.value_serializer = "job-view"
         raw = dict(key_serializer="raw", value_serializer="raw")
-        self.node_topics = self.app.topic(INVENTORY.name, TELEMETRY.name, COMMANDS.name, **raw)
-        self.job_topics = self.app.topic(JOB_REQUESTS.name, JOB_EVENTS.name, **raw)
+        self.node_topics = self.app.topic(INVENTORY.name, TELEMETRY.name, COMMANDS.name, NODE_CONTROL.name, **raw)
+        self.job_topics = self.app.topic(JOB_REQUESTS.name, JOB_EVENTS.name, DECISIONS.name, **raw)
         self.ledger_topic = self.app.topic(LEDGER.name, **raw)
         self.scheduler_input = self.app.topic(SCHEDULER_INPUT.name, **raw)
         self.dead_letter_topic = self.app.topic(DEAD_LETTERS.name, **raw)
-        self.home_topics = {s.name: self.app.topic(s.name, **raw) for s in (INVENTORY, TELEMETRY, JOB_EVENTS)}
+        self.clock_topic = self.app.topic(CLOCK.name, **raw)
+        self.liveness = Liveness(interval_ms=int(HEARTBEAT_INTERVAL_S * 1000))
+        self.home_topics = {s.name: self.app.topic(s.name, **raw)
+                            for s in (INVENTORY, TELEMETRY, JOB_EVENTS, NODE_CONTROL, JOB_REQUESTS, DECISIONS,
+                                      LEDGER)}
         self.app.agent(self.node_topics, name="fold-nodes")(self.fold_nodes)
         self.app.agent(self.job_topics, name="fold-jobs")(self.fold_jobs)
         self.app.agent(self.ledger_topic, name="feed-ledger")(self.feed_ledger)
         self.app.timer(HEARTBEAT_INTERVAL_S)(self.check_liveness)
         self.app.timer(TICK_INTERVAL_S, on_leader=True)(self.tick)
+        self.app.task(self.follow_registry)
+        self.app.task(self.run_gateway)
+        self._registry_position = 0
+        self.registry_ready = asyncio.Event()  # the registry was read to its end once: the API can authenticate
         self.scheduler = self.sink = None
         if with_scheduler:
             from agents.scheduler.agent import SchedulerAgent
-            self.scheduler = SchedulerAgent(cfg)
+            self.scheduler = SchedulerAgent(cfg, self.conn)
             self.app.task(self.scheduler.run)
         if with_sink:
             from streams.sink import Sink
-            self.sink = Sink(cfg)
+            self.sink = Sink(cfg, self.conn)
             self.app.task(self.sink.run)
+        self.queries = api.QueryRunner(cfg.clickhouse, sql_timeout_s=cfg.sql_timeout_s)
         self._register_pages()
+
+    # ---------------------------------------------------------------- who is who
+
+    async def follow_registry(self) -> None:
+        """The principals topic, folded from its start and followed: the gateway's and the API's view of who is who
+        (a removed principal's token stops working as soon as the removal is read)."""
+        from aiokafka import AIOKafkaConsumer, TopicPartition
+
+        tp = TopicPartition(PRINCIPALS.name, 0)
+        consumer = AIOKafkaConsumer(**self.conn.options(), enable_auto_commit=False, group_id=None)
+        await consumer.start()
+        try:
+            consumer.assign([tp])
+            await consumer.seek_to_beginning(tp)
+            end = (await consumer.end_offsets([tp]))[tp]
+            while True:
+                if self._registry_position >= end:
+                    self.registry_ready.set()
+                for msg in (await consumer.getmany(tp, timeout_ms=500)).get(tp, []):
+                    try:
+                        env = decode(msg.value)
+                    except DecodeError:
+                        env = None
+                    if env is not None and at_home(env, PRINCIPALS.name):
+                        self.registry = gateway.fold_registry(self.registry, env)
+                    self._registry_position = msg.offset + 1
+        finally:
+            await stop_consumer(consumer)
+
+    async def _registry_caught_up(self, timeout_s: float = 10.0) -> None:
+        from aiokafka import AIOKafkaConsumer, TopicPartition
+
+        tp = TopicPartition(PRINCIPALS.name, 0)
+        consumer = AIOKafkaConsumer(**self.conn.options(), enable_auto_commit=False, group_id=None)
+        await consumer.start()
+        try:
+            end = (await consumer.end_offsets([tp]))[tp]
+        finally:
+            await stop_consumer(consumer)
+        deadline = time.monotonic() + timeout_s
+        while self._registry_position < end and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+
+    # ---------------------------------------------------------------- the gateway: people's requests become facts
+
+    async def run_gateway(self) -> None:
+        """Every inbox (`gpupool.in.*`, found by pattern as principals are added), in order per inbox; outputs
+        are produced before the inbox offset is committed, and a re-run re-derives identical envelopes (source
+        `in/NAME`, seq = offset), which every consumer drops as duplicates."""
+        from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+
+        await self._registry_caught_up()
+        consumer = AIOKafkaConsumer(**self.conn.options(), group_id=GATEWAY_GROUP, enable_auto_commit=False,
+                                    auto_offset_reset="earliest", metadata_max_age_ms=2000)
+        producer = AIOKafkaProducer(**self.conn.options(), acks="all", enable_idempotence=True, linger_ms=2)
+        await consumer.start()
+        await producer.start()
+        consumer.subscribe(pattern=f"^{INBOX_PREFIX.replace('.', chr(92) + '.')}.+")
+        try:
+            while True:
+                batches = await consumer.getmany(timeout_ms=500, max_records=1000)
+                for tp, msgs in sorted(batches.items(), key=lambda kv: kv[0].topic):
+                    owner = inbox_owner(tp.topic)
+                    if owner not in self.registry:  # added a moment ago: the registry may lag its inbox
+                        await self._registry_caught_up()
+                    for msg in msgs:
+                        await self._admit(producer, owner, msg)
+                    await producer.flush()
+                    await consumer.commit({tp: msgs[-1].offset + 1})
+        finally:
+            await stop_consumer(consumer)
+            await producer.stop()
+
+    async def _admit(self, producer, owner: str, msg) -> None:
+        out = gateway.admit(self.registry.get(owner), owner, msg.value, msg.offset, msg.timestamp)
+        if out.dead_letter is not None:
+            code, detail = out.dead_letter
+            self.dead_letters[code] += 1
+            self.gateway_counts[f"dead_letter:{code}"] += 1
+            await producer.send(DEAD_LETTERS.name, key=msg.topic.encode(), value=codec.dead_letter(
+                code, detail, msg.topic, msg.partition, msg.offset, msg.value))
+        for env, what in ((out.accepted, "accepted"), (out.rejected, "rejected")):
+            if env is None:
+                continue
+            spec, key = route(env)
+            await producer.send(spec.name, key=key, value=encode(env))
+            self.gateway_counts[what] += 1
+            if what == "accepted" and abs(gateway.clock_skew_ms(env)) > self.cfg.max_skew_ms:
+                self.gateway_counts["clock_skew"] += 1  # the log's time was used; the client's is kept as data
 
     # ---------------------------------------------------------------- ingest
 
@@ -105,10 +223,16 @@ class Worker:
 
     async def _decode(self, event) -> Envelope | None:
         try:
-            return decode(event.value)
+            env = decode(event.value)
         except DecodeError as exc:
             await self._reject(event, exc.code, exc.detail)
             return None
+        if not at_home(env, event.message.topic):
+            # Each kind has one home topic, and each topic one writing role: a kind found elsewhere was written by
+            # someone the ACLs did not let state it.
+            await self._reject(event, "wrong_topic", f"{env.kind} does not belong on {event.message.topic}")
+            return None
+        return env
 
     async def _fold(self, event, table, mod, key_of, env: Envelope | None = None):
         """Decode (unless already decoded), fold, store. Returns (envelope, before, after) or None when nothing changed
@@ -135,7 +259,13 @@ class Worker:
 
     async def fold_nodes(self, stream):
         async for event in stream.events():
+            m = event.message
             folded = await self._fold(event, self.node_table, node_view, node_key)
+            if m.topic == TELEMETRY.name:  # the broker's time of what this node said, for judging its liveness
+                if folded is not None and folded[0].kind in ("gpu.telemetry", "node.heartbeat"):
+                    self.liveness.heard_from(folded[2].node, m.partition, m.offset, m.timestamp)
+                else:
+                    self.liveness.folded(m.partition, m.offset, m.timestamp)
             if folded is None:
                 continue
             env, before, after = folded
@@ -150,9 +280,10 @@ class Worker:
                                               source=f"{key}/health", seq=env.seq, time_ms=env.event_time_ms,
                                               causation_id=env.event_id))
             if before is not None and not before.alive and after.alive and env.kind != "node.liveness":
+                # alive again: a later position than the silence it answers, whatever the clocks said
                 await self._send(envelope(NodeLiveness(node=key, alive=True,
                                                        last_heartbeat_ms=after.last_heartbeat_ms),
-                                          source=f"{key}/liveness", seq=env.event_time_ms,
+                                          source=f"{key}/liveness", seq=self.liveness.next_seq(key, m.timestamp),
                                           time_ms=env.event_time_ms, causation_id=env.event_id))
 
     async def fold_jobs(self, stream):
@@ -181,55 +312,105 @@ class Worker:
 
     # ---------------------------------------------------------------- time enters as events
 
+    async def _log_now(self) -> int:
+        """The broker's time now: the append time of a record this worker writes to the clock topic."""
+        fut = await self.clock_topic.send(key=self.app.conf.id.encode(), value=b"")
+        return (await fut).timestamp
+
+    async def _telemetry_highwaters(self) -> dict[int, int | None]:
+        from faust.types import TP
+
+        mine = [tp.partition for tp in self.app.consumer.assignment() if tp.topic == TELEMETRY.name]
+        if any(p not in self.liveness.start for p in mine):
+            # where this worker began reading a newly assigned partition: its group's committed offset
+            from aiokafka.admin import AIOKafkaAdminClient
+
+            admin = AIOKafkaAdminClient(**self.conn.options())
+            await admin.start()
+            try:
+                committed = await admin.list_consumer_group_offsets(self.app.conf.id)
+            finally:
+                await admin.close()
+            for p in mine:
+                meta = committed.get(_tp(TELEMETRY.name, p))
+                self.liveness.start.setdefault(p, max(meta.offset, 0) if meta is not None else 0)
+        return {p: self.app.consumer.highwater(TP(TELEMETRY.name, p)) for p in mine}
+
     async def check_liveness(self):
-        t = now_ms()
+        """Judge silence on log time (streams/liveness.py): no stall of this worker, of the broker or of a query
+        makes a live node look dead."""
+        try:
+            log_now = await self._log_now()
+            highwaters = await self._telemetry_highwaters()
+        except Exception as exc:  # noqa: BLE001 - the broker is away: no log time passes, nobody is judged
+            log.warning("liveness not judged: %s", exc)
+            return
+        alive = {}
         for key, view in list(self.node_table.items()):
             view = _as_view(node_view, view)
-            if view and view.alive and node_view.missed_heartbeats(view, t, int(HEARTBEAT_INTERVAL_S * 1000)):
-                await self._send(envelope(NodeLiveness(node=key, alive=False,
-                                                       last_heartbeat_ms=view.last_heartbeat_ms),
-                                          source=f"{key}/liveness", seq=t, time_ms=t))
+            if view and view.alive and view.inventory is not None:
+                alive[key] = view
+        for key in self.liveness.silent(sorted(alive), log_now, highwaters):
+            view = alive[key]
+            await self._send(envelope(NodeLiveness(node=key, alive=False, last_heartbeat_ms=view.last_heartbeat_ms),
+                                      source=f"{key}/liveness", seq=self.liveness.next_seq(key, log_now),
+                                      time_ms=log_now))
 
     async def tick(self):
+        # The scheduler's clock is the broker's append time of this record, not `t`: the payload only says when
+        # the ticker meant it.
         t = now_ms()
         await self.scheduler_input.send(key=b"ticker", value=encode(
             envelope(SchedulerTick(now_ms=t), source="ticker", seq=t, time_ms=t)))
 
-    # ---------------------------------------------------------------- query API (the process that owns chdb answers)
+    # ---------------------------------------------------------------- HTTP API (streams/api.py)
 
     def _register_pages(self) -> None:
         worker = self
 
-        class Query(View):
-            async def post(self, request):
-                return await worker.query_page(self, request)
+        def view(path: str):
+            class Page(View):
+                async def get(self, request):
+                    return await worker.serve(self, request, path)
 
-        class Stats(View):
-            async def get(self, request):
-                return await worker.stats_page(self, request)
+                async def post(self, request):
+                    return await worker.serve(self, request, path)
+            return Page
 
-        class Cluster(View):
-            async def get(self, request):
-                return self.json(worker.cluster())
+        for path in api.ENDPOINTS:
+            self.app.page(path)(view(path))
 
-        self.app.page("/query/")(Query)
-        self.app.page("/stats/")(Stats)
-        self.app.page("/cluster/")(Cluster)
-
-    async def query_page(self, web, request):
-        body = await request.json()
-        sql = str(body.get("sql", "")).strip()
-        if not sql.split(None, 1) or sql.split(None, 1)[0].upper() not in {"SELECT", "WITH", "SHOW", "DESCRIBE"}:
-            return web.json({"error": "read-only queries only"}, status=400)
-        if self.sink is None or self.sink.client is None:
-            return web.json({"error": "ClickHouse not ready"}, status=503)
+    async def serve(self, web, request, path: str):
+        if path == "/healthz":
+            ready = (self.sink is None or self.sink.client is not None) and self.registry_ready.is_set()
+            return web.json({"ok": ready}, status=200 if ready else 503)
+        method = api.ENDPOINTS[path][0]
         try:
-            result = self.sink.client.query(sql, parameters=body.get("parameters") or None)
-        except Exception as exc:  # noqa: BLE001 - a bad query must not hurt the worker
-            return web.json({"error": str(exc)[:2000]}, status=400)
-        rows = [[v if isinstance(v, (int, float, str, bool, type(None))) else str(v) for v in r]
-                for r in result.result_rows]
-        return web.json({"columns": list(result.column_names), "rows": rows})
+            if request.method != method:
+                raise api.ApiError(405, f"{path} takes {method}")
+            header = request.headers.get("Authorization")
+            try:
+                principal = api.authenticate(header, self.registry)
+            except api.ApiError as exc:
+                if exc.status != 401 or not header:
+                    raise
+                await self._registry_caught_up(timeout_s=5.0)  # a principal added a moment ago
+                principal = api.authenticate(header, self.registry)
+            body = await request.read() if request.method == "POST" else b""
+            doc = await api.answer(path, principal, dict(request.query), body, self.queries, self._memory_pages)
+        except api.ApiError as exc:
+            return web.json({"error": exc.message}, status=exc.status)
+        except Exception as exc:  # noqa: BLE001 - a failed query must not hurt the worker
+            log.warning("API %s failed: %s", path, exc)
+            return web.json({"error": str(exc).splitlines()[0][:2000]}, status=500)
+        return web.json(doc)
+
+    @property
+    def _memory_pages(self) -> dict:
+        return {"/cluster/": self.cluster(), "/stats/": self.stats(),
+                "/api/principals": {"principals": [
+                    {"name": p.name, "role": p.role, "tenant": p.tenant} for p in sorted(
+                        self.registry.values(), key=lambda p: p.name)]}}
 
     def cluster(self) -> dict:
         """The materialized view's metrics over this worker's table partitions (all of them with one worker)."""
@@ -240,10 +421,11 @@ class Worker:
         out["busy_cards"] = {c.uuid: c.release_ms for v in views if v for c in v.card_free() if c.milli < 1000}
         return out
 
-    async def stats_page(self, web, request):
-        return web.json({
+    def stats(self) -> dict:
+        return {
             "dead_letters": dict(self.dead_letters), "folded": dict(self.folded),
+            "gateway": dict(self.gateway_counts), "principals": len(self.registry),
             "scheduler": self.scheduler.stats() if self.scheduler else None,
             "sink": self.sink.stats() if self.sink else None,
-        })
+        }
 

@@ -26,6 +26,8 @@ class JobView:
     preemptions: int = 0
     reasons: tuple[Reason, ...] = ()
     applied: tuple[tuple[str, int], ...] = ()  # (source, last seq); a job hears from few sources
+    request_event_id: str = ""  # the request that defined the job: the first one; a later one never replaces it
+    refused: tuple[str, ...] = ()  # codes of later requests under this id that were rejected (duplicate_job_id)
 
     def last_seq(self, source: str) -> int:
         for s, seq in self.applied:
@@ -48,8 +50,9 @@ def evolve(view: JobView | None, env: Envelope) -> JobView:
         return view
     finished = view.state in TERMINAL
     match p:
-        case JobRequested():
-            return _mark(view, env, request=p, state="pending" if view.state == "unknown" else view.state)
+        case JobRequested() if view.request is None:
+            return _mark(view, env, request=p, request_event_id=env.event_id,
+                         state="pending" if view.state == "unknown" else view.state)
         case JobScaleRequested() if view.request is not None:
             req = view.request.model_copy(update={"compute_milli": p.compute_milli,
                                                   "gpu_memory_mib": p.gpu_memory_mib})
@@ -72,6 +75,8 @@ def evolve(view: JobView | None, env: Envelope) -> JobView:
                          progress_ms=max(view.progress_ms, p.progress_ms), checkpoint=p.checkpoint)
         case JobPending() if not finished:
             return _mark(view, env, reasons=p.reasons)
+        case Rejected() if view.request is not None and env.causation_id != view.request_event_id:
+            return _mark(view, env, refused=view.refused + (p.code,))  # about another request, not this job
         case Rejected() if not finished:
             return _mark(view, env, state="rejected", reasons=p.reasons)
     return _mark(view, env)

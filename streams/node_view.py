@@ -19,7 +19,6 @@ from schemas.gpu_models import MIG_MEMORY_SLICES, mig_profile, mig_share_milli
 # XIDs after which a card must leave service until an operator clears it (NVIDIA's XID catalogue: double-bit ECC,
 # internal micro-controller halt, row-remap failure, NVLink error, fallen off the bus, uncontained ECC, GSP errors).
 FATAL_XIDS = frozenset({48, 62, 64, 74, 79, 95, 119, 120})
-HEARTBEAT_MISSES = 2  # a node is unschedulable after this many missed heartbeats
 
 
 @dataclass(frozen=True)
@@ -182,6 +181,8 @@ def _mark(view: NodeView, env: Envelope, **changes) -> NodeView:
 
 
 def _sample_fault(s: GpuSample) -> str:
+    if s.fault:
+        return s.fault
     if s.ecc_uncorrected > 0:
         return f"uncorrectable ECC errors: {s.ecc_uncorrected}"
     fatal = sorted(FATAL_XIDS.intersection(s.xid_errors))
@@ -254,7 +255,3 @@ def evolve(view: NodeView | None, env: Envelope) -> NodeView:
             return _mark(view, env, allocations=allocations)
     return view
 
-
-def missed_heartbeats(view: NodeView, now_ms: int, interval_ms: int) -> bool:
-    """True when the node has been silent for HEARTBEAT_MISSES intervals (the edge turns this into an event)."""
-    return view.inventory is not None and now_ms - view.last_heartbeat_ms > HEARTBEAT_MISSES * interval_ms

@@ -16,12 +16,14 @@ from infra.kafka_client import stop_consumer
 from infra.clickhouse import connect
 from infra.config import Config
 from schemas.envelope import DecodeError, decode
-from schemas.topics import COMMANDS, INVENTORY, JOB_EVENTS, JOB_REQUESTS, LEDGER
+from schemas.routing import at_home
+from schemas.topics import COMMANDS, DECISIONS, INVENTORY, JOB_EVENTS, JOB_REQUESTS, LEDGER, NODE_CONTROL
 from streams.rows import COLUMNS, rows_for
 
 log = logging.getLogger("gpupool.sink")
 GROUP = "gpupool-sink"
-SINK_TOPICS = (JOB_REQUESTS.name, JOB_EVENTS.name, COMMANDS.name, LEDGER.name, INVENTORY.name)
+SINK_TOPICS = (JOB_REQUESTS.name, JOB_EVENTS.name, DECISIONS.name, COMMANDS.name, LEDGER.name, INVENTORY.name,
+               NODE_CONTROL.name)
 
 
 def batch_rows(topic: str, partition: int, msgs) -> dict[str, list]:
@@ -31,14 +33,17 @@ def batch_rows(topic: str, partition: int, msgs) -> dict[str, list]:
             env = decode(msg.value)
         except DecodeError:
             continue  # dead-lettered by the folds
+        if not at_home(env, topic):
+            continue  # a kind off its home topic: dead-lettered by the folds, never billed or shown
         for table, rows in rows_for(env, topic, partition, msg.offset).items():
             tables[table].extend(rows)
     return tables
 
 
 class Sink:
-    def __init__(self, cfg: Config, retry_s: float = 1.0):
+    def __init__(self, cfg: Config, conn, retry_s: float = 1.0):
         self.cfg = cfg
+        self.conn = conn
         self.client = None
         self.retry_s = retry_s
         self.inserted = 0
@@ -116,7 +121,7 @@ class Sink:
 
     async def run(self) -> None:
         await self._connect()
-        consumer = AIOKafkaConsumer(*SINK_TOPICS, bootstrap_servers=self.cfg.bootstrap, group_id=GROUP,
+        consumer = AIOKafkaConsumer(*SINK_TOPICS, **self.conn.options(), group_id=GROUP,
                                     enable_auto_commit=False, auto_offset_reset="earliest", max_poll_records=5000)
         await consumer.start()
         progress = self._progress()

@@ -4,7 +4,6 @@ The comparison logic is tested without a broker; the rest runs on a real broker,
 """
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
 import os
@@ -12,15 +11,13 @@ import subprocess
 import sys
 
 import pytest
-from aiokafka import AIOKafkaProducer
-
 from agents.audit import Recorded, compare_bill, compare_outputs, replay_records, usage_row
 from agents.scheduler.core import Scheduler
 from schemas.envelope import decode, encode
 from schemas.events import JobCompleted, JobStarted, SchedulerTick
 from schemas.topics import COMMANDS, LEDGER
 from tests.builders import Clock, inventory, job
-from tests.test_integration_path import job_states, read_topic, wait_for
+from tests.live import cli, job_states, produce, read_topic, wait_for
 
 # ---------------------------------------------------------------- the comparison, no broker
 
@@ -38,7 +35,7 @@ def _run():
         inputs.append(clock.env(JobCompleted(job_id=p.payload.job_id, node=p.payload.node,
                                              command_id=p.payload.command_id), src, dt=1500))
     inputs.append(clock.env(SchedulerTick(now_ms=clock.now + 10), "ticker"))
-    replayed = replay_records([(i, encode(e)) for i, e in enumerate(inputs)])
+    replayed = replay_records([(i, encode(e), e.event_time_ms) for i, e in enumerate(inputs)])
     return inputs, replayed
 
 
@@ -100,27 +97,27 @@ def test_comparison_logic_without_a_broker():
 # ---------------------------------------------------------------- on the real broker
 
 
-def audit(stack, *argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "agents.audit", *argv], env={**os.environ, **stack.env},
+def audit(stack, *argv: str, user: str = "aud") -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "agents.audit", *argv],
+                          env={**os.environ, **stack.env, "GPUPOOL_USER": user},
                           capture_output=True, text=True, timeout=120)
-
-
-def _cli(stack, *argv):
-    out = subprocess.run([sys.executable, "-m", "agents.cli", *argv], env={**os.environ, **stack.env},
-                         capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-3000:]
 
 
 @pytest.mark.broker
 def test_replay_verify_export_and_negative_controls(stack, tmp_path):
     stack.start_worker()
     stack.start_agent("demo:2")
+    stack.add_user("aud", "auditor")
     for i, (tenant, compute, dur) in enumerate([("acme", 500, 1), ("acme", 2000, 2), ("zeta", 250, 1)]):
-        _cli(stack, "submit", "--tenant", tenant, "--compute", str(compute), "--memory-gib", "8", "--duration",
-             str(dur), "--job-id", f"au-{i}", "--model", "A100-80GB")
+        cli(stack, "submit", "--tenant", tenant, "--compute", str(compute), "--memory-gib", "8", "--duration",
+            str(dur), "--job-id", f"au-{i}", "--model", "A100-80GB")
     wait_for(lambda: (s := job_states(stack)) and len(s) == 3 and all(v["state"] == "completed" for v in s.values()),
              90, "three completed jobs", stack)
     wait_for(lambda: stack.query("SELECT count() AS n FROM gpupool.usage FINAL")[0]["n"] == 3, 30, "usage rows", stack)
+
+    # the log is the auditor's to read: an operator may not
+    denied = audit(stack, "replay", "--verify", user="admin")
+    assert denied.returncode == 1 and "only auditor principals" in denied.stderr, denied.stderr[-2000:]
 
     # untouched: everything matches
     ok = audit(stack, "replay", "--verify")
@@ -136,12 +133,12 @@ def test_replay_verify_export_and_negative_controls(stack, tmp_path):
     assert ex.returncode == 0, ex.stderr
     manifest = json.loads((out_dir / "manifest.json").read_text())
     secs = manifest["sections"]
-    assert set(secs) == {"resources", "jobs", "quota", "decisions", "faults", "usage"}
+    assert set(secs) == {"resources", "jobs", "quota", "decisions", "faults", "actions", "usage"}
     assert secs["resources"]["rows"] == 8  # demo:2: two nodes of four cards
     assert secs["usage"]["rows"] == 2
-    n_events = stack.query("SELECT count() AS n FROM gpupool.events FINAL WHERE job_id IN ('au-0', 'au-1')")[0]["n"]
+    n_events = stack.query("SELECT count() AS n FROM gpupool.events FINAL WHERE job_id IN ('acme/au-0', 'acme/au-1')")[0]["n"]
     assert secs["jobs"]["rows"] == n_events > 0
-    n_dec = stack.query("SELECT count() AS n FROM gpupool.scheduling FINAL WHERE job_id IN ('au-0', 'au-1')")[0]["n"]
+    n_dec = stack.query("SELECT count() AS n FROM gpupool.scheduling FINAL WHERE job_id IN ('acme/au-0', 'acme/au-1')")[0]["n"]
     assert secs["decisions"]["rows"] == n_dec >= 4  # two places, two releases
     n_quota = stack.query("SELECT count() AS n FROM gpupool.quota_events FINAL WHERE tenant = 'acme'")[0]["n"]
     assert secs["quota"]["rows"] == n_quota
@@ -154,8 +151,8 @@ def test_replay_verify_export_and_negative_controls(stack, tmp_path):
     # negative control 1: one usage row tampered in ClickHouse (the worker owns chdb: stop it first)
     stack.stop_process("agent")
     stack.stop_process("worker")
-    victim = next(decode(m.value) for m in read_topic(stack.bootstrap, LEDGER.name)
-                  if decode(m.value).kind == "usage.accrued" and decode(m.value).payload.job_id == "au-1")
+    victim = next(decode(m.value) for m in read_topic(stack, LEDGER.name)
+                  if decode(m.value).kind == "usage.accrued" and decode(m.value).payload.job_id == "acme/au-1")
     tamper = ("import sys; from infra.clickhouse import connect; c = connect(sys.argv[1]); "
               "c.command(\"ALTER TABLE gpupool.usage UPDATE gpu_milli_ms = gpu_milli_ms + 1 WHERE event_id = "
               "{e:String}\", parameters={'e': sys.argv[2]}, settings={'mutations_sync': 2})")
@@ -168,20 +165,11 @@ def test_replay_verify_export_and_negative_controls(stack, tmp_path):
     assert "scheduler outputs: compared" in bad.stdout and "different 0" in bad.stdout.splitlines()[0]
 
     # negative control 2: a recorded cmd.place produced again with another node, same event id
-    place = next(decode(m.value) for m in read_topic(stack.bootstrap, COMMANDS.name)
-                 if decode(m.value).kind == "cmd.place" and decode(m.value).payload.job_id == "au-0")
+    place = next(decode(m.value) for m in read_topic(stack, COMMANDS.name)
+                 if decode(m.value).kind == "cmd.place" and decode(m.value).payload.job_id == "acme/au-0")
     other = "node-001" if place.payload.node != "node-001" else "node-000"
     forged = place.model_copy(update={"payload": place.payload.model_copy(update={"node": other})})
-
-    async def send():
-        producer = AIOKafkaProducer(bootstrap_servers=stack.bootstrap)
-        await producer.start()
-        try:
-            await producer.send_and_wait(COMMANDS.name, key=other.encode(), value=encode(forged))
-        finally:
-            await producer.stop()
-
-    asyncio.run(send())
+    produce(stack, COMMANDS.name, [encode(forged)], keys=[other.encode()])  # only a broken service could
     bad = audit(stack, "replay", "--verify")
     assert bad.returncode == 1, bad.stdout + bad.stderr
     line = next(ln for ln in bad.stdout.splitlines() if ln.strip().startswith("different:") and "cmd.place" in ln)

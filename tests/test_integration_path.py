@@ -5,98 +5,20 @@ ClickHouse rows -> `gpupool jobs` / `gpupool billing`.
 """
 from __future__ import annotations
 
-import asyncio
 import json
-import os
-import subprocess
-import sys
 import time
 
 import orjson
 import pytest
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
-from infra.kafka_client import stop_consumer
 
-from agents.cli import JOBS_SQL
-from agents.scheduler.agent import read_partition
 from schemas.envelope import decode
-from schemas.topics import DEAD_LETTERS, INVENTORY, JOB_EVENTS, JOB_REQUESTS, TELEMETRY, COMMANDS
+from schemas.topics import (
+    COMMANDS, DEAD_LETTERS, DECISIONS, INVENTORY, JOB_EVENTS, JOB_REQUESTS, NODE_CONTROL, TELEMETRY,
+)
 from streams import codec, job_view, node_view
+from tests.live import caught_up, cli, job_states, produce, read_topic, wait_for
 
 pytestmark = pytest.mark.broker
-
-
-def cli(stack, *argv: str) -> str:
-    out = subprocess.run([sys.executable, "-m", "agents.cli", *argv], env={**os.environ, **stack.env},
-                         capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return out.stdout
-
-
-def wait_for(predicate, timeout: float = 60.0, what: str = "condition", stack=None):
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        last = predicate()
-        if last:
-            return last
-        time.sleep(0.5)
-    logs = (stack.log("worker")[-4000:] + stack.log("agent")[-2000:]) if stack else ""
-    raise AssertionError(f"timed out waiting for {what}; last={last!r}\n{logs}")
-
-
-def job_states(stack) -> dict[str, dict]:
-    return {r["job_id"]: r for r in stack.query(JOBS_SQL)}
-
-
-def read_topic(bootstrap: str, topic: str) -> list:
-    async def go():
-        consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap)
-        await consumer.start()
-        try:
-            parts = sorted(await _partitions(consumer, topic))
-        finally:
-            await stop_consumer(consumer)
-        out = []
-        for p in parts:
-            await read_partition(bootstrap, TopicPartition(topic, p), None, out.append)
-        return out
-
-    return asyncio.run(go())
-
-
-async def _partitions(consumer, topic) -> set[int]:
-    """A fresh consumer's metadata can lag a topic's creation; ask until every partition is known."""
-    from schemas.topics import ALL_TOPICS
-
-    want = next((s.partitions for s in ALL_TOPICS if s.name == topic), 1)
-    for _ in range(50):
-        await consumer._client.force_metadata_update()
-        parts = consumer.partitions_for_topic(topic) or set()
-        if len(parts) >= want:
-            return parts
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"metadata for {topic} never showed {want} partitions")
-
-
-def caught_up(bootstrap: str, group: str, specs) -> bool:
-    async def go():
-        from aiokafka.admin import AIOKafkaAdminClient
-
-        admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
-        consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap)
-        await admin.start()
-        await consumer.start()
-        try:
-            committed = await admin.list_consumer_group_offsets(group)
-            parts = [TopicPartition(s.name, p) for s in specs for p in range(s.partitions)]
-            ends = await consumer.end_offsets(parts)
-            return all(ends[tp] == 0 or (tp in committed and committed[tp].offset >= ends[tp]) for tp in parts)
-        finally:
-            await stop_consumer(consumer)
-            await admin.close()
-
-    return asyncio.run(go())
 
 
 def test_whole_path_submit_to_bill(stack):
@@ -111,10 +33,10 @@ def test_whole_path_submit_to_bill(stack):
         "--job-id", "frac-2", "--model", "A100-80GB")
     states = wait_for(lambda: (s := job_states(stack)) and len(s) == 3 and
                       all(v["state"] == "completed" for v in s.values()) and s, 90, "three completed jobs", stack)
-    assert states["gang-1"]["node"] == "node-000" and states["frac-2"]["node"] == "node-000"
+    assert states["acme/gang-1"]["node"] == "node-000" and states["zeta/frac-2"]["node"] == "node-000"
 
     jobs_json = json.loads(cli(stack, "jobs", "--format", "json"))
-    assert {j["job_id"]: (j["state"], j["node"]) for j in jobs_json}["gang-1"] == ("completed", "node-000")
+    assert {j["job_id"]: (j["state"], j["node"]) for j in jobs_json}["acme/gang-1"] == ("completed", "node-000")
 
     def billed():
         rows = json.loads(cli(stack, "billing", "--by", "tenant", "--format", "json"))
@@ -127,41 +49,58 @@ def test_whole_path_submit_to_bill(stack):
     assert bill["acme"]["gpu_seconds"] == pytest.approx(7.0)
 
     kinds = {r["kind"]: r["n"] for r in stack.query(
-        "SELECT kind, count() AS n FROM gpupool.events FINAL WHERE job_id = 'gang-1' GROUP BY kind")}
+        "SELECT kind, count() AS n FROM gpupool.events FINAL WHERE job_id = 'acme/gang-1' GROUP BY kind")}
     assert {"job.requested", "cmd.place", "job.started", "job.completed", "cmd.release", "usage.accrued"} <= set(kinds)
-    place = stack.query("SELECT reasons FROM gpupool.scheduling FINAL WHERE job_id = 'gang-1' AND kind = 'cmd.place'")
+    place = stack.query("SELECT reasons FROM gpupool.scheduling FINAL WHERE job_id = 'acme/gang-1' "
+                        "AND kind = 'cmd.place'")
     assert "Placed" in place[0]["reasons"]
-    explain = cli(stack, "explain", "gang-1")
+    explain = cli(stack, "explain", "acme/gang-1")
     assert "cmd.place" in explain and "GpuFit" in explain
 
 
 def test_plain_kafka_client_submits_a_job(stack):
-    """No project code on the producing side: a JSON document by hand, as docs/producing-jobs.md shows."""
+    """No project code on the producing side: SASL/SCRAM credentials, the principal's inbox topic and a JSON
+    document by hand, as docs/producing-jobs.md shows."""
     stack.start_worker()
     stack.start_agent("demo:1")
-    doc = {"schema_version": 2, "event_id": "ext-1", "source": "external-client", "seq": 1,
-           "event_time_ms": int(time.time() * 1000), "tenant": "ext",
+    ext = stack.add_user("ext-client", "tenant", "ext")
+    doc = {"schema_version": 3, "event_id": "ext-1", "source": "external-client", "seq": 1,
+           "event_time_ms": int(time.time() * 1000),
            "payload": {"kind": "job.requested", "job_id": "ext-job-1", "tenant": "ext", "compute_milli": 300,
                        "gpu_memory_mib": 4096, "duration_s": 1}}
+    from aiokafka import AIOKafkaProducer
+    import asyncio
 
-    async def send():
-        producer = AIOKafkaProducer(bootstrap_servers=stack.bootstrap)
+    async def send():  # exactly the options a user sets in any Kafka client
+        producer = AIOKafkaProducer(bootstrap_servers=stack.bootstrap, security_protocol="SASL_PLAINTEXT",
+                                    sasl_mechanism="SCRAM-SHA-512", sasl_plain_username=ext.name,
+                                    sasl_plain_password=ext.password)
         await producer.start()
         try:
-            await producer.send_and_wait("gpupool.job-requests", key=b"ext-job-1", value=json.dumps(doc).encode())
+            await producer.send_and_wait("gpupool.in.ext-client", key=b"ext-job-1", value=json.dumps(doc).encode())
+            # a bare payload is a request too
+            await producer.send_and_wait("gpupool.in.ext-client", value=json.dumps(
+                dict(doc["payload"], job_id="ext-job-2")).encode())
         finally:
             await producer.stop()
 
     asyncio.run(send())
-    wait_for(lambda: job_states(stack).get("ext-job-1", {}).get("state") == "completed", 60, "external job", stack)
-    placed = stack.query("SELECT node FROM gpupool.scheduling FINAL WHERE job_id = 'ext-job-1' AND kind = 'cmd.place'")
-    assert placed and placed[0]["node"] == "node-000"
+    wait_for(lambda: all(job_states(stack).get(j, {}).get("state") == "completed"
+                         for j in ("ext/ext-job-1", "ext/ext-job-2")), 60, "external jobs", stack)
+    placed = stack.query("SELECT node, actor FROM gpupool.events FINAL WHERE job_id = 'ext/ext-job-1' "
+                         "AND kind IN ('cmd.place', 'job.requested') ORDER BY kind")
+    assert [r["node"] for r in placed if r["node"]] == ["node-000"]
+    assert {r["actor"] for r in placed} == {"", "ext-client"}  # the request carries its authenticated sender
 
 
-def test_bad_input_is_dead_lettered_and_folding_continues(stack):
+def test_bad_input_is_answered_or_dead_lettered_and_folding_continues(stack):
+    """A tenant's bad requests each get an answer it can read (and undecodable ones a dead letter for operators);
+    a bad record on an internal topic (only the service may write there) is dead-lettered by the folds. What
+    follows is folded and scheduled as usual."""
     stack.start_worker()
     stack.start_agent("demo:1")
-    good = {"schema_version": 2, "event_id": "e", "source": "s", "seq": 1, "event_time_ms": 1,
+    stack.add_user("bad-client", "tenant", "t")
+    good = {"schema_version": 3, "event_id": "e", "source": "s", "seq": 1, "event_time_ms": 1,
             "payload": {"kind": "job.requested", "job_id": "x", "tenant": "t", "compute_milli": 100,
                         "gpu_memory_mib": 100}}
 
@@ -170,38 +109,35 @@ def test_bad_input_is_dead_lettered_and_folding_continues(stack):
         d["payload"].update(payload_changes)
         return json.dumps(d).encode()
 
-    future = dict(good, schema_version=9)
     bad = [
         (b"{this is not json", "malformed_json"),
         (variant(compute_milli="a lot"), "invalid"),
         (variant(kind="job.teleported"), "unknown_kind"),
-        (json.dumps(future).encode(), "future_version"),
+        (json.dumps(dict(good, schema_version=9)).encode(), "future_version"),
         (b'{"pad": "' + b"x" * (1 << 20) + b'"}', "oversized"),
         (variant(gpu_memory_mib=-1024), "invalid"),
     ]
-
-    async def send():
-        producer = AIOKafkaProducer(bootstrap_servers=stack.bootstrap, max_request_size=4 << 20)
-        await producer.start()
-        try:
-            for raw, _ in bad:
-                await producer.send_and_wait("gpupool.job-requests", key=b"bad", value=raw)
-            after = dict(good, event_id="after", seq=2,
-                         payload=dict(good["payload"], job_id="after-bad", duration_s=1))
-            await producer.send_and_wait("gpupool.job-requests", key=b"after-bad", value=json.dumps(after).encode())
-        finally:
-            await producer.stop()
-
-    asyncio.run(send())
-    wait_for(lambda: job_states(stack).get("after-bad", {}).get("state") == "completed", 60,
+    after = dict(good, payload=dict(good["payload"], job_id="after-bad", duration_s=1))
+    produce(stack, "gpupool.in.bad-client", [raw for raw, _ in bad] + [json.dumps(after).encode()],
+            user="bad-client", max_request_size=4 << 20)
+    # and the same kinds of damage on an internal topic, as only a broken service could write them
+    produce(stack, JOB_REQUESTS.name, [raw for raw, _ in bad], keys=[b"bad"] * len(bad), max_request_size=4 << 20)
+    wait_for(lambda: job_states(stack).get("t/after-bad", {}).get("state") == "completed", 60,
              "the good job after the bad ones", stack)
-    letters = [orjson.loads(m.value) for m in read_topic(stack.bootstrap, DEAD_LETTERS.name)]
-    assert sorted(d["reason"] for d in letters) == sorted(code for _, code in bad)
-    assert all(d["topic"] == "gpupool.job-requests" and d["offset"] >= 0 for d in letters)
-    neg = next(d for d in letters if "gpu_memory_mib" in d["detail"])
-    assert neg["reason"] == "invalid"
-    assert stack.stats()["dead_letters"] == {"malformed_json": 1, "invalid": 2, "unknown_kind": 1,
-                                             "future_version": 1, "oversized": 1}
+
+    answers = [decode(m.value) for m in read_topic(stack, DECISIONS.name)]
+    codes = sorted(e.payload.code for e in answers if e.kind in ("job.rejected", "request.rejected"))
+    assert codes == sorted(code for _, code in bad)
+    assert all(e.actor == "bad-client" for e in answers if e.kind in ("job.rejected", "request.rejected"))
+    letters = [orjson.loads(m.value) for m in read_topic(stack, DEAD_LETTERS.name)]
+    from_inbox = sorted(d["reason"] for d in letters if d["topic"] == "gpupool.in.bad-client")
+    from_topic = sorted(d["reason"] for d in letters if d["topic"] == JOB_REQUESTS.name)
+    assert from_inbox == ["malformed_json", "oversized"]  # not even JSON (or too big to read): nothing to answer
+    assert from_topic == sorted(code for _, code in bad)
+    assert stack.stats()["dead_letters"] == {"malformed_json": 2, "invalid": 2, "unknown_kind": 1,
+                                             "future_version": 1, "oversized": 2}
+    jobs = job_states(stack, user="bad-client")
+    assert jobs["t/x"]["state"] == "rejected" and "invalid" in jobs["t/x"]["rejections"]
 
 
 def test_refolding_from_offset_zero_equals_the_live_tables(stack):
@@ -217,12 +153,13 @@ def test_refolding_from_offset_zero_equals_the_live_tables(stack):
     time.sleep(4)  # the liveness timer marks the silent nodes down (2 missed heartbeats): the last derived facts
     # Faust flushes a table's changelog before it commits the source offsets, so once the worker's group has
     # committed up to the end of every source topic, the changelogs hold the live tables.
-    wait_for(lambda: caught_up(stack.bootstrap, "gpupool", [INVENTORY, TELEMETRY, COMMANDS, JOB_REQUESTS,
-                                                           JOB_EVENTS]), 60, "the worker to commit everything", stack)
+    wait_for(lambda: caught_up(stack, "gpupool", [INVENTORY, TELEMETRY, COMMANDS, NODE_CONTROL, JOB_REQUESTS,
+                                                 JOB_EVENTS, DECISIONS]), 60, "the worker to commit everything",
+             stack)
 
     def latest(topic):
         out = {}
-        for m in read_topic(stack.bootstrap, topic):
+        for m in read_topic(stack, topic):
             out[orjson.loads(m.key)] = None if m.value is None else orjson.loads(m.value)
         return out
 
@@ -232,8 +169,8 @@ def test_refolding_from_offset_zero_equals_the_live_tables(stack):
     def refold(topics, mod, key_of):
         views = {}
         for topic in topics:
-            records = read_topic(stack.bootstrap, topic)
-            assert records, f"nothing read back from {topic}"
+            records = read_topic(stack, topic)
+            assert records or topic == DECISIONS.name, f"nothing read back from {topic}"  # no job had to wait
             for m in records:
                 try:
                     env = decode(m.value)
@@ -243,9 +180,9 @@ def test_refolding_from_offset_zero_equals_the_live_tables(stack):
                 views[k] = mod.evolve(views.get(k), env)
         return views
 
-    nodes = refold([INVENTORY.name, TELEMETRY.name, COMMANDS.name], node_view,
+    nodes = refold([INVENTORY.name, TELEMETRY.name, COMMANDS.name, NODE_CONTROL.name], node_view,
                    lambda e: getattr(e.payload, "node", None) or e.payload.to_node)
-    jobs = refold([JOB_REQUESTS.name, JOB_EVENTS.name], job_view, lambda e: e.payload.job_id)
+    jobs = refold([JOB_REQUESTS.name, JOB_EVENTS.name, DECISIONS.name], job_view, lambda e: e.payload.job_id)
     assert set(nodes) == set(live_nodes) == {"node-000", "node-001"}
     for name in nodes:
         assert nodes[name] == live_nodes[name], name
@@ -270,18 +207,10 @@ def test_duplicated_ledger_records_do_not_double_bill(stack):
 
     before = wait_for(total, 30, "usage rows", stack)
     assert before == 3 * 400 * 1000
-    ledger = read_topic(stack.bootstrap, "gpupool.ledger")
-
-    async def resend():
-        producer = AIOKafkaProducer(bootstrap_servers=stack.bootstrap)
-        await producer.start()
-        try:
-            for m in ledger:  # at-least-once upstream: every ledger record delivered a second time
-                await producer.send_and_wait("gpupool.ledger", key=m.key, value=m.value, partition=m.partition)
-        finally:
-            await producer.stop()
-
-    asyncio.run(resend())
+    ledger = read_topic(stack, "gpupool.ledger")
+    # at-least-once upstream: every ledger record delivered a second time (as the service: nobody else may)
+    produce(stack, "gpupool.ledger", [m.value for m in ledger], keys=[m.key for m in ledger],
+            partitions=[m.partition for m in ledger])
     ends = {}
     for m in ledger:
         ends[m.partition] = ends.get(m.partition, 0) + 2  # each record now twice
@@ -297,7 +226,8 @@ def test_reservation_and_service_through_the_live_path(stack):
     stack.start_worker()
     stack.start_agent("demo:2")
     # a booking is checked against the pool's capacity: wait until the scheduler has seen the nodes
-    wait_for(lambda: json.loads(cli(stack, "cluster", "--format", "json"))["cards"] == 8, 60, "two nodes", stack)
+    wait_for(lambda: json.loads(cli(stack, "cluster", "--format", "json"))["cards"] == 8
+             and stack.stats()["scheduler"]["nodes"] == 2, 60, "two nodes, in the view and the scheduler", stack)
     rid = cli(stack, "reserve", "book", "--tenant", "acme", "--compute", "2000", "--memory-gib", "100",
               "--hours", "1").strip()
 
@@ -309,16 +239,16 @@ def test_reservation_and_service_through_the_live_path(stack):
     cli(stack, "submit", "--tenant", "acme", "--tier", "online-training", "--compute", "2000", "--memory-gib", "100",
         "--duration", "2", "--job-id", "booked-1", "--reservation", rid)
     wait_for(lambda: decided("used"), 60, "the reservation used", stack)
-    states = wait_for(lambda: (s := job_states(stack)) and s.get("booked-1", {}).get("state") == "completed" and s,
-                      60, "the booked job completed", stack)
-    assert states["booked-1"]["node"]
+    states = wait_for(lambda: (s := job_states(stack)) and s.get("acme/booked-1", {}).get("state") == "completed"
+                      and s, 60, "the booked job completed", stack)
+    assert states["acme/booked-1"]["node"]
 
     cli(stack, "service", "declare", "chat", "--tenant", "acme", "--compute", "300", "--memory-gib", "10",
         "--replica-qps", "50", "--min-replicas", "2")
     # two serving replicas (and possibly warm ones, started ahead from idle capacity: docs/elastic.md)
     running = wait_for(lambda: (r := [j for j, v in job_states(stack).items()
-                                      if j.startswith("chat/") and v["state"] == "running"]) and len(r) >= 2 and r,
-                       60, "service replicas running", stack)
-    assert {"chat/r1", "chat/r2"} <= set(running)
+                                      if j.startswith("acme/chat/") and v["state"] == "running"]) and len(r) >= 2
+                       and r, 60, "service replicas running", stack)
+    assert {"acme/chat/r1", "acme/chat/r2"} <= set(running)
     scaled = stack.query("SELECT payload FROM gpupool.events FINAL WHERE kind = 'service.scaled'")
-    assert any('"chat"' in r["payload"] for r in scaled)
+    assert any('"acme/chat"' in r["payload"] for r in scaled)

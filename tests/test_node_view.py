@@ -1,7 +1,7 @@
 from schemas.events import (
     Assignment, GpuHealth, GpuSample, GpuTelemetry, NodeCordon, NodeHeartbeat, NodeLiveness, PlaceJob, ReleaseJob,
 )
-from streams.node_view import evolve, missed_heartbeats
+from streams.node_view import evolve
 from tests.builders import Clock, inventory
 
 
@@ -74,11 +74,9 @@ def test_fatal_xid_removes_card_but_benign_xid_does_not():
     assert set(v.unhealthy) == {inv.gpus[1].uuid} and "79" in v.unhealthy[inv.gpus[1].uuid]
 
 
-def test_two_missed_heartbeats_and_cordon_make_node_unschedulable():
+def test_a_silence_and_a_cordon_make_node_unschedulable():
     c = Clock()
     v = fold([c.env(inventory("n1"), "n1/inventory"), c.env(NodeHeartbeat(node="n1"), "n1/telemetry")])
-    assert not missed_heartbeats(v, c.now + 2000, 1000)
-    assert missed_heartbeats(v, c.now + 2001, 1000)
     v2 = evolve(v, c.env(NodeLiveness(node="n1", alive=False, last_heartbeat_ms=v.last_heartbeat_ms), "n1/liveness"))
     assert v2.alive is False
     v2b = evolve(v2, c.env(NodeHeartbeat(node="n1"), "n1/telemetry", dt=5))

@@ -577,8 +577,10 @@ def test_agent_publishes_inventory_on_change_telemetry_and_health_with_per_sourc
     envs = [(topic, key, decode(value)) for topic, key, value in agent.producer.sent]
     assert agent.group_id == "gpupool-agent-n1"
     kinds = [e.kind for _, _, e in envs]
-    assert kinds[:2] == ["node.inventory", "node.inventory"] and kinds[2] == "gpu.health"
-    assert kinds.count("gpu.health") == 1 and kinds.count("gpu.telemetry") >= 3
+    assert kinds[:2] == ["node.inventory", "node.inventory"] and kinds.count("gpu.telemetry") >= 3
+    assert "gpu.health" not in kinds  # a node states faults in its telemetry; the worker derives the health fact
+    faulty = [s for _, _, e in envs if e.kind == "gpu.telemetry" for s in e.payload.samples if s.fault]
+    assert len(faulty) == 1 and faulty[0].gpu_uuid == cards[0].uuid and "ECC" in faulty[0].fault
     assert all(key == b"n1" for _, key, _ in envs)
     assert {e.source for _, _, e in envs if e.kind == "gpu.telemetry"} == {"n1/telemetry"}
     assert {e.source for _, _, e in envs if e.kind != "gpu.telemetry"} == {"n1/inventory"}

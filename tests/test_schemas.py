@@ -52,7 +52,7 @@ def test_version_1_is_upcast():
           "payload": {"kind": "job.requested", "job_id": "j", "tenant": "t", "compute_milli": 100,
                       "gpu_memory_gib": 3}}
     env = decode(orjson.dumps(v1))
-    assert env.event_time_ms == 42 and env.schema_version == 2
+    assert env.event_time_ms == 42 and env.schema_version == 3 and env.actor is None
     assert isinstance(env.payload, JobRequested) and env.payload.gpu_memory_mib == 3 * 1024
 
 

@@ -18,7 +18,6 @@ from pathlib import Path
 
 import pytest
 
-from agents.cli import produce
 from infra.clickhouse import connect
 from infra.config import Config
 from schemas.envelope import decode, encode, envelope
@@ -92,7 +91,7 @@ def _totals(client, final: bool) -> tuple[int, int, int]:
 
 def _sink(tmp_path: Path, client, retry_s: float = 0.01) -> Sink:
     cfg = Config(home=tmp_path, kafka=None, clickhouse=f"chdb://{tmp_path / 'ch'}", kafka_port=0, web_port=0)
-    sink = Sink(cfg, retry_s=retry_s)
+    sink = Sink(cfg, None, retry_s=retry_s)
     sink.client = client
     return sink
 
@@ -231,7 +230,7 @@ def test_connect_retries_until_clickhouse_answers(tmp_path):
 
     cfg = Config(home=tmp_path, kafka=None, clickhouse=f"http://127.0.0.1:{kafka_local.free_port()}",
                  kafka_port=0, web_port=0)
-    sink = Sink(cfg, retry_s=0.05)
+    sink = Sink(cfg, None, retry_s=0.05)
 
     async def go():
         task = asyncio.create_task(sink._connect())
@@ -251,7 +250,7 @@ def _wait(predicate, timeout: float, what: str, stack):
     while time.monotonic() < deadline:
         try:
             last = predicate()
-        except (OSError, RuntimeError) as exc:  # the worker is (re)starting
+        except (OSError, RuntimeError, SystemExit) as exc:  # the worker is (re)starting
             last = exc
         if last and not isinstance(last, Exception):
             return last
@@ -261,22 +260,21 @@ def _wait(predicate, timeout: float, what: str, stack):
 
 
 def _submit(stack, jobs: list[tuple[str, str, int, int]]) -> None:
-    t = time.time_ns() // 1_000_000
-    produce(stack.config, [envelope(JobRequested(job_id=j, tenant=tenant, compute_milli=c, gpu_memory_mib=8 * 1024,
-                                                 duration_s=d), source=f"cli/{j}", seq=1, time_ms=t)
-                           for j, tenant, c, d in jobs])
+    """As the operator, for each job's tenant (the gateway names the job TENANT/ID)."""
+    stack.client().send([JobRequested(job_id=j, tenant=tenant, compute_milli=c, gpu_memory_mib=8 * 1024,
+                                      duration_s=d) for j, tenant, c, d in jobs])
 
 
 def _states(stack) -> dict[str, str]:
-    from agents.cli import JOBS_SQL
+    from tests.live import job_states
 
-    return {r["job_id"]: r["state"] for r in stack.query(JOBS_SQL)}
+    return {j.split("/", 1)[1]: r["state"] for j, r in job_states(stack).items()}
 
 
 def _ledger_usage(stack) -> tuple[dict[str, UsageAccrued], int]:
-    from tests.test_integration_path import read_topic
+    from tests.live import read_topic
 
-    recs = [decode(m.value) for m in read_topic(stack.bootstrap, LEDGER.name)]
+    recs = [decode(m.value) for m in read_topic(stack, LEDGER.name)]
     usage = [e for e in recs if e.kind == "usage.accrued"]
     return {e.event_id: e.payload for e in usage}, len(usage)
 
@@ -314,8 +312,10 @@ def test_worker_sigkilled_mid_stream_bill_is_exact(stack, capsys):
                    and s, 180, "ten completed jobs", stack)
     assert len(states) == 10
 
-    ledger, ledger_records = _wait(lambda: (u := _ledger_usage(stack)) and len(u[0]) == 10 and u, 30,
-                                   "ten usage events in the ledger", stack)
+    ledger, ledger_records = _wait(
+        lambda: (u := _ledger_usage(stack)) and {p.job_id.split("/", 1)[1] for p in u[0].values()} == jobs and u, 30,
+        "a usage event for each job in the ledger", stack)
+    assert len(ledger) == 10, sorted((p.job_id, p.node, p.start_ms, p.end_ms) for p in ledger.values())
     want_sum = sum(p.gpu_milli_ms for p in ledger.values())
     want_by_tenant = {}
     for p in ledger.values():
@@ -340,7 +340,7 @@ def test_worker_sigkilled_mid_stream_bill_is_exact(stack, capsys):
         r = rows[eid]
         assert (r["job_id"], r["tenant"], int(r["start_ms"]), int(r["end_ms"]), int(r["gpu_milli"]),
                 int(r["gpu_milli_ms"])) == (p.job_id, p.tenant, p.start_ms, p.end_ms, p.gpu_milli, p.gpu_milli_ms)
-    assert sorted(p.job_id for p in ledger.values()) == sorted(jobs)  # one usage event per job: no preemption here
+    assert sorted(p.job_id.split("/", 1)[1] for p in ledger.values()) == sorted(jobs)  # one each: no preemption
 
     # without FINAL: what was physically written. The sink writes each ledger *record* (topic, partition, offset)
     # at most once (token + progress table), so count() never exceeds the ledger's usage records; a usage event
@@ -351,8 +351,10 @@ def test_worker_sigkilled_mid_stream_bill_is_exact(stack, capsys):
     assert raw["u"] == 10 and raw["coords"] == raw["n"] <= ledger_records
     assert ev["n"] == ev["coords"]  # no record of any topic written twice by the sink
 
+    stack.add_user("aud", "auditor")
     audit = subprocess.run([sys.executable, "-m", "agents.audit", "replay", "--verify"],
-                           env={**os.environ, **stack.env}, capture_output=True, text=True, timeout=120)
+                           env={**os.environ, **stack.env, "GPUPOOL_USER": "aud"}, capture_output=True, text=True,
+                           timeout=120)
     assert audit.returncode == 0, audit.stdout + audit.stderr
     assert "bill (gpupool.usage FINAL): compared 10, matched 10" in audit.stdout
 

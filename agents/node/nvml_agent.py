@@ -32,10 +32,11 @@ from pathlib import Path
 
 from agents.node.sim_agent import parse_checkpoint, wall_ms
 from infra.kafka_client import consume_commands
+from infra.security import NODE, kafka_conn
 from schemas.envelope import Envelope, encode, envelope
 from schemas.events import (
-    Assignment, JobCheckpointed, JobCompleted, JobFailed, JobStarted, JobStopped, MigReconfigure, NodeInventory,
-    PlaceJob, PreemptJob, ReleaseJob, ResizeJob,
+    Assignment, GpuHealth, GpuSample, GpuTelemetry, JobCheckpointed, JobCompleted, JobFailed, JobStarted, JobStopped,
+    MigReconfigure, NodeInventory, PlaceJob, PreemptJob, ReleaseJob, ResizeJob,
 )
 from schemas.routing import route
 
@@ -330,9 +331,23 @@ class Sequencer:
         return self._seq[source]
 
 
+def with_faults(tel: GpuTelemetry, health: list[GpuHealth]) -> GpuTelemetry:
+    """A node states its cards' faults in its telemetry (the one topic it writes about its cards); the worker turns
+    them into gpu.health facts, as it does for ECC errors and fatal XIDs (docs/security.md: one writer a topic)."""
+    if not health:
+        return tel
+    why = {h.gpu_uuid: h.reason for h in health}
+    samples = [s.model_copy(update={"fault": why.pop(s.gpu_uuid)}) if s.gpu_uuid in why and s.mig_uuid is None
+               else s for s in tel.samples]
+    samples += [GpuSample(gpu_uuid=uuid, util_pct=0, mem_used_mib=0, mem_total_mib=0, fault=reason)
+                for uuid, reason in sorted(why.items())]  # a card that could not be read at all
+    return tel.model_copy(update={"samples": tuple(samples)})
+
+
 class NvmlAgent:
     def __init__(self, cfg, args, backend, *, node: str | None = None):
         self.cfg = cfg
+        self.principal = getattr(args, "principal", None) or NODE
         self.node = node or os.environ.get("GPUPOOL_NODE") or socket.gethostname()
         self.rack = os.environ.get("GPUPOOL_RACK", "rack-0")
         self.datacenter = os.environ.get("GPUPOOL_DATACENTER", "dc-0")
@@ -376,8 +391,7 @@ class NvmlAgent:
             tel, health = await asyncio.to_thread(self.backend.telemetry, self.node, self.executor.job_lookup())
             for h in health:
                 log.warning("card %s unhealthy: %s", h.gpu_uuid, h.reason)
-                await self.publish(h, f"{self.node}/inventory")
-            await self.publish(tel, f"{self.node}/telemetry")
+            await self.publish(with_faults(tel, health), f"{self.node}/telemetry")
             if time.monotonic() - last_inventory >= INVENTORY_EVERY_S:
                 last_inventory = time.monotonic()
                 await self.publish_inventory()
@@ -386,14 +400,17 @@ class NvmlAgent:
             except asyncio.TimeoutError:
                 pass
 
+    @property
+    def conn(self):
+        return kafka_conn(self.cfg, self.principal)  # the node principal: writes only what nodes may state
+
     async def command_loop(self) -> None:
-        await consume_commands(self.cfg.bootstrap, self.group_id, self.stopping, self.executor.execute, log)
+        await consume_commands(self.conn, self.group_id, self.stopping, self.executor.execute, log)
 
     async def run(self) -> None:
         from aiokafka import AIOKafkaProducer
 
-        self.producer = AIOKafkaProducer(bootstrap_servers=self.cfg.bootstrap, acks="all", enable_idempotence=True,
-                                         linger_ms=10)
+        self.producer = AIOKafkaProducer(**self.conn.options(), acks="all", enable_idempotence=True, linger_ms=10)
         await self.producer.start()
         try:
             await self.publish_inventory(force=True)

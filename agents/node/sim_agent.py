@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 from aiokafka import AIOKafkaProducer
 from infra.kafka_client import consume_commands
+from infra.security import NODE, kafka_conn
 
 from infra.config import Config
 from schemas.envelope import Envelope, encode, envelope
@@ -95,8 +96,8 @@ class Fault:
 
 class SimFleetAgent:
     def __init__(self, cfg: Config, inventories: list[NodeInventory], *, telemetry_interval_s: float = 1.0,
-                 group_id: str = "gpupool-sim-agent", faults: list[str] | tuple[str, ...] = (), producer=None,
-                 speedup: float = 1.0):
+                 group_id: str = "gpupool-agent-sim", faults: list[str] | tuple[str, ...] = (), producer=None,
+                 speedup: float = 1.0, principal: str = NODE):
         if speedup <= 0:
             raise ValueError("speedup must be positive")
         self.cfg = cfg
@@ -104,6 +105,7 @@ class SimFleetAgent:
         self.nodes = {inv.node: SimNode(inv) for inv in inventories}
         self.interval = telemetry_interval_s
         self.group_id = group_id
+        self.principal = principal  # the node principal: it may write inventory, telemetry and job events only
         self.seen_commands: set[str] = set()
         self._seq: dict[str, int] = {}
         self._seq_base = time.time_ns() // 1000  # restart-safe: a new process starts above the old sequence
@@ -285,7 +287,7 @@ class SimFleetAgent:
         await self.producer.flush()
 
     async def command_loop(self) -> None:
-        await consume_commands(self.cfg.bootstrap, self.group_id, self.stopping, self.execute, log)
+        await consume_commands(kafka_conn(self.cfg, self.principal), self.group_id, self.stopping, self.execute, log)
 
     # ---------------------------------------------------------------- faults
 
@@ -386,7 +388,7 @@ class SimFleetAgent:
         until `stopping` is set. Timed faults fire their delay after this start."""
         own = self.producer is None
         if own:
-            self.producer = AIOKafkaProducer(bootstrap_servers=self.cfg.bootstrap, acks="all",
+            self.producer = AIOKafkaProducer(**kafka_conn(self.cfg, self.principal).options(), acks="all",
                                              enable_idempotence=True, linger_ms=10, max_batch_size=1 << 20)
             await self.producer.start()
         self._start_clock()

@@ -42,12 +42,13 @@ class _Ownership(ConsumerRebalanceListener):
         self.changed.set()
 
 
-async def read_partition(bootstrap: str, tp: TopicPartition, until: int | None = None, on_record=None) -> int:
+async def read_partition(conn, tp: TopicPartition, until: int | None = None, on_record=None) -> int:
     """Read one partition from offset 0 up to `until` (exclusive; None = its end now); returns records read.
+    `conn`: the reader's connection (infra.security.KafkaConn).
 
     Progress is tracked from the records themselves: aiokafka's position() after a seek can wait on a reset that
     never comes."""
-    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, auto_offset_reset="earliest")
+    consumer = AIOKafkaConsumer(**conn.options(), enable_auto_commit=False, auto_offset_reset="earliest")
     await consumer.start()
     try:
         consumer.assign([tp])
@@ -71,9 +72,9 @@ async def read_partition(bootstrap: str, tp: TopicPartition, until: int | None =
         await stop_consumer(consumer)
 
 
-async def replay_input(bootstrap: str, until: int | None = None, on_record=None) -> int:
+async def replay_input(conn, until: int | None = None, on_record=None) -> int:
     """The scheduler input from offset 0 up to `until`."""
-    return await read_partition(bootstrap, TP, until, on_record)
+    return await read_partition(conn, TP, until, on_record)
 
 
 def tune_gc() -> None:
@@ -85,8 +86,9 @@ def tune_gc() -> None:
 
 
 class SchedulerAgent:
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, conn):
         self.cfg = cfg
+        self.conn = conn
         self.state = ElasticScheduler()
         self.position = 0
         self.emitted = 0
@@ -95,29 +97,29 @@ class SchedulerAgent:
 
     def stats(self) -> dict:
         return {"position": self.position, "emitted": self.emitted, "live": self.live, "cycle": self.state.cycle,
+                "nodes": len(self.state.nodes),
                 "bad_input": self.bad_input,
                 "pending": [r.request.job_id for r in self.state.pending_order()][:50]}
 
-    def _step(self, raw: bytes) -> list:
+    def _step(self, msg) -> list:
         try:
-            env = decode(raw)
+            env = decode(msg.value)
         except DecodeError:
             self.bad_input += 1  # the folds already dead-lettered it; the scheduler only skips
             return []
-        return self.state.step(env)
+        return self.state.step(env, msg.timestamp)  # the broker's append time is the scheduler's clock
 
     async def _rebuild(self, committed: int) -> None:
         self.state = ElasticScheduler()
-        await replay_input(self.cfg.bootstrap, committed, lambda msg: self._step(msg.value))
+        await replay_input(self.conn, committed, self._step)
         self.position = committed
         tune_gc()
 
     async def run(self) -> None:
         ownership = _Ownership()
-        consumer = AIOKafkaConsumer(bootstrap_servers=self.cfg.bootstrap, group_id=GROUP, enable_auto_commit=False,
+        consumer = AIOKafkaConsumer(**self.conn.options(), group_id=GROUP, enable_auto_commit=False,
                                     auto_offset_reset="earliest", max_poll_records=1000)
-        producer = AIOKafkaProducer(bootstrap_servers=self.cfg.bootstrap, acks="all", enable_idempotence=True,
-                                    linger_ms=5)
+        producer = AIOKafkaProducer(**self.conn.options(), acks="all", enable_idempotence=True, linger_ms=5)
         await consumer.start()
         await producer.start()
         consumer.subscribe([SCHEDULER_INPUT.name], listener=ownership)
@@ -140,7 +142,7 @@ class SchedulerAgent:
                     continue
                 sends = []
                 for msg in msgs:
-                    for out in self._step(msg.value):
+                    for out in self._step(msg):
                         spec, key = route(out)
                         sends.append(await producer.send(spec.name, key=key, value=encode(out)))
                     self.position = msg.offset + 1

@@ -23,7 +23,7 @@ from schemas.envelope import Envelope, envelope
 from schemas.events import (
     TIER_RANK, GpuHealth, JobCancelled, JobCheckpointed, JobCompleted, JobFailed, JobPending, JobRequested,
     JobStarted, JobStopped, MigReconfigure, ReservationCancelled, ReservationDecided, ReservationRequested, NodeCordon, NodeInventory, NodeLiveness, PlaceJob, PreemptJob, QuotaSet,
-    Reason, ReleaseJob, SchedulerTick, UsageAccrued,
+    Reason, Rejected, ReleaseJob, SchedulerTick, UsageAccrued,
 )
 from streams import node_view
 
@@ -104,11 +104,14 @@ class Scheduler:
 
     # ---------------------------------------------------------------- input
 
-    def step(self, env: Envelope) -> list[Envelope]:
+    def step(self, env: Envelope, log_ms: int | None = None) -> list[Envelope]:
+        """Apply one input. `log_ms`: the broker's append time of the input record, the scheduler's only clock (a
+        replay passes the same times, read from the same log); without it (pure tests, simulations) the event time
+        stands in for it."""
         if env.seq <= self.applied.get(env.source, -1):
             return []  # duplicate or stale: at-least-once delivery made exact
         self.applied[env.source] = env.seq
-        self.now_ms = max(self.now_ms, env.event_time_ms)
+        self.now_ms = max(self.now_ms, env.event_time_ms if log_ms is None else log_ms)
         out: list[Envelope] = []
         p = env.payload
         if p.kind not in _SAME_EPOCH:
@@ -118,7 +121,12 @@ class Scheduler:
                 self._fold_node(env)
                 self._cycle(out, env)
             case JobRequested():
-                if p.job_id not in self.jobs:
+                if p.job_id in self.jobs:
+                    if p != self.jobs[p.job_id].request:
+                        self._emit(out, Rejected(job_id=p.job_id, code="duplicate_job_id", reasons=(Reason(
+                            code="DuplicateJobId", plugin="Admission",
+                            message="a different request already uses this job id; the first one stands"),)), env)
+                else:  # the same request again (a retry) changes nothing
                     self.arrivals += 1
                     rec = self.jobs[p.job_id] = JobRecord(request=p, arrival=self.arrivals)
                     self.workload.observe(p)
@@ -131,13 +139,16 @@ class Scheduler:
                 self._cycle(out, env)
             case JobStarted():
                 rec = self.jobs.get(p.job_id)
-                if rec and rec.state == "placed" and rec.hold is None and \
-                        any(part.command_id == p.command_id for part in rec.parts):
-                    rec.state, rec.started_ms = "running", env.event_time_ms
+                if rec and rec.hold is None and any(part.command_id == p.command_id for part in rec.parts):
+                    if rec.state == "placed":
+                        rec.state, rec.started_ms = "running", self._fact_ms(env)
+                    elif rec.state == "stopping" and rec.started_ms < 0:
+                        # It started before the preemption reached its node: it runs (and is billed) until it stops.
+                        rec.started_ms = self._fact_ms(env)
             case JobCheckpointed():
                 rec = self.jobs.get(p.job_id)
                 if rec and rec.state in ("running", "stopping"):
-                    rec.checkpoint, rec.checkpoint_ms = p.checkpoint or rec.checkpoint, env.event_time_ms
+                    rec.checkpoint, rec.checkpoint_ms = p.checkpoint or rec.checkpoint, self._fact_ms(env)
             case JobCompleted() | JobFailed():
                 self._finish(out, env, p.job_id)
                 self._cycle(out, env)
@@ -170,10 +181,15 @@ class Scheduler:
 
     # ---------------------------------------------------------------- lifecycle
 
+    def _fact_ms(self, env: Envelope) -> int:
+        """A node's own time for what it did (a job's start, checkpoint, end: the bill's intervals), never later
+        than the log's: a node clock running ahead cannot bill the future."""
+        return min(env.event_time_ms, self.now_ms)
+
     def _accrue(self, out: list[Envelope], env: Envelope, rec: JobRecord) -> None:
         if rec.state not in ("running", "stopping") or rec.placement is None or rec.started_ms < 0:
             return
-        end = max(env.event_time_ms, rec.started_ms)
+        end = max(self._fact_ms(env), rec.started_ms)
         r = rec.request
         for pl in rec.parts:  # one usage line per node: billing is by node, model and data center
             milli = sum(a.milli for a in pl.assignments)
@@ -222,7 +238,7 @@ class Scheduler:
         self._accrue(out, env, rec)
         self._release(out, env, rec, "Stopped")
         rec.state, rec.preemptions, rec.checkpoint = "pending", rec.preemptions + 1, p.checkpoint or rec.checkpoint
-        rec.preempted_at = rec.preempted_at + (env.event_time_ms,)
+        rec.preempted_at = rec.preempted_at + (self.now_ms,)  # protection windows run on log time
         self.pending.add(p.job_id)
 
     # ---------------------------------------------------------------- the cycle
@@ -520,11 +536,12 @@ _NO_CONSTRAINTS = JobRequested.model_fields["constraints"].default
 _SAME_EPOCH = frozenset({"job.requested", "job.started", "job.checkpointed", "scheduler.tick"})
 
 
-def replay(inputs: list[Envelope]) -> tuple[Scheduler, list[Envelope]]:
-    """Run the scheduler over a recorded input stream; returns its final state and every output."""
+def replay(inputs: list[Envelope], log_times: list[int] | None = None) -> tuple[Scheduler, list[Envelope]]:
+    """Run the scheduler over a recorded input stream (with each record's log time, when known); returns its final
+    state and every output."""
     s = Scheduler()
     outs: list[Envelope] = []
-    for env in inputs:
-        outs.extend(s.step(env))
+    for i, env in enumerate(inputs):
+        outs.extend(s.step(env, None if log_times is None else log_times[i]))
     return s, outs
 

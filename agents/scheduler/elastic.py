@@ -124,18 +124,18 @@ class ElasticScheduler(Scheduler):
 
     # ---------------------------------------------------------------- input
 
-    def step(self, env: Envelope) -> list[Envelope]:
+    def step(self, env: Envelope, log_ms: int | None = None) -> list[Envelope]:
         if env.seq <= self.applied.get(env.source, -1):
             return []
         p = env.payload
         if p.kind not in SERVICE_KINDS:
-            out = super().step(env)
+            out = super().step(env, log_ms)
             if isinstance(p, _NODE_KINDS):
                 self._node_capacity(p.node)
             self._after(env, out)
         else:
             self.applied[env.source] = env.seq
-            self.now_ms = max(self.now_ms, env.event_time_ms)
+            self.now_ms = max(self.now_ms, env.event_time_ms if log_ms is None else log_ms)
             out = []
             match p:
                 case ServiceDeclared():
@@ -197,10 +197,10 @@ class ElasticScheduler(Scheduler):
             svc.replica_util[p.replica] = p.util_pct  # per-replica samples only order the vertical boosts
             return
         cfg = self.elastic
-        svc.samples.append(Sample(env.event_time_ms, p.qps, p.p99_ms, p.queue_depth, p.util_pct))
+        svc.samples.append(Sample(self.now_ms, p.qps, p.p99_ms, p.queue_depth, p.util_pct))
         del svc.samples[:-max(cfg.growth_samples, cfg.util_samples, 2)]
         if cfg.mode == "clock":
-            svc.curve.observe(env.event_time_ms, p.qps)
+            svc.curve.observe(self.now_ms, p.qps)
         self._housekeep(out, env, svc)
         sig = assess(svc.samples, svc.spec.latency_target_ms, cfg.growth_samples, cfg.util_high_pct, cfg.util_samples)
         if sig.hot:

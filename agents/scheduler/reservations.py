@@ -36,7 +36,7 @@ class Booking:
 
     @property
     def hold_id(self) -> str:
-        return f"reservation/{self.request.reservation_id}"
+        return f"{self.request.reservation_id}#hold"  # the reservation's id is the tenant's: so is its hold's
 
     def hold_request(self) -> JobRequested:
         r = self.request

@@ -1,0 +1,147 @@
+"""The one client of the control plane, shared by the CLI, the audit and the demo: it acts as one principal, sends
+that principal's requests to its inbox (the gateway turns them into facts), and asks the worker's HTTP API with the
+principal's token. Nothing here decides anything."""
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+
+from infra import security
+from infra.config import Config
+from schemas.envelope import encode, envelope
+from schemas.topics import inbox
+
+
+class ApiFailure(SystemExit):
+    """The worker refused or failed a request: one line, exit status 1."""
+
+
+class WorkerDown(ApiFailure):
+    """Nothing answers on the worker's port."""
+
+
+SQL_ROLES = ("finance", "auditor", "operator")
+
+
+def now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+class Client:
+    def __init__(self, cfg: Config, user: str | None = None):
+        self.cfg = cfg.acting_as(user)
+        self._creds: security.Credentials | None = None
+
+    @property
+    def creds(self) -> security.Credentials:
+        if self._creds is None:
+            self._creds = security.load(self.cfg)
+        return self._creds
+
+    @property
+    def name(self) -> str:
+        return self.cfg.user
+
+    def conn(self) -> security.KafkaConn:
+        return security.kafka_conn(self.cfg)
+
+    def qualify(self, tenant: str, ident: str) -> str:
+        """The id the gateway will give a request's subject: "NAME" of tenant T is "T/NAME"."""
+        return ident if ident.startswith(f"{tenant}/") else f"{tenant}/{ident}"
+
+    def own_tenant(self, asked: str | None) -> str:
+        """The tenant a request is for: a tenant principal's own (default), or the one an operator names."""
+        role, mine = self.creds.role, self.creds.tenant
+        if role == "tenant":
+            if asked and asked != mine:
+                raise SystemExit(f"{self.name} is a member of tenant {mine!r} and acts for it alone, not {asked!r}")
+            return mine
+        if not asked:
+            raise SystemExit(f"{self.name} ({role or 'operator'}) acts for any tenant: name one with --tenant")
+        return asked
+
+    # ---------------------------------------------------------------- requests
+
+    def send(self, payloads) -> None:
+        """Produce requests to this principal's inbox, in order. The envelope's source, seq and time are the
+        client's own claims: the gateway replaces them with what the broker owns."""
+        from aiokafka import AIOKafkaProducer
+        from aiokafka.errors import KafkaError
+
+        topic = inbox(self.name).name
+        base = time.time_ns() // 1000
+
+        async def go():
+            producer = AIOKafkaProducer(**self.conn().options(), acks="all", enable_idempotence=True)
+            try:
+                await producer.start()
+                for i, p in enumerate(payloads):
+                    env = envelope(p, source=f"cli/{self.name}", seq=base + i, time_ms=now_ms())
+                    await producer.send(topic, key=(getattr(p, "job_id", None) or "").encode(), value=encode(env))
+                await producer.flush()
+            except KafkaError as exc:
+                raise SystemExit(f"could not send to {topic} as {self.name}: {type(exc).__name__}: {exc}") from None
+            finally:
+                await producer.stop()
+
+        asyncio.run(go())
+
+    # ---------------------------------------------------------------- the worker's API
+
+    def _url(self, path: str, params: dict | None = None) -> str:
+        q = urllib.parse.urlencode({k: v for k, v in (params or {}).items() if v is not None})
+        return f"http://127.0.0.1:{self.cfg.web_port}{path}" + (f"?{q}" if q else "")
+
+    def api(self, path: str, params: dict | None = None, body: dict | None = None, timeout: float = 60.0) -> dict:
+        auth = base64.b64encode(f"{self.name}:{self.creds.token}".encode()).decode()
+        req = urllib.request.Request(self._url(path, params), method="POST" if body is not None else "GET",
+                                     data=json.dumps(body).encode() if body is not None else None,
+                                     headers={"Authorization": f"Basic {auth}", "Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as resp:
+                return json.loads(resp.read())
+        except urllib.error.HTTPError as exc:
+            try:
+                msg = json.loads(exc.read()).get("error", "")
+            except ValueError:
+                msg = ""
+            raise ApiFailure(f"{path}: {exc.code} {msg}".rstrip()) from None
+        except (urllib.error.URLError, OSError) as exc:
+            raise WorkerDown(f"the worker does not answer on port {self.cfg.web_port} ({exc}): start it with "
+                             f"`gpupool up`") from None
+
+    def rows(self, path: str, params: dict | None = None) -> tuple[list[str], list[list]]:
+        doc = self.api(path, params)
+        return doc["columns"], doc["rows"]
+
+    def sql(self, sql: str, parameters: dict | None = None) -> tuple[list[str], list[list]]:
+        """One read-only statement through the worker; with the worker down and the embedded engine, on its files
+        directly (whoever may read $GPUPOOL_HOME/clickhouse may read the bill), under the same guard."""
+        try:
+            doc = self.api("/api/sql", body={"sql": sql, "parameters": parameters or {}})
+        except WorkerDown:
+            if not self.cfg.clickhouse.startswith("chdb://") or self.creds.role not in SQL_ROLES:
+                raise
+            from infra import sql_guard
+
+            try:
+                return sql_guard.run_readonly(self.cfg.clickhouse, sql, parameters)
+            except sql_guard.QueryRefused as exc:
+                raise ApiFailure(f"refused: {exc}") from None
+        return doc["columns"], doc["rows"]
+
+    def records(self, sql: str, parameters: dict | None = None) -> list[dict]:
+        cols, rows = self.sql(sql, parameters)
+        return [dict(zip(cols, r)) for r in rows]
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(self._url("/healthz"), timeout=2) as resp:
+                return json.loads(resp.read()).get("ok", False)
+        except (OSError, ValueError):
+            return False

@@ -1,0 +1,108 @@
+"""Helpers for the tests that run the real stack: the CLI as a subprocess, the worker's API, the log read back as a
+principal allowed to read it, and raw produces as a given principal (authenticated, or not at all)."""
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+
+from agents.scheduler.agent import read_partition
+from infra.kafka_client import stop_consumer
+from infra.security import SERVICE
+from schemas.topics import by_name
+
+
+def cli(stack, *argv: str, user: str | None = None, check: bool = True) -> str | subprocess.CompletedProcess:
+    env = {**os.environ, **stack.env}
+    if user:
+        env["GPUPOOL_USER"] = user
+    out = subprocess.run([sys.executable, "-m", "agents.cli", *argv], env=env, capture_output=True, text=True,
+                         timeout=120)
+    if not check:
+        return out
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
+
+
+def wait_for(predicate, timeout: float = 60.0, what: str = "condition", stack=None):
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = predicate()
+        if last:
+            return last
+        time.sleep(0.5)
+    logs = (stack.log("worker")[-4000:] + stack.log("agent")[-2000:]) if stack else ""
+    raise AssertionError(f"timed out waiting for {what}; last={last!r}\n{logs}")
+
+
+def job_states(stack, user: str = "admin") -> dict[str, dict]:
+    cols, rows = stack.client(user).rows("/api/jobs")
+    return {r[0]: dict(zip(cols, r)) for r in rows}
+
+
+def read_topic(stack, topic: str, user: str = SERVICE) -> list:
+    """Every record of every partition of `topic`, read as `user` (the service may read every internal topic)."""
+    conn = stack.conn(user)
+
+    async def go():
+        spec_parts = by_name(topic).partitions
+        consumer = AIOKafkaConsumer(**conn.options())
+        await consumer.start()
+        try:
+            for _ in range(50):  # a fresh consumer's metadata can lag a topic's creation
+                await consumer._client.force_metadata_update()
+                if len(consumer.partitions_for_topic(topic) or ()) >= spec_parts:
+                    break
+                await asyncio.sleep(0.1)
+        finally:
+            await stop_consumer(consumer)
+        out = []
+        for p in range(spec_parts):
+            await read_partition(conn, TopicPartition(topic, p), None, out.append)
+        return out
+
+    return asyncio.run(go())
+
+
+def produce(stack, topic: str, values: list[bytes], user: str | None = SERVICE, keys: list[bytes] | None = None,
+            partitions: list[int] | None = None, **producer_kw) -> None:
+    """Send raw records as `user` (None: with no credentials at all)."""
+    opts = stack.conn(user).options() if user else {"bootstrap_servers": stack.bootstrap}
+
+    async def go():
+        producer = AIOKafkaProducer(**opts, **producer_kw)
+        await producer.start()
+        try:
+            for i, v in enumerate(values):
+                await producer.send_and_wait(topic, value=v, key=keys[i] if keys else None,
+                                             partition=partitions[i] if partitions else None)
+        finally:
+            await producer.stop()
+
+    asyncio.run(go())
+
+
+def caught_up(stack, group: str, specs) -> bool:
+    async def go():
+        from aiokafka.admin import AIOKafkaAdminClient
+
+        conn = stack.conn(SERVICE)
+        admin = AIOKafkaAdminClient(**conn.options())
+        consumer = AIOKafkaConsumer(**conn.options())
+        await admin.start()
+        await consumer.start()
+        try:
+            committed = await admin.list_consumer_group_offsets(group)
+            parts = [TopicPartition(s.name, p) for s in specs for p in range(s.partitions)]
+            ends = await consumer.end_offsets(parts)
+            return all(ends[tp] == 0 or (tp in committed and committed[tp].offset >= ends[tp]) for tp in parts)
+        finally:
+            await stop_consumer(consumer)
+            await admin.close()
+
+    return asyncio.run(go())
