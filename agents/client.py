@@ -6,10 +6,12 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import os
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from pathlib import Path
 
 from infra import security
 from infra.config import Config
@@ -30,6 +32,18 @@ SQL_ROLES = ("finance", "auditor", "operator")
 
 def now_ms() -> int:
     return time.time_ns() // 1_000_000
+
+
+def supervisor_pid(cfg: Config) -> int | None:
+    """The pid of this home's running `gpupool supervise`, or None: a stale or foreign pid file counts as none."""
+    try:
+        pid = int((cfg.home / "run" / "supervisor.pid").read_text())
+        line = Path(f"/proc/{pid}/cmdline").read_bytes()
+        os.kill(pid, 0)
+    except (OSError, ValueError):
+        return None
+    ours = b"agents.cli\x00supervise\x00" in line and f"--home\x00{cfg.home}\x00".encode() in line
+    return pid if ours else None
 
 
 class Client:
@@ -102,18 +116,26 @@ class Client:
         req = urllib.request.Request(self._url(path, params), method="POST" if body is not None else "GET",
                                      data=json.dumps(body).encode() if body is not None else None,
                                      headers={"Authorization": f"Basic {auth}", "Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=timeout) as resp:
-                return json.loads(resp.read())
-        except urllib.error.HTTPError as exc:
+        for attempt in range(60):
             try:
-                msg = json.loads(exc.read()).get("error", "")
-            except ValueError:
-                msg = ""
-            raise ApiFailure(f"{path}: {exc.code} {msg}".rstrip()) from None
-        except (urllib.error.URLError, OSError) as exc:
-            raise WorkerDown(f"the worker does not answer on port {self.cfg.web_port} ({exc}): start it with "
-                             f"`gpupool up`") from None
+                with urllib.request.urlopen(req, timeout=timeout) as resp:
+                    return json.loads(resp.read())
+            except urllib.error.HTTPError as exc:
+                if exc.code == 503 and attempt < 59:
+                    time.sleep(0.5)  # the worker is (re)starting and says so: ask again
+                    continue
+                try:
+                    msg = json.loads(exc.read()).get("error", "")
+                except ValueError:
+                    msg = ""
+                raise ApiFailure(f"{path}: {exc.code} {msg}".rstrip()) from None
+            except (urllib.error.URLError, OSError) as exc:
+                if supervisor_pid(self.cfg) is not None and attempt < 59:
+                    time.sleep(0.5)  # a supervisor runs this home's stack: the worker is being restarted
+                    continue
+                raise WorkerDown(f"the worker does not answer on port {self.cfg.web_port} ({exc}): start it with "
+                                 f"`gpupool up`") from None
+        raise AssertionError("unreachable")
 
     def rows(self, path: str, params: dict | None = None) -> tuple[list[str], list[list]]:
         doc = self.api(path, params)

@@ -39,8 +39,8 @@ from schemas.topics import TELEMETRY
 ROOT = Path(__file__).resolve().parent.parent
 
 
-async def end_offsets(bootstrap: str) -> int:
-    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, group_id=None)
+async def end_offsets(conn) -> int:
+    consumer = AIOKafkaConsumer(**conn.options(), enable_auto_commit=False, group_id=None)
     await consumer.start()
     try:
         tps = [TopicPartition(TELEMETRY.name, p) for p in range(TELEMETRY.partitions)]
@@ -49,9 +49,9 @@ async def end_offsets(bootstrap: str) -> int:
         await consumer.stop()
 
 
-async def read_back(bootstrap: str, total: int) -> list[tuple[str, int, int]]:
+async def read_back(conn, total: int) -> list[tuple[str, int, int]]:
     """(node, event time ms, GPU samples) of every telemetry record on the topic."""
-    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, group_id=None,
+    consumer = AIOKafkaConsumer(**conn.options(), enable_auto_commit=False, group_id=None,
                                 max_partition_fetch_bytes=16 << 20, fetch_max_bytes=64 << 20)
     await consumer.start()
     out = []
@@ -93,6 +93,7 @@ def main() -> int:
                     "with_worker": args.with_worker, "cpus": os.cpu_count()}
     try:
         bootstrap = stack.start_broker()
+        conn = stack.conn("service")  # reads every topic
         print(f"broker {bootstrap} up (home {home})", flush=True)
         worker = None
         if args.with_worker:
@@ -109,7 +110,7 @@ def main() -> int:
             print("worker up", flush=True)
         t_spawn = time.monotonic()
         agent = stack.spawn("agent", "agent", "--simulate", args.fleet, "--interval", str(args.interval))
-        while asyncio.run(end_offsets(bootstrap)) == 0:
+        while asyncio.run(end_offsets(conn)) == 0:
             if agent.poll() is not None or time.monotonic() - t_spawn > 120:
                 raise RuntimeError(f"agent published nothing: {stack.log('agent')[-3000:]}")
             time.sleep(0.2)
@@ -117,7 +118,7 @@ def main() -> int:
         print(f"agent publishing after {result['agent_startup_s']}s; measuring {args.duration:.0f}s", flush=True)
 
         broker_pid = stack.broker.running_pid() if stack.broker else None
-        off0, w0, m0 = asyncio.run(end_offsets(bootstrap)), wall_ms(), time.monotonic()
+        off0, w0, m0 = asyncio.run(end_offsets(conn)), wall_ms(), time.monotonic()
         cpu0 = {"agent": cpu_seconds(agent.pid), "broker": cpu_seconds(broker_pid),
                 "worker": cpu_seconds(worker.pid if worker else None)}
         fold0 = stack.stats()["folded"].get("gpu.telemetry", 0) if worker else 0
@@ -129,14 +130,14 @@ def main() -> int:
         m1, w1 = time.monotonic(), wall_ms()
         cpu1 = {"agent": cpu_seconds(agent.pid), "broker": cpu_seconds(broker_pid),
                 "worker": cpu_seconds(worker.pid if worker else None)}
-        off1 = asyncio.run(end_offsets(bootstrap))
+        off1 = asyncio.run(end_offsets(conn))
         fold1 = stack.stats()["folded"].get("gpu.telemetry", 0) if worker else 0
         window = m1 - m0
         stack.stop_process("agent")
         if worker:
             stack.stop_process("worker")
-        total = asyncio.run(end_offsets(bootstrap))
-        recs = asyncio.run(read_back(bootstrap, total))
+        total = asyncio.run(end_offsets(conn))
+        recs = asyncio.run(read_back(conn, total))
     finally:
         stack.stop()
         if not args.keep:

@@ -72,8 +72,8 @@ def build_records(nodes: int, records: int, gpus: int, t0_ms: int) -> tuple[list
     return inv_recs, tel_recs
 
 
-async def produce(bootstrap: str, recs: list) -> None:
-    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=20, max_batch_size=1 << 20,
+async def produce(conn, recs: list) -> None:
+    producer = AIOKafkaProducer(**conn.options(), acks="all", linger_ms=20, max_batch_size=1 << 20,
                                 max_request_size=8 << 20)
     await producer.start()
     try:
@@ -182,8 +182,8 @@ def run_faust(stack: Stack, n: int, nodes: int, timeout: float, profile: str | N
 
 # ---------------------------------------------------------------- (b) bare consumer
 
-async def bare_pass(bootstrap: str, n: int, mode: str) -> dict:
-    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, group_id=None,
+async def bare_pass(conn, n: int, mode: str) -> dict:
+    consumer = AIOKafkaConsumer(**conn.options(), enable_auto_commit=False, group_id=None,
                                 max_partition_fetch_bytes=16 << 20, fetch_max_bytes=64 << 20)
     await consumer.start()
     try:
@@ -247,7 +247,7 @@ def main() -> int:
         inv_recs, tel_recs = build_records(args.nodes, n, args.gpus, time.time_ns() // 1_000_000 + 600_000)
         build_s = time.monotonic() - t
         t = time.monotonic()
-        asyncio.run(produce(bootstrap, inv_recs + tel_recs))
+        asyncio.run(produce(stack.conn("node"), inv_recs + tel_recs))  # what nodes may write
         prod_s = time.monotonic() - t
         size = sum(len(v) for _, _, v in tel_recs)
         result["produce"] = {"build_encode_s": round(build_s, 2), "produce_s": round(prod_s, 2),
@@ -265,7 +265,7 @@ def main() -> int:
             faust["samples_per_s"] = round(faust["rec_per_s"] * args.gpus, 1)
             result["faust"] = faust
         for mode in ("decode", "evolve", "fold"):
-            r = asyncio.run(bare_pass(bootstrap, n, mode))
+            r = asyncio.run(bare_pass(stack.conn("service"), n, mode))
             print(f"  bare {mode}: {r['records']} records in {r['wall_s']}s", flush=True)
             result[f"bare_{mode}"] = r
     finally:

@@ -74,6 +74,10 @@ CREATE TABLE IF NOT EXISTS gpupool.price_book (
     valid_from DateTime64(3, 'UTC')
 ) ENGINE = ReplacingMergeTree ORDER BY (gpu_model, datacenter, tod_band, tier, borrowed, valid_from);
 
+-- added with prices as events (price.set on the ledger, written by operators through the gateway)
+ALTER TABLE gpupool.price_book ADD COLUMN IF NOT EXISTS event_id String DEFAULT '';
+ALTER TABLE gpupool.price_book ADD COLUMN IF NOT EXISTS actor String DEFAULT '';
+
 -- Daily rollup of the bill for dashboards, fed by every insert into gpupool.usage. The bill of record is
 -- gpupool.usage FINAL: a usage event re-emitted at a new offset after a scheduler crash is collapsed there but
 -- counted twice here. Query with sum() ... GROUP BY (SummingMergeTree merges in the background).

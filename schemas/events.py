@@ -461,6 +461,20 @@ class QuotaReturned(Frozen):
     milli: Pos
 
 
+class PriceSet(Frozen):
+    """One row of the price book (docs/billing.md): the price of one whole GPU of a model for one hour, in micro-units
+    of the billing currency, from `valid_from_ms` on. '*' in datacenter, tod_band or tier matches any value; a
+    later row for the same key supersedes an earlier one from its own valid_from on (old bills stay as they were)."""
+    kind: Literal["price.set"] = "price.set"
+    gpu_model: Ident
+    datacenter: str = "*"
+    tod_band: Literal["*", "peak", "offpeak"] = "*"
+    tier: Literal["*", "inference", "online-training", "offline"] = "*"
+    borrowed: bool = False
+    micro_per_gpu_hour: NonNeg
+    valid_from_ms: NonNeg = 0
+
+
 class UsageAccrued(Frozen):
     """GPU time one job used on one node between two event times; the unit of billing."""
     kind: Literal["usage.accrued"] = "usage.accrued"
@@ -487,7 +501,7 @@ Event = Annotated[
         RequestRejected, SchedulerTick, PrincipalRegistered, PrincipalRemoved,
         ReservationRequested, ReservationCancelled, ReservationDecided,
         ServiceDeclared, ServiceRemoved, InferenceLoad, ServiceScaled,
-        QuotaSet, QuotaChanged, QuotaBorrowed, QuotaReturned, UsageAccrued,
+        QuotaSet, QuotaChanged, QuotaBorrowed, QuotaReturned, UsageAccrued, PriceSet,
     ],
     Field(discriminator="kind"),
 ]

@@ -22,7 +22,7 @@ _BY_KIND: dict[str, TopicSpec] = {
     "service.scaled": DECISIONS, "request.rejected": DECISIONS,
     # the ledger
     "quota.set": LEDGER, "quota.changed": LEDGER, "quota.borrowed": LEDGER, "quota.returned": LEDGER,
-    "usage.accrued": LEDGER,
+    "usage.accrued": LEDGER, "price.set": LEDGER,
     "principal.registered": PRINCIPALS, "principal.removed": PRINCIPALS,
 }
 
@@ -47,7 +47,7 @@ def key_of(env: Envelope, spec: TopicSpec) -> bytes:
     elif spec is PRINCIPALS:
         key = p.name
     else:
-        key = p.tenant
+        key = getattr(p, "tenant", None) or "price-book"  # the ledger: by tenant; prices are everyone's
     return key.encode()
 
 

@@ -23,7 +23,13 @@ ALL_READERS = ("tenant", "operator", "finance", "auditor", "service")
 ENDPOINTS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "/healthz": ("GET", (), "whether the worker answers (no data; no token needed)"),
     "/api/whoami": ("GET", ALL_READERS + ("node",), "the caller's name, role and tenant"),
-    "/api/jobs": ("GET", ALL_READERS, "jobs with state and node (a tenant: its own)"),
+    "/api/jobs": ("GET", ALL_READERS, "jobs with state, nodes, cards, wait and run time (a tenant: its own)"),
+    "/api/history": ("GET", ("tenant", "operator", "auditor", "service"),
+                     "one job's whole life: requests, placements, checkpoints, preemptions, stops, bills"),
+    "/api/quota": ("GET", ("tenant", "operator", "finance", "auditor"),
+                   "quota, used, reserved and borrowed per tenant and project (a tenant: its own)"),
+    "/api/nodes": ("GET", ALL_READERS, "nodes with state, cards and holders (a tenant sees only its own job names)"),
+    "/api/prices": ("GET", ("tenant", "operator", "finance", "auditor"), "the price book in force"),
     "/api/explain": ("GET", ("tenant", "operator", "auditor", "service"),
                      "one job's decisions with their reasons (a tenant: its own jobs, other tenants' jobs unnamed)"),
     "/api/billing": ("GET", ("tenant", "finance", "operator", "auditor"), "GPU-seconds (a tenant: its own bill)"),
@@ -111,20 +117,38 @@ def redact(value, tenant: str):
 # ---------------------------------------------------------------- queries
 
 JOBS_SQL = """
-SELECT job_id, any(tenant_of) AS tenant,
-       multiIf(countIf(kind = 'job.completed') > 0, 'completed', countIf(kind = 'job.failed') > 0, 'failed',
-               countIf(kind = 'job.cancelled') > 0, 'cancelled',
-               countIf(kind = 'job.rejected' AND code != 'duplicate_job_id') > 0, 'rejected',
-               argMaxIf(kind, (event_time, offset), kind IN ('job.started', 'job.stopped')) = 'job.started', 'running',
-               countIf(kind = 'cmd.place') > countIf(kind = 'cmd.release'), 'placed', 'pending') AS state,
-       argMaxIf(node, (event_time, offset), kind = 'cmd.place') AS node,
-       minIf(event_time, kind IN ('job.requested', 'job.rejected')) AS submitted,
-       argMinIf(actor, event_time, kind = 'job.requested') AS submitted_by,
-       arrayStringConcat(groupUniqArrayIf(code, kind = 'job.rejected'), ',') AS rejections
-FROM (SELECT *, event_time, JSONExtractString(payload, 'code') AS code,
-             if(position(job_id, '/') > 0, splitByChar('/', job_id)[1], tenant) AS tenant_of
-      FROM gpupool.events FINAL WHERE job_id != '' AND {where})
-GROUP BY job_id ORDER BY submitted, job_id
+SELECT job_id, tenant, state, tier, project, compute_milli,
+       arraySum(arrayMap(x -> x.3, arrayFilter(x -> x.1 = last_place_ms, places))) AS cards,
+       arrayStringConcat(arraySort(arrayDistinct(arrayMap(x -> x.2, arrayFilter(x -> x.1 = last_place_ms, places)))),
+                         ',') AS nodes,
+       fromUnixTimestamp64Milli(toInt64(submitted_ms), 'UTC') AS submitted,
+       round((if(started_ms > 0, started_ms, if(ended_ms > 0, ended_ms, now_ms)) - submitted_ms) / 1000, 1) AS wait_s,
+       if(started_ms > 0, round((if(ended_ms > 0, ended_ms, now_ms) - started_ms) / 1000, 1), 0) AS elapsed_s,
+       submitted_by, rejections
+FROM (
+  SELECT job_id, any(tenant_of) AS tenant,
+         multiIf(countIf(kind = 'job.completed') > 0, 'completed', countIf(kind = 'job.failed') > 0, 'failed',
+                 countIf(kind = 'job.cancelled') > 0, 'cancelled',
+                 countIf(kind = 'job.rejected' AND code != 'duplicate_job_id') > 0, 'rejected',
+                 argMaxIf(kind, (event_time, offset), kind IN ('job.started', 'job.stopped')) = 'job.started',
+                 'running', countIf(kind = 'cmd.place') > countIf(kind = 'cmd.release'), 'placed', 'pending') AS state,
+         argMinIf(JSONExtractString(payload, 'tier'), event_time_ms, kind = 'job.requested') AS tier,
+         argMinIf(JSONExtractString(payload, 'project'), event_time_ms, kind = 'job.requested') AS project,
+         argMinIf(JSONExtractUInt(payload, 'compute_milli'), event_time_ms, kind = 'job.requested') AS compute_milli,
+         maxIf(event_time_ms, kind = 'cmd.place') AS last_place_ms,
+         groupArrayIf((event_time_ms, node, JSONLength(payload, 'assignments')), kind = 'cmd.place') AS places,
+         minIf(event_time_ms, kind IN ('job.requested', 'job.rejected')) AS submitted_ms,
+         minIf(event_time_ms, kind = 'job.started') AS started_ms,
+         maxIf(event_time_ms, kind IN ('job.completed', 'job.failed', 'job.cancelled', 'job.rejected')) AS ended_ms,
+         argMinIf(actor, event_time, kind = 'job.requested') AS submitted_by,
+         arrayStringConcat(groupUniqArrayIf(code, kind = 'job.rejected'), ',') AS rejections,
+         toUnixTimestamp64Milli(now64(3)) AS now_ms
+  FROM (SELECT *, event_time, JSONExtractString(payload, 'code') AS code,
+               if(position(job_id, '/') > 0, splitByChar('/', job_id)[1], tenant) AS tenant_of
+        FROM gpupool.events FINAL WHERE job_id != '' AND {inner})
+  GROUP BY job_id)
+WHERE {outer}
+ORDER BY submitted, job_id
 """
 
 EXPLAIN_SQL = """
@@ -143,13 +167,74 @@ BILLING_GROUPS = {"tenant": "tenant", "project": "tenant, project", "job": "tena
                   "day": "tenant, toDate(fromUnixTimestamp64Milli(toInt64(end_ms))) AS day"}
 
 
-def jobs_sql(tenant: str | None) -> tuple[str, dict]:
-    if tenant is None:
-        return JOBS_SQL.replace("{where}", "1"), {}
-    return JOBS_SQL.replace("{where}", "startsWith(job_id, concat({tenant:String}, '/'))"), {"tenant": tenant}
+HISTORY_SQL = """
+SELECT e.event_time_ms AS at, e.kind AS kind, e.node AS node, e.command_id AS command_id, e.actor AS actor,
+       e.payload AS payload, s.reasons AS reasons
+FROM gpupool.events AS e FINAL
+LEFT JOIN (SELECT event_id, reasons FROM gpupool.scheduling FINAL WHERE job_id = {job:String}) AS s
+       ON s.event_id = e.event_id
+WHERE e.job_id = {job:String}
+ORDER BY e.event_time_ms, e.topic, e.partition, e.offset
+"""
+
+QUOTA_SQL = """
+SELECT tenant, project, quota_milli, overcommit_pct, quota_memory_mib, used_milli, reserved_milli, borrowed_milli,
+       used_memory_mib, quota_set_by
+FROM (SELECT tenant, project, argMax(quota_milli, offset) AS quota_milli, argMax(overcommit_pct, offset) AS overcommit_pct,
+             argMax(quota_memory_mib, offset) AS quota_memory_mib, argMax(actor, offset) AS quota_set_by
+      FROM gpupool.quota_events FINAL WHERE kind = 'quota.set' AND {where} GROUP BY tenant, project) AS q
+FULL OUTER JOIN
+     (SELECT tenant, project, argMax(used_milli, offset) AS used_milli, argMax(reserved_milli, offset) AS reserved_milli,
+             argMax(borrowed_milli, offset) AS borrowed_milli, argMax(used_memory_mib, offset) AS used_memory_mib
+      FROM gpupool.quota_events FINAL WHERE kind = 'quota.changed' AND {where} GROUP BY tenant, project) AS c
+USING (tenant, project)
+ORDER BY tenant, project
+"""
+
+PRICES_SQL = """
+SELECT gpu_model, datacenter, tod_band, tier, borrowed, micro_per_gpu_hour, valid_from, actor
+FROM gpupool.price_book FINAL ORDER BY gpu_model, borrowed, datacenter, tod_band, tier, valid_from
+"""
+
+# One price per usage event (the most specific row valid at the interval's end), then summed; Int128 keeps it exact.
+PRICED_USAGE = """
+SELECT u.event_id AS event_id, any(u.tenant) AS tenant, any(u.project) AS project, any(u.job_id) AS job_id,
+       any(u.gpu_model) AS gpu_model, any(u.borrowed) AS borrowed, any(u.end_ms) AS end_ms,
+       any(u.gpu_milli_ms) AS gpu_milli_ms,
+       argMax(p.micro_per_gpu_hour, ((p.datacenter != '*') + (p.tod_band != '*') + (p.tier != '*'), p.valid_from))
+           AS micro_per_gpu_hour,
+       count(p.gpu_model) > 0 AS priced
+FROM (SELECT *, if(toHour(fromUnixTimestamp64Milli(toInt64(start_ms), 'UTC')) BETWEEN 8 AND 19,
+                   'peak', 'offpeak') AS tod_band
+      FROM gpupool.usage FINAL WHERE {where}) AS u
+LEFT JOIN (SELECT * FROM gpupool.price_book FINAL) AS p
+       ON p.gpu_model = u.gpu_model AND p.borrowed = u.borrowed
+      AND p.datacenter IN (u.datacenter, '*') AND p.tod_band IN (u.tod_band, '*') AND p.tier IN (u.tier, '*')
+      AND p.valid_from <= fromUnixTimestamp64Milli(toInt64(u.end_ms), 'UTC')
+GROUP BY u.event_id
+"""
 
 
-def billing_sql(by: str, tenant: str | None, project: str | None, since_ms: int | None, until_ms: int | None):
+def jobs_sql(tenant: str | None, params: dict | None = None) -> tuple[str, dict]:
+    """The jobs list, confined to `tenant` (None: all), filtered by project, state, tier and submission time."""
+    params = params or {}
+    inner, outer, qp = ["1"], ["1"], {}
+    if tenant is not None:
+        inner.append("startsWith(job_id, concat({tenant:String}, '/'))")
+        qp["tenant"] = tenant
+    since = _int(params, "since")
+    if since is not None:
+        outer.append("submitted_ms >= {since:UInt64}")
+        qp["since"] = since
+    for name in ("project", "state", "tier"):
+        if params.get(name):
+            outer.append(f"{name} = {{{name}:String}}")
+            qp[name] = params[name]
+    return JOBS_SQL.replace("{inner}", " AND ".join(inner)).replace("{outer}", " AND ".join(outer)), qp
+
+
+def billing_sql(by: str, tenant: str | None, project: str | None, since_ms: int | None, until_ms: int | None,
+                cost: bool = False):
     if by not in BILLING_GROUPS:
         raise ApiError(400, f"by: one of {', '.join(BILLING_GROUPS)}")
     where, params = ["1"], {}
@@ -167,6 +252,16 @@ def billing_sql(by: str, tenant: str | None, project: str | None, since_ms: int 
         params["until"] = until_ms
     group = BILLING_GROUPS[by]
     keys = group.replace(" AS day", "").replace("toDate(fromUnixTimestamp64Milli(toInt64(end_ms)))", "day")
+    if cost:  # money: own and borrowed GPU time priced apart; usage no price matches is counted, never hidden
+        sql = (f"SELECT {group}, round(sum(gpu_milli_ms) / 3.6e9, 4) AS gpu_hours, "
+               f"round(sumIf(gpu_milli_ms, borrowed) / 3.6e9, 4) AS borrowed_gpu_hours, "
+               f"round(sumIf(toInt128(gpu_milli_ms) * micro_per_gpu_hour, NOT borrowed) / 3.6e15, 2) AS own_cost, "
+               f"round(sumIf(toInt128(gpu_milli_ms) * micro_per_gpu_hour, borrowed) / 3.6e15, 2) AS borrowed_cost, "
+               f"round(sum(toInt128(gpu_milli_ms) * micro_per_gpu_hour) / 3.6e15, 2) AS cost, "
+               f"round(sumIf(gpu_milli_ms, NOT priced) / 3.6e9, 4) AS unpriced_gpu_hours, uniqExact(job_id) AS jobs, "
+               f"toInt64(intDiv(sum(toInt128(gpu_milli_ms) * micro_per_gpu_hour), 3600000000)) AS cost_micro "
+               f"FROM ({PRICED_USAGE.replace('{where}', ' AND '.join(where))}) GROUP BY {keys} ORDER BY {keys}")
+        return sql, params
     sql = (f"SELECT {group}, sum(gpu_milli_ms) AS milli_gpu_ms, round(sum(gpu_milli_ms) / 1e6, 3) AS gpu_seconds, "
            f"round(sumIf(gpu_milli_ms, borrowed) / 1e6, 3) AS borrowed_gpu_seconds, uniqExact(job_id) AS jobs "
            f"FROM gpupool.usage FINAL WHERE {' AND '.join(where)} GROUP BY {keys} ORDER BY {keys}")
@@ -212,20 +307,77 @@ class QueryRunner:
                                        {"max_execution_time": self.sql_timeout_s})
 
 
+def node_state(view) -> str:
+    if view.inventory is None:
+        return "no-inventory"
+    if not view.alive:
+        return "down"
+    if view.cordoned:
+        return "draining" if view.drain else "cordoned"
+    return "ready"
+
+
+def node_doc(view) -> dict:
+    """One node as `gpupool node show` prints it: its cards, what is free, who holds what (job ids)."""
+    holders: dict[str, list[str]] = {}
+    for job, held in sorted(view.allocations.items()):
+        for a in held.slices:
+            holders.setdefault(a.mig_uuid or a.gpu_uuid, []).append(job)
+            if a.mig_uuid:
+                holders.setdefault(a.gpu_uuid, []).append(job)
+    free = {c.uuid: c for c in view.card_free()}
+    inv = view.inventory
+    cpu, mem = view.free_cpu_memory()
+    return {
+        "node": view.node, "state": node_state(view), "rack": inv.rack if inv else "",
+        "datacenter": inv.datacenter if inv else "", "labels": dict(inv.labels) if inv else {},
+        "cpu_milli": inv.cpu_milli if inv else 0, "free_cpu_milli": cpu, "memory_mib": inv.memory_mib if inv else 0,
+        "free_memory_mib": mem, "last_heartbeat_ms": view.last_heartbeat_ms,
+        "jobs": sorted(view.allocations),
+        "cards": [{"uuid": g.uuid, "index": g.index, "model": g.model, "memory_mib": g.memory_mib,
+                   "healthy": g.uuid not in view.unhealthy, "fault": view.unhealthy.get(g.uuid, ""),
+                   "free_milli": free[g.uuid].milli if g.uuid in free else 0,
+                   "free_memory_mib": free[g.uuid].memory_mib if g.uuid in free else 0,
+                   "mig": [{"uuid": i.uuid, "profile": i.profile, "holders": sorted(set(holders.get(i.uuid, ())))}
+                           for i in g.mig_layout],
+                   "holders": sorted(set(holders.get(g.uuid, ())))} for g in (inv.gpus if inv else ())],
+    }
+
+
 def _plain(rows: list[list]) -> list[list]:
     return [[v if isinstance(v, (int, float, str, bool, type(None))) else str(v) for v in r] for r in rows]
 
 
 async def answer(path: str, principal: Principal, params: dict, body: bytes, runner: QueryRunner,
                  extra: dict | None = None) -> dict:
-    """The document one authorized request gets. `extra`: what the worker answers from memory (cluster, stats,
-    principals)."""
+    """The document one authorized request gets. `extra`: path -> a function of the worker's memory (cluster, stats,
+    principals, nodes), called only for its own path."""
     authorize(path, principal)
     if path == "/api/whoami":
         return {"name": principal.name, "role": principal.role, "tenant": principal.tenant}
     if path == "/api/jobs":
-        sql, qp = jobs_sql(tenant_scope(principal, params.get("tenant")))
+        sql, qp = jobs_sql(tenant_scope(principal, params.get("tenant")), params)
         cols, rows = await runner.ours(sql, qp)
+        return {"columns": cols, "rows": _plain(rows)}
+    if path == "/api/history":
+        job = params.get("job") or ""
+        scope = tenant_scope(principal, None)
+        if scope is not None and owner_of(job) != scope:
+            raise ApiError(404, f"no job {job!r} of tenant {scope!r}")
+        cols, rows = await runner.ours(HISTORY_SQL, {"job": job})
+        out = []
+        for at, kind, node, command_id, actor, payload, reasons in rows:
+            doc = {"time_ms": at, "kind": kind, "node": node, "command_id": command_id, "actor": actor,
+                   "payload": orjson.loads(payload), "reasons": orjson.loads(reasons) if reasons else []}
+            out.append(redact(doc, scope) if scope is not None else doc)
+        return {"job": job, "events": out}
+    if path == "/api/quota":
+        t = tenant_scope(principal, params.get("tenant"))
+        cols, rows = await runner.ours(QUOTA_SQL.replace("{where}", "tenant = {t:String}" if t else "1"),
+                                       {"t": t} if t else {})
+        return {"columns": cols, "rows": _plain(rows)}
+    if path == "/api/prices":
+        cols, rows = await runner.ours(PRICES_SQL)
         return {"columns": cols, "rows": _plain(rows)}
     if path == "/api/explain":
         job = params.get("job") or ""
@@ -241,7 +393,8 @@ async def answer(path: str, principal: Principal, params: dict, body: bytes, run
         return {"job": job, "events": out}
     if path == "/api/billing":
         sql, qp = billing_sql(params.get("by") or "tenant", tenant_scope(principal, params.get("tenant")),
-                              params.get("project"), _int(params, "since"), _int(params, "until"))
+                              params.get("project"), _int(params, "since"), _int(params, "until"),
+                              cost=params.get("cost") in ("1", "true"))
         cols, rows = await runner.ours(sql, qp)
         return {"columns": cols, "rows": _plain(rows)}
     if path == "/api/sql":
@@ -257,4 +410,7 @@ async def answer(path: str, principal: Principal, params: dict, body: bytes, run
         except Exception as exc:  # noqa: BLE001 - ClickHouse's own refusal or error, returned to the caller
             raise ApiError(400, str(exc).splitlines()[0][:2000]) from None
         return {"columns": cols, "rows": _plain(rows)}
-    return (extra or {})[path]
+    doc = (extra or {})[path]()
+    if path == "/api/nodes" and principal.role == "tenant":
+        return redact(doc, principal.tenant)
+    return doc

@@ -262,10 +262,11 @@ class Worker:
             m = event.message
             folded = await self._fold(event, self.node_table, node_view, node_key)
             if m.topic == TELEMETRY.name:  # the broker's time of what this node said, for judging its liveness
+                log_ms = round(m.timestamp * 1000)  # Faust gives the record's time in seconds
                 if folded is not None and folded[0].kind in ("gpu.telemetry", "node.heartbeat"):
-                    self.liveness.heard_from(folded[2].node, m.partition, m.offset, m.timestamp)
+                    self.liveness.heard_from(folded[2].node, m.partition, m.offset, log_ms)
                 else:
-                    self.liveness.folded(m.partition, m.offset, m.timestamp)
+                    self.liveness.folded(m.partition, m.offset, log_ms)
             if folded is None:
                 continue
             env, before, after = folded
@@ -283,7 +284,8 @@ class Worker:
                 # alive again: a later position than the silence it answers, whatever the clocks said
                 await self._send(envelope(NodeLiveness(node=key, alive=True,
                                                        last_heartbeat_ms=after.last_heartbeat_ms),
-                                          source=f"{key}/liveness", seq=self.liveness.next_seq(key, m.timestamp),
+                                          source=f"{key}/liveness",
+                                          seq=self.liveness.next_seq(key, round(m.timestamp * 1000)),
                                           time_ms=env.event_time_ms, causation_id=env.event_id))
 
     async def fold_jobs(self, stream):
@@ -385,6 +387,8 @@ class Worker:
             ready = (self.sink is None or self.sink.client is not None) and self.registry_ready.is_set()
             return web.json({"ok": ready}, status=200 if ready else 503)
         method = api.ENDPOINTS[path][0]
+        if not self.registry_ready.is_set():
+            return web.json({"error": "the worker is starting (reading who is who); try again"}, status=503)
         try:
             if request.method != method:
                 raise api.ApiError(405, f"{path} takes {method}")
@@ -407,10 +411,15 @@ class Worker:
 
     @property
     def _memory_pages(self) -> dict:
-        return {"/cluster/": self.cluster(), "/stats/": self.stats(),
-                "/api/principals": {"principals": [
+        return {"/cluster/": self.cluster, "/stats/": self.stats, "/api/nodes": self.nodes,
+                "/api/principals": lambda: {"principals": [
                     {"name": p.name, "role": p.role, "tenant": p.tenant} for p in sorted(
                         self.registry.values(), key=lambda p: p.name)]}}
+
+    def nodes(self) -> dict:
+        views = sorted((v for v in (_as_view(node_view, v) for _, v in list(self.node_table.items())) if v),
+                       key=lambda v: v.node)
+        return {"nodes": [api.node_doc(v) for v in views]}
 
     def cluster(self) -> dict:
         """The materialized view's metrics over this worker's table partitions (all of them with one worker)."""
@@ -425,6 +434,10 @@ class Worker:
         return {
             "dead_letters": dict(self.dead_letters), "folded": dict(self.folded),
             "gateway": dict(self.gateway_counts), "principals": len(self.registry),
+            "liveness": {"heard": {n: list(v) for n, v in sorted(self.liveness.heard.items())},
+                         "read": {str(p): list(v) for p, v in sorted(self.liveness.read.items())},
+                         "start": {str(p): o for p, o in sorted(self.liveness.start.items())},
+                         "started_ms": self.liveness.started_ms},
             "scheduler": self.scheduler.stats() if self.scheduler else None,
             "sink": self.sink.stats() if self.sink else None,
         }

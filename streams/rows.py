@@ -4,7 +4,7 @@ from __future__ import annotations
 import orjson
 
 from schemas.envelope import Envelope
-from schemas.events import QuotaBorrowed, QuotaChanged, QuotaReturned, QuotaSet, UsageAccrued
+from schemas.events import PriceSet, QuotaBorrowed, QuotaChanged, QuotaReturned, QuotaSet, UsageAccrued
 
 COLUMNS: dict[str, tuple[str, ...]] = {
     "events": ("topic", "partition", "offset", "event_id", "kind", "source", "seq", "event_time_ms", "tenant", "job_id",
@@ -14,6 +14,8 @@ COLUMNS: dict[str, tuple[str, ...]] = {
     "quota_events": ("topic", "partition", "offset", "event_id", "event_time_ms", "kind", "tenant", "project", "job_id",
                      "quota_milli", "used_milli", "borrowed_milli", "milli", "overcommit_pct", "reserved_milli",
                      "quota_memory_mib", "used_memory_mib", "actor"),
+    "price_book": ("gpu_model", "datacenter", "tod_band", "tier", "borrowed", "micro_per_gpu_hour", "valid_from",
+                   "event_id", "actor"),
     "scheduling": ("topic", "partition", "offset", "event_id", "event_time_ms", "kind", "command_id", "job_id", "tenant",
                    "node", "reasons"),
 }
@@ -44,6 +46,9 @@ def rows_for(env: Envelope, topic: str, partition: int, offset: int) -> dict[str
             out["quota_events"] = [[*at, env.event_time_ms, p.kind, p.tenant, p.project or "",
                                     p.job_id or "", 0, p.used_milli, p.borrowed_milli, 0, 0, p.reserved_milli, 0,
                                     p.used_memory_mib, actor]]
+        case PriceSet():
+            out["price_book"] = [[p.gpu_model, p.datacenter, p.tod_band, p.tier, p.borrowed, p.micro_per_gpu_hour,
+                                  p.valid_from_ms, env.event_id, actor]]  # DateTime64(3) takes epoch ms
         case QuotaBorrowed() | QuotaReturned():
             out["quota_events"] = [[*at, env.event_time_ms, p.kind, p.tenant, "", p.job_id, 0, 0, 0,
                                     p.milli, 0, 0, 0, 0, actor]]

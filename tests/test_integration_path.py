@@ -33,10 +33,11 @@ def test_whole_path_submit_to_bill(stack):
         "--job-id", "frac-2", "--model", "A100-80GB")
     states = wait_for(lambda: (s := job_states(stack)) and len(s) == 3 and
                       all(v["state"] == "completed" for v in s.values()) and s, 90, "three completed jobs", stack)
-    assert states["acme/gang-1"]["node"] == "node-000" and states["zeta/frac-2"]["node"] == "node-000"
+    assert states["acme/gang-1"]["nodes"] == "node-000" and states["zeta/frac-2"]["nodes"] == "node-000"
+    assert states["acme/gang-1"]["cards"] == 2 and states["acme/gang-1"]["compute_milli"] == 2000
 
     jobs_json = json.loads(cli(stack, "jobs", "--format", "json"))
-    assert {j["job_id"]: (j["state"], j["node"]) for j in jobs_json}["acme/gang-1"] == ("completed", "node-000")
+    assert {j["job_id"]: (j["state"], j["nodes"]) for j in jobs_json}["acme/gang-1"] == ("completed", "node-000")
 
     def billed():
         rows = json.loads(cli(stack, "billing", "--by", "tenant", "--format", "json"))
@@ -241,7 +242,7 @@ def test_reservation_and_service_through_the_live_path(stack):
     wait_for(lambda: decided("used"), 60, "the reservation used", stack)
     states = wait_for(lambda: (s := job_states(stack)) and s.get("acme/booked-1", {}).get("state") == "completed"
                       and s, 60, "the booked job completed", stack)
-    assert states["acme/booked-1"]["node"]
+    assert states["acme/booked-1"]["nodes"]
 
     cli(stack, "service", "declare", "chat", "--tenant", "acme", "--compute", "300", "--memory-gib", "10",
         "--replica-qps", "50", "--min-replicas", "2")

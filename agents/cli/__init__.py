@@ -1,0 +1,247 @@
+"""`gpupool`: the one console script. The commands live in agents/cli/: requests.py (what states something),
+views.py (what reads), stack.py (processes), users.py (principals); this module is the argument parser."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from agents.cli import requests, stack, users, views
+from agents.cli.output import emit, parse_time  # noqa: F401 - used by the demo and the audit
+from infra import config as config_mod
+from infra import security
+from streams.api import BILLING_GROUPS
+
+FORMATS = ["table", "json", "csv"]
+
+
+def cmd_simulate(cfg, args, rest: list[str]) -> int:
+    if args.protocol == "fgd":
+        from agents.sim.fgd_protocol import run_cli
+        return run_cli(rest)
+    if args.protocol == "colocation":  # flags: --qps --philly --gpus --hours --seed --mode --plots --json (its --help)
+        from agents.sim.colocation import run_cli as run_colocation
+        return run_colocation(rest)
+    raise SystemExit(f"unknown protocol {args.protocol}")
+
+
+# ---------------------------------------------------------------- argument parsing
+
+
+def _percent(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if not 100 <= v <= 300:
+        raise argparse.ArgumentTypeError(f"{v} is outside 100..300 (the cap is a percent of the quota)")
+    return v
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="gpupool", description="Event-sourced control plane for a shared GPU pool")
+    p.add_argument("--as", dest="as_user", metavar="NAME",
+                   help="act as this principal (default: $GPUPOOL_USER, else admin)")
+    sub = p.add_subparsers(dest="command", required=True)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--as", dest="as_user", metavar="NAME", default=argparse.SUPPRESS,
+                        help="act as this principal (default: $GPUPOOL_USER, else admin)")
+
+    def add(name: str, handler, **kw) -> argparse.ArgumentParser:
+        sp = sub.add_parser(name, parents=[common], **kw)
+        sp.set_defaults(handler=handler)
+        return sp
+
+    def fmt(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("--format", default="table", choices=FORMATS)
+
+    # ---- the stack
+    k = add("kafka", stack.cmd_kafka, help="fetch, start or stop the local Kafka broker")
+    k.add_argument("action", choices=["fetch", "start", "stop"])
+    w = add("worker", stack.cmd_worker,
+            help="run the Faust worker (gateway, folds, scheduler, ClickHouse sink, API) in the foreground")
+    w.add_argument("--no-scheduler", action="store_true")
+    w.add_argument("--no-sink", action="store_true")
+    w.add_argument("--loglevel", default="warn", choices=["crit", "error", "warn", "info", "debug"])
+    a = add("agent", stack.cmd_agent, help="run node agents: real GPUs through NVML, or --simulate FLEET")
+    a.add_argument("--simulate", metavar="FLEET", help="fleet YAML, openb node CSV, or demo:N")
+    a.add_argument("--interval", type=float, default=1.0, help="telemetry interval in seconds")
+    a.add_argument("--fault", action="append",
+                   help="ecc:NODE:INDEX | clear:NODE:INDEX | lose:NODE | slow:NODE:FACTOR | recover:NODE | "
+                        "restart:NODE, optionally @SECONDS after start")
+    a.add_argument("--group", help="consumer group for commands")
+    a.add_argument("--principal", default="node", help="the node principal the agent connects as")
+    a.add_argument("--allow-mig-reconfigure", action="store_true")
+    u = add("up", stack.cmd_up, help="start broker, worker and a simulated fleet in the background, supervised")
+    u.add_argument("--simulate", metavar="FLEET", default="demo:4", help="fleet to simulate ('' for none)")
+    add("down", stack.cmd_down, help="stop what `up` started, and nothing else")
+    sv = add("supervise", stack.cmd_supervise, help=argparse.SUPPRESS)
+    sv.add_argument("--home", required=True)
+    sv.add_argument("--simulate")
+
+    # ---- requests
+    s = add("submit", requests.cmd_submit, help="submit a job request (a tenant principal: for its own tenant)")
+    s.add_argument("--tenant", help="the tenant (default: the acting tenant principal's; operators must name one)")
+    s.add_argument("--project", default="default")
+    s.add_argument("--tier", default="offline", choices=["inference", "online-training", "offline"])
+    s.add_argument("--compute", type=int, required=True, help="compute units in milli-CU (1000 = one A100)")
+    s.add_argument("--memory-gib", type=float, required=True, help="GPU memory")
+    s.add_argument("--cpu", type=int, default=1000, help="milli-CPU")
+    s.add_argument("--host-memory-mib", type=int, default=1024)
+    s.add_argument("--duration", type=int, help="simulated run time in seconds")
+    s.add_argument("--checkpoint-every", type=int, default=0, metavar="SECONDS",
+                   help="checkpoint interval (a preempted or interrupted job resumes from its last checkpoint)")
+    s.add_argument("--model", action="append", help="allowed card model (repeatable)")
+    s.add_argument("--latency-sensitive", action="store_true", help="inference: prefer the newest generation")
+    s.add_argument("--max-spread", default="datacenter", choices=["node", "nvlink", "rack", "datacenter", "any"],
+                   help="the widest a multi-card gang may spread")
+    s.add_argument("--nvlink", action="store_true", help="a multi-card job must stay in one NVLink domain")
+    s.add_argument("--reservation", help="take the capacity booked by this reservation")
+    s.add_argument("--job-id")
+    c = add("cancel", requests.cmd_cancel, help="cancel jobs (a tenant: its own; operators: TENANT/NAME)")
+    c.add_argument("jobs", nargs="+")
+    c.add_argument("--reason")
+    r = add("reserve", requests.cmd_reserve, help="book capacity for a time window, or cancel a booking")
+    r.add_argument("action", choices=["book", "cancel"])
+    r.add_argument("reservation_id", nargs="?")
+    r.add_argument("--tenant")
+    r.add_argument("--project", default="default")
+    r.add_argument("--tier", default="online-training", choices=["inference", "online-training", "offline"])
+    r.add_argument("--compute", type=int, help="milli-CU")
+    r.add_argument("--memory-gib", type=float, help="GPU memory")
+    r.add_argument("--start", help="ISO time or epoch ms (default: now)")
+    r.add_argument("--hours", type=float, default=1.0)
+    v = add("service", requests.cmd_service, help="declare or remove an inference service (replicas follow its load)")
+    v.add_argument("action", choices=["declare", "remove"])
+    v.add_argument("service_id")
+    v.add_argument("--tenant")
+    v.add_argument("--project", default="default")
+    v.add_argument("--compute", type=int, help="one replica's milli-CU")
+    v.add_argument("--memory-gib", type=float, help="one replica's GPU memory")
+    v.add_argument("--boost", type=int, default=0, help="milli-CU a vertical boost adds to a replica")
+    v.add_argument("--replica-qps", type=int, help="requests/s one replica serves within the SLO")
+    v.add_argument("--min-replicas", type=int, default=1)
+    v.add_argument("--max-replicas", type=int, default=64)
+    v.add_argument("--latency-ms", type=int, default=500, help="p99 latency target")
+    v.add_argument("--max-queue", type=int, default=100)
+    v.add_argument("--not-latency-sensitive", action="store_true")
+    q = add("quota", None, help="set or show quotas: set TENANT --compute N [--project P] | show [TENANT]")
+    q.add_argument("action", choices=["set", "show"])
+    q.add_argument("tenant", nargs="?")
+    q.add_argument("--project")
+    q.add_argument("--compute", type=int, help="quota in milli-CU")
+    q.add_argument("--memory-gib", type=float, help="GPU-memory quota (default: not limited)")
+    q.add_argument("--overcommit-pct", type=_percent, default=120, metavar="100..300",
+                   help="the borrowing cap, percent of the quota (default 120)")
+    fmt(q)
+    n = add("node", None, help="nodes: list | show NODE | cordon|uncordon|drain|remove NODE... (operators)")
+    n.add_argument("action", choices=["list", "show", "cordon", "uncordon", "drain", "remove"])
+    n.add_argument("nodes", nargs="*")
+    n.add_argument("--reason")
+    fmt(n)
+    pr = add("prices", None, help="the price book: show | set --model M --per-gpu-hour X | load FILE")
+    pr.add_argument("action", choices=["show", "set", "load"])
+    pr.add_argument("file", nargs="?")
+    pr.add_argument("--model")
+    pr.add_argument("--per-gpu-hour", type=float)
+    pr.add_argument("--borrowed", action="store_true")
+    pr.add_argument("--datacenter")
+    pr.add_argument("--tod-band", choices=["peak", "offpeak"])
+    pr.add_argument("--tier", choices=["inference", "online-training", "offline"])
+    pr.add_argument("--valid-from", help="ISO time or epoch ms (default: now)")
+    fmt(pr)
+    us = add("user", None, help="principals: add NAME --role ROLE [--tenant T] | list | remove NAME")
+    us.add_argument("action", choices=["add", "list", "remove"])
+    us.add_argument("name", nargs="?")
+    us.add_argument("--role", choices=list(security.ROLES))
+    us.add_argument("--tenant", help="the tenant of a tenant principal")
+    us.add_argument("--show-token", action="store_true", help="print the HTTP token (it is also in the file)")
+    fmt(us)
+
+    # ---- views
+    j = add("jobs", views.cmd_jobs, help="jobs with state, nodes, cards, wait and run time (a tenant: its own)")
+    j.add_argument("--tenant")
+    j.add_argument("--project")
+    j.add_argument("--state", choices=["pending", "placed", "running", "completed", "failed", "cancelled",
+                                       "rejected"])
+    j.add_argument("--tier", choices=["inference", "online-training", "offline"])
+    j.add_argument("--since", help="submitted at or after (ISO time or epoch ms)")
+    fmt(j)
+    h = add("history", views.cmd_history, help="a job's whole life: placements, checkpoints, preemptions, bills")
+    h.add_argument("job")
+    fmt(h)
+    e = add("explain", views.cmd_explain, help="why a job was placed where it is, or why it waits")
+    e.add_argument("job")
+    fmt(e)
+    b = add("billing", views.cmd_billing, help="GPU time (and with --cost, money) per tenant/project/job/model/day")
+    b.add_argument("--tenant")
+    b.add_argument("--project")
+    b.add_argument("--since")
+    b.add_argument("--until")
+    b.add_argument("--by", default="tenant", choices=list(BILLING_GROUPS))
+    b.add_argument("--cost", action="store_true", help="price it with the price book, borrowed time apart")
+    fmt(b)
+    sq = add("sql", views.cmd_sql, help="one read-only SQL statement on the bill and the log (finance, auditor, "
+                                        "operator)")
+    sq.add_argument("statement")
+    fmt(sq)
+    cl = add("cluster", views.cmd_cluster, help="allocation, fragmentation, free capacity")
+    cl.add_argument("--format", default="table", choices=["table", "json"])
+
+    sub.add_parser("audit", help="audit the log: replay --verify [--from T --to T], export --tenant T --out DIR",
+                   add_help=False)
+    sim = sub.add_parser("simulate", help="offline trace evaluation",
+                         epilog="colocation: --qps PATH --philly PATH --gpus N --hours H --seed S --mode load|clock "
+                                "--plots DIR --json (docs/colocation.md)")
+    sim.add_argument("--protocol", required=True, choices=["fgd", "colocation"])
+    d = add("demo", stack.cmd_demo, help="the end-to-end scenario on the embedded defaults")
+    d.add_argument("--jobs", type=int, default=20)
+    d.add_argument("--nodes", type=int, default=4)
+    d.add_argument("--keep", action="store_true", help="leave the demo's data directory in place")
+    return p
+
+
+def _dispatch(args):
+    """The handler of commands whose action picks it."""
+    if args.command == "quota":
+        return requests.cmd_quota_set if args.action == "set" else views.cmd_quota_show
+    if args.command == "node":
+        if args.action in ("list", "show"):
+            if args.action == "show" and len(args.nodes) != 1:
+                raise SystemExit("node show needs one NODE")
+            return views.cmd_node_list if args.action == "list" else views.cmd_node_show
+        if not args.nodes:
+            raise SystemExit(f"node {args.action} needs one or more NODE names")
+        return requests.cmd_node_change
+    if args.command == "prices":
+        if args.action == "load" and not args.file:
+            raise SystemExit("prices load needs a FILE")
+        if args.action == "set" and (not args.model or args.per_gpu_hour is None):
+            raise SystemExit("prices set needs --model and --per-gpu-hour")
+        return views.cmd_prices_show if args.action == "show" else requests.cmd_prices_change
+    if args.command == "user":
+        return views.cmd_user_list if args.action == "list" else users.cmd_user_change
+    return args.handler
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args, rest = parser().parse_known_args(argv)
+    if rest and args.command not in ("simulate", "audit"):
+        parser().error(f"unrecognized arguments: {' '.join(rest)}")
+    cfg = config_mod.load().acting_as(getattr(args, "as_user", None))
+    try:
+        if args.command == "simulate":
+            return cmd_simulate(cfg, args, rest)
+        if args.command == "audit":
+            from agents.audit import run_audit
+            return run_audit(cfg, rest)
+        if args.command == "supervise":
+            from pathlib import Path
+            cfg = config_mod.load()
+            cfg = type(cfg)(**{**cfg.__dict__, "home": Path(args.home)})
+        return _dispatch(args)(cfg, args)
+    except BrokenPipeError:
+        # the reader went away (`gpupool jobs | head`): no traceback, and no second error flushing stdout at exit
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141

@@ -1,0 +1,4 @@
+"""`python -m agents.cli` is `gpupool`."""
+from agents.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,187 @@
+"""Commands that state something: each is a request to the acting principal's inbox, which the gateway turns into
+a fact on the log (or answers with a rejection the principal can read)."""
+from __future__ import annotations
+
+import time
+import uuid
+from pathlib import Path
+
+import yaml
+
+from agents.cli.output import parse_time
+from agents.client import Client
+
+
+def job_request(args, job_id: str, tenant: str):
+    from schemas.events import Constraints, JobRequested, Tier
+
+    return JobRequested(
+        job_id=job_id, tenant=tenant, project=args.project, tier=Tier(args.tier),
+        compute_milli=args.compute, gpu_memory_mib=int(args.memory_gib * 1024), cpu_milli=args.cpu,
+        memory_mib=args.host_memory_mib, duration_s=args.duration, latency_sensitive=args.latency_sensitive,
+        reservation_id=args.reservation, checkpoint_interval_s=args.checkpoint_every,
+        constraints=Constraints(models=tuple(args.model or ()), max_spread=args.max_spread,
+                                interconnect="nvlink" if args.nvlink else "any"))
+
+
+def cmd_submit(cfg, args) -> int:
+    c = Client(cfg)
+    tenant = c.own_tenant(args.tenant)
+    job_id = args.job_id or f"job-{uuid.uuid4().hex[:10]}"
+    c.send([job_request(args, job_id, tenant)])
+    print(c.qualify(tenant, job_id))
+    return 0
+
+
+def _job_id(c: Client, job: str) -> str:
+    """A tenant may name its own jobs without the tenant; operators name TENANT/NAME."""
+    return c.qualify(c.creds.tenant, job) if c.creds.role == "tenant" and "/" not in job else job
+
+
+def cmd_cancel(cfg, args) -> int:
+    from schemas.events import JobCancelled
+
+    c = Client(cfg)
+    jobs = [_job_id(c, j) for j in args.jobs]
+    c.send([JobCancelled(job_id=j, reason=args.reason or "") for j in jobs])  # who: the gateway records it
+    for j in jobs:
+        print(j)
+    return 0
+
+
+def cmd_quota_set(cfg, args) -> int:
+    from schemas.events import QuotaSet
+
+    if args.compute is None:
+        raise SystemExit("quota set needs --compute (milli-CU)")
+    q = QuotaSet(tenant=args.tenant, project=args.project, gpu_milli=args.compute,
+                 gpu_memory_mib=int(args.memory_gib * 1024) if args.memory_gib is not None else None,
+                 overcommit_pct=args.overcommit_pct)
+    Client(cfg).send([q])
+    return 0
+
+
+def cmd_reserve(cfg, args) -> int:
+    """Book capacity for a window (`reserve book`) or cancel a booking (`reserve cancel ID`)."""
+    from schemas.events import ReservationCancelled, ReservationRequested, Tier
+
+    c = Client(cfg)
+    if args.action == "cancel":
+        if not args.reservation_id:
+            raise SystemExit("reserve cancel needs the reservation id")
+        c.send([ReservationCancelled(reservation_id=args.reservation_id)])
+        return 0
+    missing = [f"--{k.replace('_', '-')}" for k in ("compute", "memory_gib") if getattr(args, k) is None]
+    if missing:
+        raise SystemExit(f"reserve book needs {', '.join(missing)}")
+    tenant = c.own_tenant(args.tenant)
+    rid = args.reservation_id or f"res-{uuid.uuid4().hex[:10]}"
+    start = parse_time(args.start) if args.start else time.time_ns() // 1_000_000
+    r = ReservationRequested(reservation_id=rid, tenant=tenant, project=args.project, tier=Tier(args.tier),
+                             compute_milli=args.compute, gpu_memory_mib=int(args.memory_gib * 1024),
+                             start_ms=start, end_ms=start + int(args.hours * 3_600_000))
+    c.send([r])
+    print(c.qualify(tenant, rid))
+    return 0
+
+
+def cmd_service(cfg, args) -> int:
+    """Declare (or re-declare) an inference service with its SLO, or remove it."""
+    from schemas.events import ServiceDeclared, ServiceRemoved
+
+    c = Client(cfg)
+    if args.action == "remove":
+        payload = ServiceRemoved(service_id=args.service_id)
+    else:
+        missing = [f"--{k.replace('_', '-')}" for k in ("compute", "memory_gib", "replica_qps")
+                   if getattr(args, k) is None]
+        if missing:
+            raise SystemExit(f"service declare needs {', '.join(missing)}")
+        payload = ServiceDeclared(
+            service_id=args.service_id, tenant=c.own_tenant(args.tenant), project=args.project,
+            replica_compute_milli=args.compute, replica_memory_mib=int(args.memory_gib * 1024),
+            boost_compute_milli=args.boost, replica_qps=args.replica_qps, min_replicas=args.min_replicas,
+            max_replicas=args.max_replicas, latency_target_ms=args.latency_ms, max_queue=args.max_queue,
+            latency_sensitive=not args.not_latency_sensitive)
+    c.send([payload])
+    return 0
+
+
+def node_request(action: str, node: str, reason: str):
+    """cordon / uncordon / drain / remove / clear (a card's health, NODE:INDEX or NODE:UUID)."""
+    from schemas.events import NodeCordon
+
+    if action == "cordon":
+        return NodeCordon(node=node, cordoned=True, reason=reason)
+    if action == "uncordon":
+        return NodeCordon(node=node, cordoned=False, reason=reason)
+    if action == "drain":
+        return NodeCordon(node=node, cordoned=True, drain=True, reason=reason)
+    if action == "remove":
+        from schemas.events import KINDS
+
+        if "node.removed" not in KINDS:
+            raise SystemExit("this version cannot remove nodes")
+        return KINDS["node.removed"](node=node, reason=reason)
+    raise SystemExit(f"node {action}: one of cordon, uncordon, drain, remove")
+
+
+def cmd_node_change(cfg, args) -> int:
+    c = Client(cfg)
+    c.send([node_request(args.action, n, args.reason or "") for n in args.nodes])
+    return 0
+
+
+# ---------------------------------------------------------------- prices
+
+
+def price_rows(text: str, valid_from_ms: int = 0) -> list:
+    """A price book file (YAML: `prices: [{gpu_model, per_gpu_hour, borrowed?, datacenter?, tod_band?, tier?}]`) as
+    price.set requests; a one-line error naming the row and field otherwise."""
+    from pydantic import ValidationError
+
+    from schemas.events import PriceSet
+    from schemas.gpu_models import MODELS
+
+    try:
+        doc = yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        raise SystemExit(f"price book: not YAML: {exc}") from None
+    rows = doc.get("prices") if isinstance(doc, dict) else None
+    if not isinstance(rows, list) or not rows:
+        raise SystemExit("price book: a `prices:` list of rows is needed")
+    out = []
+    for i, row in enumerate(rows, 1):
+        if not isinstance(row, dict):
+            raise SystemExit(f"price book row {i}: a mapping, not {row!r}")
+        row = dict(row)
+        price = row.pop("per_gpu_hour", None)
+        if not isinstance(price, (int, float)) or price < 0:
+            raise SystemExit(f"price book row {i}: per_gpu_hour must be a number >= 0, not {price!r}")
+        if row.get("gpu_model") not in MODELS:
+            raise SystemExit(f"price book row {i}: gpu_model {row.get('gpu_model')!r} is not a known card model "
+                             f"({', '.join(sorted(MODELS))})")
+        try:
+            out.append(PriceSet(micro_per_gpu_hour=round(price * 1_000_000), valid_from_ms=valid_from_ms, **row))
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            raise SystemExit(f"price book row {i}: {'.'.join(str(p) for p in first['loc'])}: {first['msg']}") from None
+    return out
+
+
+def cmd_prices_change(cfg, args) -> int:
+    c = Client(cfg)
+    since = parse_time(args.valid_from) if args.valid_from else time.time_ns() // 1_000_000
+    if args.action == "load":
+        try:
+            text = Path(args.file).read_text()
+        except OSError as exc:
+            raise SystemExit(f"prices load: {exc}") from None
+        rows = price_rows(text, since)
+    else:
+        row = {"gpu_model": args.model, "per_gpu_hour": args.per_gpu_hour, "borrowed": args.borrowed}
+        row.update({k: getattr(args, k) for k in ("datacenter", "tod_band", "tier") if getattr(args, k)})
+        rows = price_rows(yaml.safe_dump({"prices": [row]}), since)
+    c.send(rows)
+    print(f"{len(rows)} price(s) from {since}")
+    return 0

@@ -1,0 +1,151 @@
+"""The lifecycle and money commands as a person types them, on the live stack (#13 items 3 and 6): cancel, node
+list/show/cordon/uncordon/drain, quota show, jobs with filters and columns, history, prices show/set/load and
+billing --cost; and bad input as one line, never a traceback."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from agents.stack import Stack
+from schemas.events import JobRequested, QuotaSet
+from tests.live import cli, job_states, wait_for
+
+pytestmark = pytest.mark.broker
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory, broker_mode, libs_home):
+    s = Stack(home=tmp_path_factory.mktemp("cli") / "gpupool", libs_home=libs_home,
+              bootstrap=os.environ["GPUPOOL_KAFKA"] if broker_mode == "env" else None)
+    s.start_broker()
+    try:
+        s.start_worker()
+        s.start_agent("demo:2")  # node-000: A100-80GB x4, node-001: H100-80GB x4
+        s.add_user("alice", "tenant", "acme")
+        s.add_user("fin", "finance")
+        wait_for(lambda: s.stats()["scheduler"]["nodes"] == 2, 60, "the fleet in the scheduler", s)
+        yield s
+    finally:
+        s.stop()
+
+
+def test_cancel_a_running_job_and_read_its_history(pool):
+    out = cli(pool, "submit", "--compute", "1000", "--memory-gib", "40", "--duration", "300", "--job-id", "long",
+              "--checkpoint-every", "2", user="alice")
+    assert out.strip() == "acme/long"
+    wait_for(lambda: job_states(pool, "alice").get("acme/long", {}).get("state") == "running", 60, "running", pool)
+    wait_for(lambda: "checkpoint at" in cli(pool, "history", "long", user="alice"), 30, "a checkpoint", pool)
+    assert cli(pool, "cancel", "long", "--reason", "wrong data", user="alice").strip() == "acme/long"
+    row = wait_for(lambda: (r := job_states(pool, "alice").get("acme/long", {})).get("state") == "cancelled" and r,
+                   30, "cancelled", pool)
+    assert row["tier"] == "offline" and row["compute_milli"] == 1000 and row["cards"] == 1
+    assert row["nodes"] in ("node-000", "node-001") and row["elapsed_s"] > 0 and row["wait_s"] >= 0
+    history = wait_for(lambda: "billed so far: 0.000" not in (h := cli(pool, "history", "long", user="alice"))
+                       and h, 30, "the bill in the history", pool)
+    lines = history.splitlines()
+    assert lines[0] == "acme/long"
+    order = ["requested 1000 milli-CU", "placed on", "started on", "checkpoint at", "cancelled by alice: wrong data",
+             "released on", "billed "]
+    at = [next(i for i, ln in enumerate(lines) if want in ln) for want in order]
+    assert at == sorted(at), history
+    assert "T" in lines[1].split()[0] and ("+" in lines[1].split()[0] or "Z" in lines[1])  # ISO times
+    # filters
+    assert [r[0] for r in pool.client("alice").rows("/api/jobs", {"state": "cancelled"})[1]] == ["acme/long"]
+    assert pool.client("alice").rows("/api/jobs", {"state": "running"})[1] == []
+    assert pool.client("alice").rows("/api/jobs", {"tier": "inference"})[1] == []
+
+
+def test_node_commands_cordon_drain_and_show(pool):
+    listing = cli(pool, "node", "list")
+    assert "node-000" in listing and "ready" in listing and "A100-80GB x4" in listing
+    cli(pool, "node", "cordon", "node-001", "--reason", "firmware")
+    wait_for(lambda: "cordoned" in cli(pool, "node", "list"), 30, "node-001 cordoned", pool)
+    # work goes elsewhere while it is cordoned
+    pool.client("alice").send([JobRequested(job_id="while-cordoned", tenant="acme", compute_milli=300,
+                                            gpu_memory_mib=4096, duration_s=30)])
+    row = wait_for(lambda: (r := job_states(pool).get("acme/while-cordoned", {})).get("state") == "running" and r,
+                   60, "placed", pool)
+    assert row["nodes"] == "node-000"
+    show = cli(pool, "node", "show", "node-000")
+    assert "acme/while-cordoned" in show and "card 0 A100-80GB" in show
+    doc = json.loads(cli(pool, "node", "show", "node-000", "--format", "json"))
+    assert any("acme/while-cordoned" in g["holders"] for g in doc["cards"])
+    cli(pool, "node", "drain", "node-000")
+    wait_for(lambda: "draining" in cli(pool, "node", "list"), 30, "node-000 draining", pool)
+    cli(pool, "node", "uncordon", "node-000", "node-001")
+    wait_for(lambda: cli(pool, "node", "list").count("ready") == 2, 30, "both ready again", pool)
+    actors = {(r["kind"], r["actor"]) for r in pool.query(
+        "SELECT kind, actor FROM gpupool.events FINAL WHERE kind = 'node.cordon'")}
+    assert actors == {("node.cordon", "admin")}
+    # a tenant may look, not act, and never sees another tenant's job names
+    bad = cli(pool, "node", "cordon", "node-000", user="alice", check=False)
+    assert bad.returncode == 0  # the request is sent; the gateway refuses it where alice can read it
+    wait_for(lambda: pool.query("SELECT count() AS n FROM gpupool.events FINAL WHERE kind = 'request.rejected' "
+                                "AND actor = 'alice'")[0]["n"] >= 1, 30, "alice's cordon refused", pool)
+    assert "ready" in cli(pool, "node", "list", user="alice")
+
+
+def test_quota_show_and_the_bill_in_money(pool):
+    admin = pool.client()
+    admin.send([QuotaSet(tenant="acme", gpu_milli=8000, overcommit_pct=150),
+                QuotaSet(tenant="acme", project="research", gpu_milli=2000)])
+    pool.client("alice").send([JobRequested(job_id="paid", tenant="acme", project="research", compute_milli=1000,
+                                            gpu_memory_mib=40 * 1024, duration_s=2,
+                                            constraints={"models": ["A100-80GB"]})])
+    wait_for(lambda: job_states(pool).get("acme/paid", {}).get("state") == "completed", 60, "paid", pool)
+    shown = wait_for(lambda: "research" in (q := cli(pool, "quota", "show", "acme", user="alice")) and q, 30,
+                     "quota rows", pool)
+    tenant_row = next(ln for ln in shown.splitlines() if ln.startswith("acme") and "(tenant)" in ln)
+    assert "8000" in tenant_row and "150%" in tenant_row and "admin" in tenant_row
+    assert "2000" in next(ln for ln in shown.splitlines() if "research" in ln)
+    # prices: the book an operator loads, a price set for a model, and the bill priced with it
+    book = pool.home / "book.yaml"
+    book.write_text("prices:\n  - {gpu_model: A100-80GB, per_gpu_hour: 3.60}\n"
+                    "  - {gpu_model: A100-80GB, per_gpu_hour: 7.20, borrowed: true}\n")
+    cli(pool, "prices", "load", str(book), "--valid-from", "2020-01-01T00:00:00")
+    cli(pool, "prices", "set", "--model", "H100-80GB", "--per-gpu-hour", "5", "--valid-from", "2020-01-01")
+    prices = wait_for(lambda: "H100-80GB" in (p := cli(pool, "prices", "show", user="fin")) and p, 30, "prices",
+                      pool)
+    assert "3.60" in prices and "7.20" in prices and "5.00" in prices
+    bill = wait_for(lambda: (rows := json.loads(cli(pool, "billing", "--cost", "--by", "job", "--format", "json",
+                                                     user="fin")))
+                    and any(r["job_id"] == "acme/paid" for r in rows) and rows, 30, "the priced bill", pool)
+    paid = next(r for r in bill if r["job_id"] == "acme/paid")
+    usage = pool.query("SELECT sum(gpu_milli_ms) AS ms FROM gpupool.usage FINAL WHERE job_id = 'acme/paid'")[0]
+    # 3.60 a GPU-hour = 3,600,000 micro-units per 3,600,000,000 milli-GPU-ms: one micro-unit per 1,000 milli-GPU-ms
+    assert paid["cost_micro"] == int(usage["ms"]) // 1000 > 0 and paid["unpriced_gpu_hours"] == 0
+    assert paid["borrowed_cost"] == 0
+    # the tenant sees its own bill in money, not finance's view of everyone
+    mine = json.loads(cli(pool, "billing", "--cost", "--format", "json", user="alice"))
+    assert {r["tenant"] for r in mine} == {"acme"}
+
+
+@pytest.mark.parametrize("argv,field", [
+    (["quota", "set", "acme", "--compute", "100", "--overcommit-pct", "500"], "--overcommit-pct"),
+    (["submit", "--tenant", "acme", "--compute", "lots", "--memory-gib", "1"], "--compute"),
+    (["jobs", "--since", "yesterday-ish"], "yesterday-ish"),
+    (["prices", "set", "--model", "A100-90GB", "--per-gpu-hour", "1"], "gpu_model"),
+    (["prices", "load", "/nonexistent/book.yaml"], "book.yaml"),
+    (["node", "show"], "node show needs one NODE"),
+    (["explain", "acme/x", "--as", "nobody"], "no credentials for principal 'nobody'"),
+])
+def test_bad_input_is_one_line_naming_the_field(pool, argv, field):
+    out = subprocess.run([sys.executable, "-m", "agents.cli", *argv], env={**os.environ, **pool.env},
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0
+    assert "Traceback" not in out.stderr and field in out.stderr, out.stderr
+
+
+def test_a_closed_pipe_ends_quietly(pool):
+    for i in range(3):
+        pool.client("alice").send([JobRequested(job_id=f"pipe-{i}", tenant="acme", compute_milli=100,
+                                                gpu_memory_mib=1024, duration_s=1)])
+    env = {**os.environ, **pool.env}
+    for argv in (["jobs"], ["history", "acme/long"], ["node", "list"]):
+        cmd = f"{sys.executable} -m agents.cli {' '.join(argv)} | head -1"
+        out = subprocess.run(["bash", "-c", cmd], env=env, capture_output=True, text=True, timeout=60)
+        assert "Traceback" not in out.stderr and "BrokenPipe" not in out.stderr, out.stderr
