@@ -16,6 +16,7 @@ _BY_KIND: dict[str, TopicSpec] = {
     "reservation.requested": JOB_REQUESTS, "reservation.cancelled": JOB_REQUESTS,
     "service.declared": JOB_REQUESTS, "service.removed": JOB_REQUESTS, "inference.load": JOB_REQUESTS,
     "reservation.decided": JOB_EVENTS, "service.scaled": JOB_EVENTS,
+    "node.removed": INVENTORY, "job.interrupted": JOB_EVENTS, "quota.rejected": LEDGER,
 }
 
 
