@@ -5,8 +5,8 @@ from dataclasses import dataclass, replace
 
 from schemas.envelope import Envelope
 from schemas.events import (
-    JobCancelled, JobCheckpointed, JobCompleted, JobFailed, JobPending, JobRequested, JobScaleRequested, JobStarted,
-    JobStopped, Reason, Rejected,
+    JobCancelled, JobCheckpointed, JobCompleted, JobFailed, JobInterrupted, JobPending, JobRequested,
+    JobScaleRequested, JobStarted, JobStopped, Reason, Rejected,
 )
 
 TERMINAL = frozenset({"completed", "failed", "cancelled", "rejected"})
@@ -24,6 +24,7 @@ class JobView:
     progress_ms: int = 0
     checkpoint: str = ""
     preemptions: int = 0
+    interruptions: int = 0  # runs ended by a node loss or a card fault (job.interrupted)
     reasons: tuple[Reason, ...] = ()
     applied: tuple[tuple[str, int], ...] = ()  # (source, last seq); a job hears from few sources
 
@@ -70,6 +71,9 @@ def evolve(view: JobView | None, env: Envelope) -> JobView:
         case JobStopped() if not finished:
             return _mark(view, env, state="pending", node="", preemptions=view.preemptions + 1,
                          progress_ms=max(view.progress_ms, p.progress_ms), checkpoint=p.checkpoint)
+        case JobInterrupted() if not finished:
+            return _mark(view, env, state="pending", node="", interruptions=view.interruptions + 1,
+                         checkpoint=p.checkpoint or view.checkpoint, reasons=p.reasons)
         case JobPending() if not finished:
             return _mark(view, env, reasons=p.reasons)
         case Rejected() if not finished:
