@@ -151,9 +151,9 @@ class SchedulerMachine(RuleBasedStateMachine):
     def start(self, a: Agent, j: str, r: Run) -> None:
         r.started = True
         rec = self.s.jobs[j]
-        was = rec.state
+        was = rec.started_ms
         self.report(a, JobStarted(job_id=j, node=a.node, command_id=r.command_id))
-        if was == "placed" and rec.state == "running":  # the run's billing starts here
+        if was < 0 <= rec.started_ms:  # the run's billing starts here
             self.started[(j, r.attempt)] = self.clock.now
 
     # ---------------------------------------------------------------- node agents

@@ -163,10 +163,11 @@ class Scheduler:
                 rec = self.jobs.get(p.job_id)
                 if rec is None or self._superseded(out, env, rec, p.node, p.command_id, runs=True):
                     pass
-                elif rec.state == "placed" and rec.hold is None and \
+                elif rec.state in ("placed", "stopping") and rec.started_ms < 0 and rec.hold is None and \
                         any(part.command_id == p.command_id for part in rec.parts):
-                    rec.state, rec.started_ms = "running", env.event_time_ms
-                    rec.accrued_ms = rec.started_ms
+                    # billed from its start, also when it was told to stop before the node said it started
+                    rec.started_ms = rec.accrued_ms = env.event_time_ms
+                    rec.state = "running" if rec.state == "placed" else rec.state
                     self.running[p.job_id] = None
             case JobCheckpointed():
                 rec = self.jobs.get(p.job_id)
@@ -364,10 +365,8 @@ class Scheduler:
         for rec in self._on_node(node, cards):
             r = rec.request
             self.unsure.pop(r.job_id, None)
-            if rec.hold is not None:  # a reservation's hold: held again elsewhere
-                self._release(out, env, rec, code)
-                rec.state, rec.hold.status = "pending", "queued"
-                self.pending.add(r.job_id)
+            if rec.hold is not None:
+                self._hold_again(out, env, rec, code)
                 continue
             self._accrue(out, env, rec, min(at_ms, self.now_ms))
             billed = rec.accrued_ms if rec.started_ms >= 0 else 0
@@ -388,9 +387,7 @@ class Scheduler:
             if rec.state == "stopping":
                 continue  # already told to stop
             if rec.hold is not None:
-                self._release(out, env, rec, code)
-                rec.state, rec.hold.status = "pending", "queued"
-                self.pending.add(rec.request.job_id)
+                self._hold_again(out, env, rec, code)
                 continue
             self._command(out, PreemptJob(command_id=self._command_id(), job_id=rec.request.job_id, node=node,
                                           attempt=rec.attempt, reasons=(Reason(
@@ -398,6 +395,12 @@ class Scheduler:
                                               message=f"{why}: checkpoint and move"),)), env)
             rec.state, rec.stop_cause = "stopping", code
             self.stopping.add(rec.request.job_id)
+
+    def _hold_again(self, out: list[Envelope], env: Envelope, rec: JobRecord, why: str) -> None:
+        """A reservation's hold on a node that failed or leaves: released, and queued to be held elsewhere."""
+        self._release(out, env, rec, why)
+        rec.state, rec.hold.status = "pending", "queued"
+        self.pending.add(rec.request.job_id)
 
     # ---------------------------------------------------------------- admission against the fleet
 
