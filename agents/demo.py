@@ -16,9 +16,12 @@ import orjson
 from agents.cli import JOBS_SQL, emit, produce
 from agents.stack import Stack
 from schemas.envelope import envelope
-from schemas.events import JobRequested, Tier
+from schemas.events import JobRequested, QuotaSet, Tier
 
 TENANTS = ("acme", "globex")
+# A tenant without a quota runs nothing (the scheduler's default, docs/scheduler.md): the operator sets them first,
+# generously here (milli-CU: the compute units of what a job holds), so no demo job waits on quota.
+QUOTAS = (QuotaSet(tenant="acme", gpu_milli=40_000), QuotaSet(tenant="globex", gpu_milli=20_000))
 
 
 def demo_jobs(n: int, run: str, seed: int = 7) -> list[JobRequested]:
@@ -61,8 +64,9 @@ def run_demo(cfg, args) -> int:
         step(4, total, f"simulated fleet of {args.nodes} nodes (A100-80GB, H100-80GB, A10, T4; 4 cards each)")
         jobs = demo_jobs(args.jobs, run)
         now = time.time_ns() // 1_000_000
+        produce(stack.config, [envelope(q, source=f"demo/quota/{q.tenant}", seq=now, time_ms=now) for q in QUOTAS])
         produce(stack.config, [envelope(j, source=f"demo/{j.job_id}", seq=1, time_ms=now) for j in jobs])
-        step(5, total, f"submitted {len(jobs)} jobs from tenants {', '.join(TENANTS)}")
+        step(5, total, f"quotas set; submitted {len(jobs)} jobs from tenants {', '.join(TENANTS)}")
         ours = {j.job_id for j in jobs}
         deadline = time.monotonic() + 180
         states: dict[str, str] = {}

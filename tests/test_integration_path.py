@@ -33,6 +33,12 @@ def cli(stack, *argv: str) -> str:
     return out.stdout
 
 
+def quotas(stack, *tenants: str) -> None:
+    """Give the tenants a quota: without one a tenant runs nothing (the scheduler's default_quota_milli is 0)."""
+    for t in tenants:
+        cli(stack, "quota", "set", t, "--compute", "100000")
+
+
 def wait_for(predicate, timeout: float = 60.0, what: str = "condition", stack=None):
     deadline = time.monotonic() + timeout
     last = None
@@ -102,6 +108,7 @@ def caught_up(bootstrap: str, group: str, specs) -> bool:
 def test_whole_path_submit_to_bill(stack):
     stack.start_worker()
     stack.start_agent("demo:2")
+    quotas(stack, "acme", "zeta")
     # node-000 is A100-80GB x4 (1000 milli-CU a card), node-001 H100-80GB x4.
     cli(stack, "submit", "--tenant", "acme", "--compute", "500", "--memory-gib", "10", "--duration", "2",
         "--job-id", "frac-1", "--model", "A100-80GB")
@@ -139,6 +146,7 @@ def test_plain_kafka_client_submits_a_job(stack):
     """No project code on the producing side: a JSON document by hand, as docs/producing-jobs.md shows."""
     stack.start_worker()
     stack.start_agent("demo:1")
+    quotas(stack, "ext")
     doc = {"schema_version": 2, "event_id": "ext-1", "source": "external-client", "seq": 1,
            "event_time_ms": int(time.time() * 1000), "tenant": "ext",
            "payload": {"kind": "job.requested", "job_id": "ext-job-1", "tenant": "ext", "compute_milli": 300,
@@ -161,6 +169,7 @@ def test_plain_kafka_client_submits_a_job(stack):
 def test_bad_input_is_dead_lettered_and_folding_continues(stack):
     stack.start_worker()
     stack.start_agent("demo:1")
+    quotas(stack, "t")
     good = {"schema_version": 2, "event_id": "e", "source": "s", "seq": 1, "event_time_ms": 1,
             "payload": {"kind": "job.requested", "job_id": "x", "tenant": "t", "compute_milli": 100,
                         "gpu_memory_mib": 100}}
@@ -207,6 +216,7 @@ def test_bad_input_is_dead_lettered_and_folding_continues(stack):
 def test_refolding_from_offset_zero_equals_the_live_tables(stack):
     stack.start_worker()
     stack.start_agent("demo:2", "--fault", "ecc:node-001:2")
+    quotas(stack, "t0", "t1")
     for i in range(6):
         cli(stack, "submit", "--tenant", f"t{i % 2}", "--compute", str(200 + 100 * i), "--memory-gib", "6",
             "--duration", "1", "--job-id", f"rf-{i}")
@@ -258,14 +268,16 @@ def test_refolding_from_offset_zero_equals_the_live_tables(stack):
 def test_duplicated_ledger_records_do_not_double_bill(stack):
     stack.start_worker()
     stack.start_agent("demo:1")
+    quotas(stack, "dup")
     for i in range(3):
         cli(stack, "submit", "--tenant", "dup", "--compute", "400", "--memory-gib", "4", "--duration", "1",
             "--job-id", f"dup-{i}")
     wait_for(lambda: (s := job_states(stack)) and len(s) == 3 and all(v["state"] == "completed" for v in s.values()),
              60, "three jobs", stack)
 
-    def total():
-        rows = stack.query("SELECT sum(gpu_milli_ms) AS s, count() AS n FROM gpupool.usage FINAL WHERE tenant = 'dup'")
+    def total():  # once every job's last usage is in (a usage tick may have cut a run in two)
+        rows = stack.query("SELECT sum(gpu_milli_ms) AS s, uniqExact(job_id) AS n FROM gpupool.usage FINAL "
+                           "WHERE tenant = 'dup'")
         return rows[0]["s"] if rows and rows[0]["n"] == 3 else None
 
     before = wait_for(total, 30, "usage rows", stack)
@@ -298,6 +310,7 @@ def test_reservation_and_service_through_the_live_path(stack):
     stack.start_agent("demo:2")
     # a booking is checked against the pool's capacity: wait until the scheduler has seen the nodes
     wait_for(lambda: json.loads(cli(stack, "cluster", "--format", "json"))["cards"] == 8, 60, "two nodes", stack)
+    quotas(stack, "acme")
     rid = cli(stack, "reserve", "book", "--tenant", "acme", "--compute", "2000", "--memory-gib", "100",
               "--hours", "1").strip()
 
