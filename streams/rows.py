@@ -18,7 +18,7 @@ COLUMNS: dict[str, tuple[str, ...]] = {
                    "node", "reasons"),
 }
 SCHEDULING_KINDS = frozenset({"cmd.place", "cmd.preempt", "cmd.resize", "cmd.migrate", "cmd.release",
-                              "cmd.mig_reconfigure", "job.pending", "job.rejected"})
+                              "cmd.mig_reconfigure", "job.pending", "job.rejected", "job.interrupted"})
 
 
 def rows_for(env: Envelope, topic: str, partition: int, offset: int) -> dict[str, list]:

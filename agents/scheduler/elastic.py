@@ -691,6 +691,10 @@ class ElasticScheduler(Scheduler):
             if train:
                 self._train_milli += milli
         elif isinstance(p, ReleaseJob):
+            rec = self.jobs.get(p.job_id)
+            if p.attempt and rec is not None and rec.attempt > p.attempt and any(
+                    part.node == p.node for part in rec.parts):
+                return  # the release of a superseded run: the job's newer run holds the node (node_view does alike)
             before = self._held.pop((p.job_id, p.node), None)
             if before is not None and before[0]:
                 self._train_milli -= before[1]
