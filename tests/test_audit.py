@@ -17,7 +17,7 @@ from aiokafka import AIOKafkaProducer
 from agents.audit import Recorded, compare_bill, compare_outputs, replay_records, usage_row
 from agents.scheduler.core import Scheduler
 from schemas.envelope import decode, encode
-from schemas.events import JobCompleted, JobStarted, SchedulerTick
+from schemas.events import JobCompleted, JobStarted, QuotaSet, SchedulerTick
 from schemas.topics import COMMANDS, LEDGER
 from tests.builders import Clock, inventory, job
 from tests.test_integration_path import job_states, read_topic, wait_for
@@ -27,8 +27,8 @@ from tests.test_integration_path import job_states, read_topic, wait_for
 
 def _run():
     clock = Clock()
-    inputs = [clock.env(inventory("n1"), "n1/inventory"), clock.env(job("j1"), "cli/j1"),
-              clock.env(job("j2", compute=300), "cli/j2")]
+    inputs = [clock.env(inventory("n1"), "n1/inventory"), clock.env(QuotaSet(tenant="t1", gpu_milli=4000), "operator"),
+              clock.env(job("j1"), "cli/j1"), clock.env(job("j2", compute=300), "cli/j2")]
     s = Scheduler()
     places = [o for e in inputs for o in s.step(e) if o.kind == "cmd.place"]
     for p in places:  # act as the node agent: each placement starts, then completes 1.5 s later
