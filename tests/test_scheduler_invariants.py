@@ -56,9 +56,8 @@ class Agent:
         """The agents' command rules (sim_agent.py / nvml_agent.py), on this model."""
         r = self.runs.get(p.job_id) if hasattr(p, "job_id") else None
         if isinstance(p, PlaceJob):
-            if not self.fence.may_place(p.job_id, p.attempt) or (r is not None and r.attempt >= p.attempt):
-                return
-            self.runs[p.job_id] = Run(p.attempt, p.command_id)  # replaces an older run of the job, if any
+            if self.fence.place(p.job_id, p.attempt, r.attempt if r else None) in ("start", "replace"):
+                self.runs[p.job_id] = Run(p.attempt, p.command_id)  # replaces an older run of the job, if any
         elif isinstance(p, PreemptJob):
             if self.fence.stops(p.job_id, p.attempt, r.attempt if r else None):
                 del self.runs[p.job_id]

@@ -34,6 +34,16 @@ class Fence:
         self.newest[job_id] = attempt
         return True
 
+    def place(self, job_id: str, attempt: int, running: int | None) -> str:
+        """What a placement of `attempt` means on a node running attempt `running` of the job (None: not running):
+        "refuse" (superseded), "running" (that run or a newer one goes on already: nothing to do), "replace" (an
+        older run goes on: stop it, start this one) or "start"."""
+        if not self.may_place(job_id, attempt):
+            return "refuse"
+        if running is None:
+            return "start"
+        return "running" if not attempt or running >= attempt else "replace"
+
     def stops(self, job_id: str, attempt: int, running: int | None) -> bool:
         """A stop (release, preemption) of `attempt` arrived: whether it ends the run of attempt `running` (None:
         nothing runs). Either way, placements of `attempt` and older are over."""

@@ -162,14 +162,15 @@ class Executor:
                 await self._mig(p)
 
     async def _place(self, env: Envelope, p: PlaceJob) -> None:
-        if not self.fence.may_place(p.job_id, p.attempt):
+        old = self.running.get(p.job_id)
+        what = self.fence.place(p.job_id, p.attempt, old.attempt if old else None)
+        if what == "refuse":
             log.warning("placement %s of %s is of a superseded attempt (%d); not starting it", p.command_id, p.job_id,
                         p.attempt)
             return
-        old = self.running.get(p.job_id)
-        if old is not None:
-            if not p.attempt or old.attempt >= p.attempt:
-                return
+        if what == "running":
+            return
+        if what == "replace":
             log.warning("%s: attempt %d replaces the superseded attempt %d still running", p.job_id, p.attempt,
                         old.attempt)
             await self._stop(None, p.job_id, p.command_id, RELEASE_GRACE_S, report=False, attempt=old.attempt)

@@ -262,15 +262,16 @@ class SimFleetAgent:
         now = self.now_ms()
         match p:
             case PlaceJob():
-                if not node.fence.may_place(p.job_id, p.attempt):
+                old = node.running.get(p.job_id)
+                what = node.fence.place(p.job_id, p.attempt, old.attempt if old else None)
+                if what == "refuse":
                     log.warning("%s: placement %s of %s is of a superseded attempt (%d); not starting it",
                                 node_name, p.command_id, p.job_id, p.attempt)
                     return
-                old = node.running.get(p.job_id)
-                if old is not None:
-                    if not p.attempt or old.attempt >= p.attempt:
-                        return  # already running here: a second place for it changes nothing
-                    node.running.pop(p.job_id)  # an older run of the job, superseded: the new one replaces it
+                if what == "running":
+                    return  # already running here: a second place for it changes nothing
+                if what == "replace":  # an older run of the job, superseded: the new one replaces it
+                    node.running.pop(p.job_id)
                     if old.task:
                         old.task.cancel()
                 r = Running(p.command_id, p.assignments, now,

@@ -134,13 +134,8 @@ def _never_fits(job: JobRequested, kinds: list[list]) -> tuple[Reason, ...] | No
         for level in levels:
             groups: dict[tuple, int] = {}
             for n, inv, cards in usable:
-                room = sum(1 for g in cards if g.model == name)
-                if cpu_per:
-                    room = min(room, inv.cpu_milli // cpu_per)
-                if mem_per:
-                    room = min(room, inv.memory_mib // mem_per)
                 k = _group(level, inv)
-                groups[k] = groups.get(k, 0) + n * room
+                groups[k] = groups.get(k, 0) + n * _room(inv, cards, name, cpu_per, mem_per)
             most = max(most, max(groups.values(), default=0))
         if need >= 2 and most >= need:
             return None
@@ -162,11 +157,7 @@ def _never_fits(job: JobRequested, kinds: list[list]) -> tuple[Reason, ...] | No
                 g = groups.setdefault(_group(level, inv), [0, 0])
                 for name in {x.model for x in cards}:
                     cu, mem, cpu_per, mem_per = per_card[name]
-                    room = sum(1 for x in cards if x.model == name)
-                    if cpu_per:
-                        room = min(room, inv.cpu_milli // cpu_per)
-                    if mem_per:
-                        room = min(room, inv.memory_mib // mem_per)
+                    room = _room(inv, cards, name, cpu_per, mem_per)
                     g[0] += n * room * cu
                     g[1] += n * room * mem
             if any(cu >= job.compute_milli and mem >= job.gpu_memory_mib for cu, mem in groups.values()):
@@ -178,6 +169,17 @@ def _never_fits(job: JobRequested, kinds: list[list]) -> tuple[Reason, ...] | No
         f"{job.compute_milli} milli-CU with {job.gpu_memory_mib} MiB needs, within {where} (max_spread "
         f"{limit}), " + "; ".join(f"{data[f'cards_needed_{m}']} {m} cards (at most {data[f'cards_at_most_{m}']})"
                                  for m in models))),)
+
+
+def _room(inv: NodeInventory, cards: list, name: str, cpu_per: int, mem_per: int) -> int:
+    """Cards of this model one node could give a gang, host CPU and memory asked per card (placement.gang_room, on
+    the inventory rather than on what is free)."""
+    room = sum(1 for g in cards if g.model == name)
+    if cpu_per:
+        room = min(room, inv.cpu_milli // cpu_per)
+    if mem_per:
+        room = min(room, inv.memory_mib // mem_per)
+    return room
 
 
 def _group(level: str, inv: NodeInventory) -> tuple:
