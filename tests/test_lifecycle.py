@@ -115,3 +115,23 @@ def test_a_replica_that_can_never_be_placed_is_said_once_not_requested_again_and
                              dt=10_000))
         quiet += s.step(c.env(SchedulerTick(now_ms=c.now), "ticker"))
         assert [e for e in quiet if e.kind in ("job.requested", "job.rejected", "service.scaled")] == []
+
+
+def test_a_replica_on_a_lost_node_is_requeued_and_placed_elsewhere():
+    from schemas.events import NodeLiveness
+
+    c = Clock(start=0)
+    s = ElasticScheduler(ElasticConfig(warm_pool=0), ledger=open_ledger())
+    s.step(c.env(inventory("n1", gpus=1), "n1/inventory"))
+    s.step(c.env(inventory("n2", gpus=1), "n2/inventory"))
+    out = s.step(c.env(ServiceDeclared(service_id="chat", tenant="t1", replica_compute_milli=300,
+                                       replica_memory_mib=10 * 1024, replica_qps=10), "cli/service/chat"))
+    (p,) = [e.payload for e in out if e.kind == "cmd.place"]
+    s.step(c.env(JobStarted(job_id=p.job_id, node=p.node, command_id=p.command_id), f"{p.node}/job/{p.job_id}"))
+    out = s.step(c.env(NodeLiveness(node=p.node, alive=False, last_heartbeat_ms=c.now + 500), f"{p.node}/liveness",
+                       dt=3000))
+    assert [e.payload.code for e in out if e.kind == "job.interrupted"] == ["NodeLost"]
+    (again,) = [e.payload for e in out if e.kind == "cmd.place"]
+    assert again.job_id == p.job_id and again.node != p.node and again.attempt == 2
+    assert s.services["chat"].serving() == [p.job_id]  # still the service's replica, starting again
+    assert s._train_milli == 0 and s._held == {(p.job_id, again.node): (False, again.assignments[0].milli)}
