@@ -490,6 +490,8 @@ class JobInterrupted(Frozen):
     billed_to_ms: NonNeg = 0
     checkpoint: str = ""
     reasons: tuple[Reason, ...] = ()
+    # the cmd.place command ids of the run it ended: a node's later report naming one is of a superseded run
+    commands: tuple[str, ...] = ()
 
 
 class QuotaRejected(Frozen):

@@ -25,6 +25,7 @@ class JobView:
     checkpoint: str = ""
     preemptions: int = 0
     interruptions: int = 0  # runs ended by a node loss or a card fault (job.interrupted)
+    superseded: tuple[str, ...] = ()  # placement command ids of interrupted runs: their nodes' reports are stale
     reasons: tuple[Reason, ...] = ()
     applied: tuple[tuple[str, int], ...] = ()  # (source, last seq); a job hears from few sources
 
@@ -47,6 +48,8 @@ def evolve(view: JobView | None, env: Envelope) -> JobView:
         view = JobView(job_id=job_id or "")
     if job_id != view.job_id or env.seq <= view.last_seq(env.source):
         return view
+    if getattr(p, "command_id", None) in view.superseded and not p.kind.startswith("cmd."):
+        return _mark(view, env)  # a report of a run the scheduler interrupted (a node that came back): not this job's
     finished = view.state in TERMINAL
     match p:
         case JobRequested():
@@ -73,7 +76,8 @@ def evolve(view: JobView | None, env: Envelope) -> JobView:
                          progress_ms=max(view.progress_ms, p.progress_ms), checkpoint=p.checkpoint)
         case JobInterrupted() if not finished:
             return _mark(view, env, state="pending", node="", interruptions=view.interruptions + 1,
-                         checkpoint=p.checkpoint or view.checkpoint, reasons=p.reasons)
+                         checkpoint=p.checkpoint or view.checkpoint, reasons=p.reasons,
+                         superseded=view.superseded + p.commands)
         case JobPending() if not finished:
             return _mark(view, env, reasons=p.reasons)
         case Rejected() if not finished:

@@ -371,8 +371,8 @@ class Scheduler:
             self._accrue(out, env, rec, min(at_ms, self.now_ms))
             billed = rec.accrued_ms if rec.started_ms >= 0 else 0
             self._emit(out, JobInterrupted(job_id=r.job_id, node=node, code=code, attempt=rec.attempt,
-                                           billed_to_ms=max(billed, 0), checkpoint=rec.checkpoint,
-                                           reasons=reasons), env)
+                                           billed_to_ms=max(billed, 0), checkpoint=rec.checkpoint, reasons=reasons,
+                                           commands=tuple(part.command_id for part in rec.parts)), env)
             self._release(out, env, rec, code)
             rec.state, rec.stop_cause = "pending", ""
             rec.interruptions += 1
