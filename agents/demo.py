@@ -15,10 +15,13 @@ import orjson
 
 from agents.cli import emit
 from agents.stack import Stack
-from schemas.events import JobRequested, Tier
+from schemas.events import JobRequested, QuotaSet, Tier
 
 TENANTS = ("acme", "globex")
 MEMBERS = {"acme": "alice", "globex": "bob"}  # the tenant principal that submits each tenant's jobs
+# A tenant without a quota runs nothing (the scheduler's default, docs/scheduler.md): the operator sets them first,
+# generously here (milli-CU: the compute units of what a job holds), so no demo job waits on quota.
+QUOTAS = (QuotaSet(tenant="acme", gpu_milli=40_000), QuotaSet(tenant="globex", gpu_milli=20_000))
 
 
 def demo_jobs(n: int, run: str, seed: int = 7) -> list[JobRequested]:
@@ -62,9 +65,10 @@ def run_demo(cfg, args) -> int:
         for tenant, member in MEMBERS.items():
             stack.add_user(member, "tenant", tenant)
         jobs = demo_jobs(args.jobs, run)
+        stack.client().send(list(QUOTAS))  # as the admin operator
         for tenant, member in MEMBERS.items():
             stack.client(member).send([j for j in jobs if j.tenant == tenant])
-        step(5, total, f"submitted {len(jobs)} jobs: " + ", ".join(
+        step(5, total, f"quotas set by admin; submitted {len(jobs)} jobs: " + ", ".join(
             f"{tenant}'s by principal {member}" for tenant, member in MEMBERS.items()))
         jobs = [j.model_copy(update={"job_id": f"{j.tenant}/{j.job_id}"}) for j in jobs]  # as the gateway names them
         ours = {j.job_id for j in jobs}

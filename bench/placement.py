@@ -15,9 +15,12 @@ Inputs are deterministic from --seed and built before any timing starts:
 - Jobs: --jobs `JobRequested`, shapes drawn by weight (compute in milli-CU, 1000 = one A100; memory in GiB):
   MIG-sized 100/8, quarter 250/20, half 500/40, whole card 1000/80, gangs of 2/4/8 cards (2000/160, 4000/320,
   8000/640) and a multi-node gang of 16 cards (16000/1280, does not fit one 8-card node). Tiers vary by shape.
-  7 tenants with skewed demand, 3 projects. Quotas are set from each tenant's own demand so that two tenants borrow
+  7 tenants with skewed demand, 3 projects. Quotas are set from each tenant's own demand -- in what its jobs would
+  hold, the unit quota is charged in (`holding`: whole cards count their model's CU) -- so that two tenants borrow
   (quota 0.8x and 0.9x their demand, 150% overcommit cap, never blocked), four stay within quota (1.3x) and one has
-  no quota; one (tenant, project) pair has a project quota (2x). The fleet's GPU memory ends ~75% held when all fit.
+  no quota (the bench's scheduler leaves such a tenant unlimited, `open_ledger`; the product's default would make
+  it wait); one (tenant, project) pair has a project quota (2x). The fleet's GPU memory ends ~75% held when all
+  fit.
 
 What is timed (process CPU time and wall time, `time.process_time` / `time.perf_counter`), per scenario:
 
@@ -71,6 +74,9 @@ from dataclasses import dataclass, field
 from agents.node.fleet import make_node
 from agents.scheduler.agent import tune_gc
 from agents.scheduler.core import Scheduler
+from agents.scheduler.node_index import cards_needed
+from agents.scheduler.quota import open_ledger
+from schemas.gpu_models import model as gpu_model, share_for
 from schemas.envelope import Envelope, envelope
 from schemas.events import (
     JobCancelled, JobRequested, JobStarted, JobStopped, NodeInventory, QuotaSet, SchedulerTick, Tier,
@@ -149,12 +155,32 @@ def draw_jobs(rng: random.Random, n: int, prefix: str, tiers: tuple[Tier, ...] |
     return out
 
 
+FLEET_MIX = (("A100-80GB", 50), ("H100-80GB", 30), ("H200", 20))  # node_model's shares of the fleet, in percent
+
+
+def holding(j: JobRequested) -> int:
+    """What the job would hold in the quota's unit (milli-CU, agents/scheduler/quota.py: held), averaged over the
+    fleet's card models by their share: a share of a card holds its milli-GPU times the model's CU, whole cards the
+    model's CU each -- a 2-card gang on H100s holds 6,340 milli-CU for the 2,000 it asks."""
+    total = 0
+    for name, pct in FLEET_MIX:
+        m = gpu_model(name)
+        if cards_needed(j.compute_milli, j.gpu_memory_mib, name) == 1:
+            share = share_for(j.compute_milli, m)
+            cu = m.cu_milli if share >= 1000 else -(-share * m.cu_milli // 1000)
+        else:
+            cu = cards_needed(j.compute_milli, j.gpu_memory_mib, name) * m.cu_milli
+        total += cu * pct
+    return total // 100
+
+
 def quotas(jobs: list[JobRequested]) -> list[QuotaSet]:
+    """Quotas as multiples of each tenant's demand, in what its jobs would hold (the unit quota is charged in)."""
     demand: Counter = Counter()
     proj: Counter = Counter()
     for j in jobs:
-        demand[j.tenant] += j.compute_milli
-        proj[(j.tenant, j.project)] += j.compute_milli
+        demand[j.tenant] += holding(j)
+        proj[(j.tenant, j.project)] += holding(j)
     out = [QuotaSet(tenant=t, gpu_milli=int(demand[t] * f), overcommit_pct=OVERCOMMIT_PCT)
            for t, _, f in TENANTS if f is not None]
     t, p, f = PROJECT_QUOTA
@@ -212,7 +238,7 @@ class Run:
     """A scheduler plus the bench acting as users and node agents around it."""
 
     def __init__(self, victims: str):
-        self.s = Scheduler()
+        self.s = Scheduler(ledger=open_ledger())  # `guest`, without a quota, is unlimited (the product's default: 0)
         self.feed = Feed()
         self.victims = victims
         self.now = T0
@@ -537,8 +563,8 @@ def main(argv=None) -> int:
     ap.add_argument("--mode", choices=("a", "b", "ab"), default="ab",
                     help="a: one by one, a cycle each; b: all queued, then one cycle (seeded; plain only)")
     ap.add_argument("--multinode-pct", type=float, default=None,
-                    help="weight (%%) of the 16-card multi-node gang shape; default %.1f, 0 leaves it out"
-                         % SHAPE_BY_NAME["gang-16-multinode"][3])
+                    help="weight (%%%%) of the 16-card multi-node gang shape; default %.1f, 0 leaves it out"
+                         % SHAPE_BY_NAME["gang-16-multinode"][3])  # %%%% -> %% here -> % in argparse's help
     ap.add_argument("--preemption", action="store_true", help="fill the fleet with offline work first")
     ap.add_argument("--victims", choices=("requeue", "cancel"), default="requeue",
                     help="after job.stopped, a victim requeues (the product) or its owner cancels it")

@@ -37,11 +37,20 @@ ALTER TABLE gpupool.quota_events ADD COLUMN IF NOT EXISTS reserved_milli Int64 D
 ALTER TABLE gpupool.quota_events ADD COLUMN IF NOT EXISTS quota_memory_mib Int64 DEFAULT 0;
 ALTER TABLE gpupool.quota_events ADD COLUMN IF NOT EXISTS used_memory_mib Int64 DEFAULT 0;
 
+-- added with usage ticks and one unit for quota and bill (docs/billing.md): the compute units held, reserved
+-- in-quota work, and the run (attempt) an interval bills
+ALTER TABLE gpupool.usage ADD COLUMN IF NOT EXISTS cu_milli UInt64 DEFAULT 0;
+ALTER TABLE gpupool.usage ADD COLUMN IF NOT EXISTS cu_milli_ms UInt64 DEFAULT 0;
+ALTER TABLE gpupool.usage ADD COLUMN IF NOT EXISTS reserved Bool DEFAULT false;
+ALTER TABLE gpupool.usage ADD COLUMN IF NOT EXISTS attempt UInt32 DEFAULT 0;
+
 -- added with authenticated principals (docs/security.md): who stated a request, and the time its client claimed
 -- (-1: none; the event time is the broker's)
 ALTER TABLE gpupool.events ADD COLUMN IF NOT EXISTS actor String DEFAULT '';
 ALTER TABLE gpupool.events ADD COLUMN IF NOT EXISTS claimed_time_ms Int64 DEFAULT -1;
 ALTER TABLE gpupool.quota_events ADD COLUMN IF NOT EXISTS actor String DEFAULT '';
+-- the quota.set a quota.rejected answers (its event id)
+ALTER TABLE gpupool.quota_events ADD COLUMN IF NOT EXISTS answers String DEFAULT '';
 
 -- Scheduler decisions (placement, preemption, resize, migration, release, pending, rejection) with their reasons.
 CREATE TABLE IF NOT EXISTS gpupool.scheduling (

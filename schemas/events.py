@@ -209,13 +209,16 @@ class JobFailed(Frozen):
 
 
 class JobStopped(Frozen):
-    """The node agent stopped the job on a preempt/release command (after checkpointing)."""
+    """The node agent stopped the job on a preempt command (after checkpointing), or of its own accord: the agent
+    shut down or restarted (`reason` says which; `command_id` is then the placement's). The job resumes from
+    `checkpoint`."""
     kind: Literal["job.stopped"] = "job.stopped"
     job_id: Ident
     node: Ident
     command_id: Ident
     progress_ms: NonNeg = 0
     checkpoint: str = ""
+    reason: str = ""
 
 
 # ---------------------------------------------------------------- scheduler commands
@@ -247,6 +250,10 @@ class PlaceJob(Frozen):
     gang_index: NonNeg = 0
     gang_nodes: tuple[str, ...] = ()
     reasons: tuple[Reason, ...] = ()
+    # The placement's number among the job's placements (1, 2, ...: each requeue places it anew). Every command
+    # about the run names it; a node refuses a placement older than one it knows superseded (agents/node/fencing.py).
+    # 0: not numbered (a producer that predates attempts).
+    attempt: NonNeg = 0
 
 
 class ResizeJob(Frozen):
@@ -256,6 +263,7 @@ class ResizeJob(Frozen):
     node: Ident
     assignments: tuple[Assignment, ...]
     reasons: tuple[Reason, ...] = ()
+    attempt: NonNeg = 0  # the run it resizes (0: whichever runs)
 
 
 class PreemptJob(Frozen):
@@ -265,6 +273,7 @@ class PreemptJob(Frozen):
     node: Ident
     grace_s: NonNeg = 30
     reasons: tuple[Reason, ...] = ()
+    attempt: NonNeg = 0  # the run it stops, or an older one (0: whichever runs)
 
 
 class MigrateJob(Frozen):
@@ -275,6 +284,7 @@ class MigrateJob(Frozen):
     to_node: Ident
     assignments: tuple[Assignment, ...]
     reasons: tuple[Reason, ...] = ()
+    attempt: NonNeg = 0
 
 
 class MigReconfigure(Frozen):
@@ -292,6 +302,7 @@ class ReleaseJob(Frozen):
     job_id: Ident
     node: Ident
     reasons: tuple[Reason, ...] = ()
+    attempt: NonNeg = 0  # the run it ends, and every older one (0: whichever runs)
 
 
 class JobPending(Frozen):
@@ -490,6 +501,52 @@ class UsageAccrued(Frozen):
     gpu_milli: NonNeg  # milli-GPUs held during the interval (sum over assignments)
     gpu_milli_ms: NonNeg  # gpu_milli * (end_ms - start_ms): exact; GPU-seconds = gpu_milli_ms / 1e6
     borrowed: bool = False
+    # What the quota ledger charged for the same holding, in its unit (milli-CU: the model's compute units for the
+    # share, MIG slice or whole cards held, docs/billing.md), and that times the interval.
+    cu_milli: NonNeg = 0
+    cu_milli_ms: NonNeg = 0
+    reserved: bool = False  # run on the tenant's own reservation: reserved in-quota capacity, never borrowed
+    attempt: NonNeg = 0  # the run (placement) it bills: a run's intervals follow each other without overlap
+
+
+# ---------------------------------------------------------------- lifecycle (issue #13)
+
+class NodeRemoved(Frozen):
+    """An operator decommissions a node for good (`removed`), or re-adds it (`removed: false`): a removed node takes
+    no work, its work is checkpointed and moved off, its capacity leaves the pool, and a later inventory from it does
+    not bring it back. The latest by event time wins (like `node.cordon`)."""
+    kind: Literal["node.removed"] = "node.removed"
+    node: Ident
+    removed: bool = True
+    reason: str = ""
+
+
+class JobInterrupted(Frozen):
+    """The scheduler ended a run the job did not end itself: its node was lost (code NodeLost: silent for two
+    heartbeats) or a card it held failed (GpuFault). Usage is billed up to `billed_to_ms`, its capacity and quota
+    are released (a `cmd.release` to each node it held, so a node that comes back stops it), and it is requeued to
+    resume from `checkpoint` ahead of newer work of its tier."""
+    kind: Literal["job.interrupted"] = "job.interrupted"
+    job_id: Ident
+    node: str = ""
+    code: Ident
+    attempt: NonNeg = 0
+    billed_to_ms: NonNeg = 0
+    checkpoint: str = ""
+    reasons: tuple[Reason, ...] = ()
+    # the cmd.place command ids of the run it ended: a node's later report naming one is of a superseded run
+    commands: tuple[str, ...] = ()
+
+
+class QuotaRejected(Frozen):
+    """The scheduler refused a `quota.set`: the quotas of a tenant's projects would add up to more than the tenant's
+    own (docs/scheduler.md, Admission). The quota in force is unchanged."""
+    kind: Literal["quota.rejected"] = "quota.rejected"
+    tenant: Ident
+    project: str | None = None
+    gpu_milli: NonNeg
+    code: Ident
+    reasons: tuple[Reason, ...] = ()
 
 
 Event = Annotated[
@@ -502,6 +559,7 @@ Event = Annotated[
         ReservationRequested, ReservationCancelled, ReservationDecided,
         ServiceDeclared, ServiceRemoved, InferenceLoad, ServiceScaled,
         QuotaSet, QuotaChanged, QuotaBorrowed, QuotaReturned, UsageAccrued, PriceSet,
+        NodeRemoved, JobInterrupted, QuotaRejected,
     ],
     Field(discriminator="kind"),
 ]

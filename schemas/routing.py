@@ -13,16 +13,17 @@ _BY_KIND: dict[str, TopicSpec] = {
     "job.stopped": JOB_EVENTS,
     # what operators decide about nodes (through the gateway) and what the worker derives from telemetry
     "node.cordon": NODE_CONTROL, "gpu.health": NODE_CONTROL, "node.liveness": NODE_CONTROL,
+    "node.removed": NODE_CONTROL,
     # requests, once the gateway let them in (or the autoscaler made them)
     "job.requested": JOB_REQUESTS, "job.cancelled": JOB_REQUESTS, "job.scale_requested": JOB_REQUESTS,
     "reservation.requested": JOB_REQUESTS, "reservation.cancelled": JOB_REQUESTS,
     "service.declared": JOB_REQUESTS, "service.removed": JOB_REQUESTS, "inference.load": JOB_REQUESTS,
     # the scheduler's and the gateway's answers
     "job.pending": DECISIONS, "job.rejected": DECISIONS, "reservation.decided": DECISIONS,
-    "service.scaled": DECISIONS, "request.rejected": DECISIONS,
+    "service.scaled": DECISIONS, "request.rejected": DECISIONS, "job.interrupted": DECISIONS,
     # the ledger
     "quota.set": LEDGER, "quota.changed": LEDGER, "quota.borrowed": LEDGER, "quota.returned": LEDGER,
-    "usage.accrued": LEDGER, "price.set": LEDGER,
+    "usage.accrued": LEDGER, "price.set": LEDGER, "quota.rejected": LEDGER,
     "principal.registered": PRINCIPALS, "principal.removed": PRINCIPALS,
 }
 

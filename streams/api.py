@@ -182,7 +182,9 @@ SELECT tenant, project, quota_milli, overcommit_pct, quota_memory_mib, used_mill
        used_memory_mib, quota_set_by
 FROM (SELECT tenant, project, argMax(quota_milli, offset) AS quota_milli, argMax(overcommit_pct, offset) AS overcommit_pct,
              argMax(quota_memory_mib, offset) AS quota_memory_mib, argMax(actor, offset) AS quota_set_by
-      FROM gpupool.quota_events FINAL WHERE kind = 'quota.set' AND {where} GROUP BY tenant, project) AS q
+      FROM gpupool.quota_events FINAL WHERE kind = 'quota.set' AND {where}
+        AND event_id NOT IN (SELECT answers FROM gpupool.quota_events FINAL WHERE kind = 'quota.rejected')
+      GROUP BY tenant, project) AS q
 FULL OUTER JOIN
      (SELECT tenant, project, argMax(used_milli, offset) AS used_milli, argMax(reserved_milli, offset) AS reserved_milli,
              argMax(borrowed_milli, offset) AS borrowed_milli, argMax(used_memory_mib, offset) AS used_memory_mib

@@ -28,7 +28,7 @@ log = logging.getLogger("gpupool.worker")
 
 # What the scheduler must see, in one total order. Telemetry itself stays out: only the health and liveness
 # transitions the folds derive from it go in, so the audit log stays small and the scheduler stays fast.
-NODE_FACTS_FOR_SCHEDULER = frozenset({"node.inventory", "node.cordon", "gpu.health", "node.liveness"})
+NODE_FACTS_FOR_SCHEDULER = frozenset({"node.inventory", "node.cordon", "gpu.health", "node.liveness", "node.removed"})
 JOB_FACTS_FOR_SCHEDULER = frozenset({
     "job.requested", "job.cancelled", "job.scale_requested", "job.started", "job.completed", "job.failed",
     "job.stopped", "job.checkpointed",

@@ -26,7 +26,7 @@ TENANT_KINDS = frozenset({
     "job.requested", "job.cancelled", "job.scale_requested", "reservation.requested", "reservation.cancelled",
     "service.declared", "service.removed", "inference.load",
 })
-OPERATOR_KINDS = TENANT_KINDS | frozenset({"quota.set", "node.cordon", "gpu.health", "price.set"})
+OPERATOR_KINDS = TENANT_KINDS | frozenset({"quota.set", "node.cordon", "node.removed", "gpu.health", "price.set"})
 KINDS_BY_ROLE = {"tenant": TENANT_KINDS, "operator": OPERATOR_KINDS}
 JOB_KINDS = frozenset({"job.requested", "job.cancelled", "job.scale_requested"})
 # the id field each request kind names its subject by, qualified with the tenant

@@ -5,8 +5,8 @@ from dataclasses import dataclass, replace
 
 from schemas.envelope import Envelope
 from schemas.events import (
-    JobCancelled, JobCheckpointed, JobCompleted, JobFailed, JobPending, JobRequested, JobScaleRequested, JobStarted,
-    JobStopped, Reason, Rejected,
+    JobCancelled, JobCheckpointed, JobCompleted, JobFailed, JobInterrupted, JobPending, JobRequested,
+    JobScaleRequested, JobStarted, JobStopped, Reason, Rejected,
 )
 
 TERMINAL = frozenset({"completed", "failed", "cancelled", "rejected"})
@@ -24,6 +24,8 @@ class JobView:
     progress_ms: int = 0
     checkpoint: str = ""
     preemptions: int = 0
+    interruptions: int = 0  # runs ended by a node loss or a card fault (job.interrupted)
+    superseded: tuple[str, ...] = ()  # placement command ids of interrupted runs: their nodes' reports are stale
     reasons: tuple[Reason, ...] = ()
     applied: tuple[tuple[str, int], ...] = ()  # (source, last seq); a job hears from few sources
     request_event_id: str = ""  # the request that defined the job: the first one; a later one never replaces it
@@ -48,6 +50,8 @@ def evolve(view: JobView | None, env: Envelope) -> JobView:
         view = JobView(job_id=job_id or "")
     if job_id != view.job_id or env.seq <= view.last_seq(env.source):
         return view
+    if getattr(p, "command_id", None) in view.superseded and not p.kind.startswith("cmd."):
+        return _mark(view, env)  # a report of a run the scheduler interrupted (a node that came back): not this job's
     finished = view.state in TERMINAL
     match p:
         case JobRequested() if view.request is None:
@@ -73,6 +77,10 @@ def evolve(view: JobView | None, env: Envelope) -> JobView:
         case JobStopped() if not finished:
             return _mark(view, env, state="pending", node="", preemptions=view.preemptions + 1,
                          progress_ms=max(view.progress_ms, p.progress_ms), checkpoint=p.checkpoint)
+        case JobInterrupted() if not finished:
+            return _mark(view, env, state="pending", node="", interruptions=view.interruptions + 1,
+                         checkpoint=p.checkpoint or view.checkpoint, reasons=p.reasons,
+                         superseded=view.superseded + p.commands)
         case JobPending() if not finished:
             return _mark(view, env, reasons=p.reasons)
         case Rejected() if view.request is not None and env.causation_id != view.request_event_id:

@@ -12,7 +12,7 @@ from functools import cached_property
 from schemas.envelope import Envelope
 from schemas.events import (
     Assignment, GpuCard, GpuHealth, GpuSample, GpuTelemetry, MigInstance, MigReconfigure, NodeCordon, NodeHeartbeat, NodeInventory,
-    NodeLiveness, PlaceJob, ReleaseJob, ResizeJob,
+    NodeLiveness, NodeRemoved, PlaceJob, ReleaseJob, ResizeJob,
 )
 from schemas.gpu_models import MIG_MEMORY_SLICES, mig_profile, mig_share_milli
 
@@ -48,6 +48,7 @@ class Held:
     cpu_milli: int = 0
     memory_mib: int = 0
     expected_release_ms: int | None = None  # placement time + the job's stated duration, when it has one
+    attempt: int = 0  # the placement's attempt (PlaceJob.attempt): a release or resize of an older one leaves it
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,7 @@ class NodeView:
     node: str
     inventory: NodeInventory | None = None
     cordon: tuple[int, bool, bool] = (-1, False, False)  # (event time, cordoned, drain): the latest wins
+    removal: tuple[int, bool] = (-1, False)  # (event time, removed) of node.removed: the latest wins
     last_heartbeat_ms: int = -1
     silent_since_ms: int = -2  # a liveness fold saw no heartbeat after this time; a later heartbeat overrides
     faults: dict[str, tuple[int, str]] = field(default_factory=dict)  # card uuid -> (latest fault time, why)
@@ -85,6 +87,11 @@ class NodeView:
         return self.cordon[2]
 
     @property
+    def removed(self) -> bool:
+        """Decommissioned by an operator: no inventory brings it back, only a re-add (node.removed removed=false)."""
+        return self.removal[1]
+
+    @property
     def alive(self) -> bool:
         return self.last_heartbeat_ms > self.silent_since_ms
 
@@ -97,7 +104,7 @@ class NodeView:
 
     @property
     def schedulable(self) -> bool:
-        return self.inventory is not None and self.alive and not self.cordoned
+        return self.inventory is not None and self.alive and not self.cordoned and not self.removed
 
     def cards(self) -> tuple[GpuCard, ...]:
         return self.inventory.gpus if self.inventory else ()
@@ -197,6 +204,12 @@ def _fault(faults: dict[str, tuple[int, str]], card: str, at: int, why: str) -> 
     return out
 
 
+def _newer(view: NodeView, job_id: str, attempt: int) -> bool:
+    """Whether the job holds slices here under a newer attempt than a command's (0: unnumbered, never older)."""
+    held = view.allocations.get(job_id)
+    return bool(attempt) and held is not None and held.attempt > attempt
+
+
 def evolve(view: NodeView | None, env: Envelope) -> NodeView:
     """Apply one envelope to the view of the node it concerns. Unrelated kinds leave the view unchanged."""
     p = env.payload
@@ -229,6 +242,8 @@ def evolve(view: NodeView | None, env: Envelope) -> NodeView:
             return _mark(view, env, telemetry=telemetry, faults=faults, last_heartbeat_ms=max(view.last_heartbeat_ms, t))
         case NodeCordon():
             return _mark(view, env, cordon=max(view.cordon, (t, p.cordoned, p.drain)))
+        case NodeRemoved():
+            return _mark(view, env, removal=max(view.removal, (t, p.removed)))
         case NodeLiveness():
             if p.alive:
                 return _mark(view, env, last_heartbeat_ms=max(view.last_heartbeat_ms, p.last_heartbeat_ms))
@@ -240,16 +255,22 @@ def evolve(view: NodeView | None, env: Envelope) -> NodeView:
                 return _mark(view, env, cleared=cleared)
             return _mark(view, env, faults=_fault(view.faults, p.gpu_uuid, t, p.reason or "reported unhealthy"))
         case PlaceJob():
+            if _newer(view, p.job_id, p.attempt):
+                return _mark(view, env)  # a superseded placement: the newer one holds the slices
             allocations = dict(view.allocations)
             release = t + p.duration_s * 1000 if p.duration_s is not None else None
-            allocations[p.job_id] = Held(p.assignments, p.cpu_milli, p.memory_mib, release)
+            allocations[p.job_id] = Held(p.assignments, p.cpu_milli, p.memory_mib, release, p.attempt)
             return _mark(view, env, allocations=allocations)
         case ResizeJob():
+            if _newer(view, p.job_id, p.attempt):
+                return _mark(view, env)
             allocations = dict(view.allocations)
             before = allocations.get(p.job_id, Held(()))
             allocations[p.job_id] = replace(before, slices=p.assignments)
             return _mark(view, env, allocations=allocations)
         case ReleaseJob():
+            if _newer(view, p.job_id, p.attempt):
+                return _mark(view, env)  # ends an older run of the job, not the one holding the slices
             allocations = dict(view.allocations)
             allocations.pop(p.job_id, None)
             return _mark(view, env, allocations=allocations)

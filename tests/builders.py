@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from agents.node.fleet import make_node
+from agents.scheduler.quota import open_ledger  # noqa: F401  (re-exported for the tests)
 from schemas.envelope import envelope
 from schemas.events import JobCompleted, JobRequested, JobStarted, Tier
 

@@ -28,6 +28,14 @@ def cli(stack, *argv: str, user: str | None = None, check: bool = True) -> str |
     return out.stdout
 
 
+def quotas(stack, *tenants: str, compute: int = 100_000) -> None:
+    """Give the tenants a quota, as the admin operator: without one a tenant runs nothing (the scheduler's default
+    quota is 0, docs/scheduler.md)."""
+    from schemas.events import QuotaSet
+
+    stack.client().send([QuotaSet(tenant=t, gpu_milli=compute) for t in tenants])
+
+
 def wait_for(predicate, timeout: float = 60.0, what: str = "condition", stack=None):
     deadline = time.monotonic() + timeout
     last = None

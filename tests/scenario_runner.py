@@ -4,7 +4,16 @@ commands out. Each `expect` lists (a subset of fields of) the envelopes the prev
 
 `scheduler: elastic` (with an optional `elastic:` mapping of ElasticConfig fields) runs the scenario on the
 ElasticScheduler and enables the steps `declare` (ServiceDeclared fields; tenant defaults to t1), `load`
-(InferenceLoad fields) and `remove_service`."""
+(InferenceLoad fields) and `remove_service`.
+
+A scenario describes an open pool unless it says otherwise: tenants without a quota are unlimited
+(`default_quota: null`); `default_quota: N` gives them N milli-CU (0: the product's default, nothing runs without a
+quota). `usage_tick_ms` sets the scheduler's usage tick (default: the product's, 60 s).
+
+Lifecycle steps: `node_down: NODE` or `{node, heartbeat_ago_ms}` (node.liveness alive=false, last heartbeat that long
+ago), `node_up: NODE` (the node reports its inventory again), `drain`, `uncordon`, `remove`, `readd` (node.removed),
+`fail: JOB`, `quota: {tenant, project?, compute}`, and `stale: {job, attempt, report: started|checkpointed|completed}`
+(a report from an earlier run of the job: the command of its `attempt`-th placement)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -14,9 +23,10 @@ import yaml
 from agents.node.fleet import make_node
 from agents.scheduler.core import Scheduler
 from agents.scheduler.elastic import ElasticConfig, ElasticScheduler
+from agents.scheduler.quota import Ledger
 from schemas.events import (
-    Constraints, GpuHealth, ReservationCancelled, ReservationRequested, JobCancelled, JobCheckpointed, JobCompleted, JobStarted, JobStopped, NodeCordon, NodeLiveness, QuotaSet,
-    SchedulerTick,
+    Constraints, GpuHealth, ReservationCancelled, ReservationRequested, JobCancelled, JobCheckpointed, JobCompleted,
+    JobFailed, JobStarted, JobStopped, NodeCordon, NodeLiveness, NodeRemoved, QuotaSet, SchedulerTick,
 )
 from schemas.events import InferenceLoad, ServiceDeclared, ServiceRemoved
 from tests.builders import Clock, job
@@ -47,8 +57,12 @@ def _match(env, want: dict) -> bool:
 def run(path: Path) -> None:
     doc = yaml.safe_load(path.read_text())
     clock = Clock()
-    s = ElasticScheduler(ElasticConfig(**doc.get("elastic", {}))) if doc.get("scheduler") == "elastic" else Scheduler()
+    kw = dict(ledger=Ledger(default_quota_milli=doc.get("default_quota")),
+              usage_tick_ms=doc.get("usage_tick_ms", Scheduler.usage_tick_ms))
+    s = ElasticScheduler(ElasticConfig(**doc.get("elastic", {})), **kw) if doc.get("scheduler") == "elastic" \
+        else Scheduler(**kw)
     placed: dict[str, object] = {}
+    attempts: dict[tuple[str, int], object] = {}  # (job, attempt) -> the first part's cmd.place
     sent: list = []
     last: list = []
     for n in doc.get("nodes", []):
@@ -86,12 +100,15 @@ def run(path: Path) -> None:
             req = job(a.pop("job_id"), a.pop("tenant", "t1"), a.pop("compute"), a.pop("mem_gib"),
                       constraints=cons, **a)
             last = s.step(clock.env(req, f"cli/{req.job_id}"))
-        elif op in ("start", "complete", "stop"):
+        elif op in ("start", "complete", "stop", "fail"):
             cmd = placed[arg].payload
             src = f"{cmd.node}/job/{arg}"
             ev = {"start": JobStarted, "complete": JobCompleted}.get(op)
             if ev:
                 last = s.step(clock.env(ev(job_id=arg, node=cmd.node, command_id=cmd.command_id), src, dt=dt))
+            elif op == "fail":
+                last = s.step(clock.env(JobFailed(job_id=arg, node=cmd.node, command_id=cmd.command_id,
+                                                  reason="exit code 1"), src, dt=dt))
             else:
                 last = s.step(clock.env(JobStopped(job_id=arg, node=cmd.node, command_id=cmd.command_id,
                                                    checkpoint=f"ckpt:{arg}:1000"), src, dt=dt))
@@ -126,19 +143,46 @@ def run(path: Path) -> None:
                          if g.uuid == cmd.gpu_uuid else g for g in inv.gpus)
             last = s.step(clock.env(inv.model_copy(update={"gpus": gpus}), f"{arg}/inventory", dt=dt or 1))
         elif op == "cordon":
-            last = s.step(clock.env(NodeCordon(node=arg), "operator"))
+            last = s.step(clock.env(NodeCordon(node=arg), "operator", dt=dt))
+        elif op == "drain":
+            last = s.step(clock.env(NodeCordon(node=arg, drain=True, reason="maintenance"), "operator", dt=dt))
+        elif op == "uncordon":
+            last = s.step(clock.env(NodeCordon(node=arg, cordoned=False), "operator", dt=dt))
+        elif op in ("remove", "readd"):
+            last = s.step(clock.env(NodeRemoved(node=arg, removed=op == "remove"), "operator", dt=dt))
         elif op == "node_down":
-            last = s.step(clock.env(NodeLiveness(node=arg, alive=False, last_heartbeat_ms=clock.now), f"{arg}/liveness"))
+            a = arg if isinstance(arg, dict) else {"node": arg}
+            clock.now += dt
+            last = s.step(clock.env(NodeLiveness(node=a["node"], alive=False,
+                                                 last_heartbeat_ms=clock.now - a.get("heartbeat_ago_ms", 0)),
+                                    f"{a['node']}/liveness"))
+        elif op == "node_up":
+            last = s.step(clock.env(s.nodes[arg].inventory, f"{arg}/inventory", dt=dt or 1))
+        elif op == "quota":
+            last = s.step(clock.env(QuotaSet(tenant=arg["tenant"], project=arg.get("project"),
+                                             gpu_milli=arg["compute"]), "operator", dt=dt))
+        elif op == "stale":
+            cmd = attempts[(arg["job"], arg["attempt"])].payload
+            kind = {"started": JobStarted, "completed": JobCompleted}.get(arg["report"])
+            src = f"{cmd.node}/job/{arg['job']}"
+            if kind is not None:
+                rep = kind(job_id=arg["job"], node=cmd.node, command_id=cmd.command_id)
+            else:
+                rep = JobCheckpointed(job_id=arg["job"], node=cmd.node, progress_ms=2000, command_id=cmd.command_id,
+                                      checkpoint=f"ckpt:{arg['job']}:2000")
+            last = s.step(clock.env(rep, src, dt=dt))
         elif op == "gpu_fault":
             node, idx = arg.split(":")
             uuid = s.nodes[node].inventory.gpus[int(idx)].uuid
-            last = s.step(clock.env(GpuHealth(node=node, gpu_uuid=uuid, healthy=False, reason="ecc"), f"{node}/health"))
+            last = s.step(clock.env(GpuHealth(node=node, gpu_uuid=uuid, healthy=False, reason="ecc"), f"{node}/health",
+                                    dt=dt))
         else:
             raise ValueError(f"unknown step {op}")
         sent.extend(last)
         for e in last:
             if e.payload.kind == "cmd.place" and e.payload.gang_index == 0:
                 placed[e.payload.job_id] = e
+                attempts[(e.payload.job_id, e.payload.attempt)] = e
 
 
 def scenario_files() -> list[Path]:

@@ -12,7 +12,7 @@ import pytest
 
 from agents.stack import Stack
 from schemas.events import JobRequested, QuotaSet
-from tests.live import cli, job_states, wait_for
+from tests.live import cli, job_states, quotas, wait_for
 
 pytestmark = pytest.mark.broker
 
@@ -27,6 +27,7 @@ def pool(tmp_path_factory, broker_mode, libs_home):
         s.start_agent("demo:2")  # node-000: A100-80GB x4, node-001: H100-80GB x4
         s.add_user("alice", "tenant", "acme")
         s.add_user("fin", "finance")
+        quotas(s, "acme")  # without one a tenant runs nothing
         wait_for(lambda: s.stats()["scheduler"]["nodes"] == 2, 60, "the fleet in the scheduler", s)
         yield s
     finally:

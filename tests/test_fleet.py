@@ -181,3 +181,43 @@ def test_scenario_fleets_still_load():
             inv = fleet.make_node(spec.get("name", "n"), spec["model"], int(spec["gpus"]), mig=spec.get("mig"))
             for card in inv.gpus:
                 assert_valid_placement(card)
+
+
+@pytest.mark.parametrize("text,message", [
+    ("nodes:\n  - {name: a, model: A100X, gpus: 4}\n",
+     "nodes[0].model: unknown card model 'A100X' (known: A10, A100-40GB"),
+    ("nodes:\n  - {name: a, model: T4, gpus: 4}\n  - {name: b, modle: T4, gpus: 2}\n",
+     "nodes[1].modle: unknown field (known: "),
+    ("nodes:\n  - {name: a, gpus: 4}\n", "nodes[0].model: required"),
+    ("nodes:\n  - {name: a, model: T4, gpus: four}\n", "nodes[0].gpus: 'four' is not an integer"),
+    ("nodes:\n  - {name: a, model: T4, gpus: 0}\n", "nodes[0].gpus: 0 is below 1"),
+    ("nodes:\n  - {name: a, model: T4, gpus: 2, nvlink: 3}\n", "nodes[0].nvlink: 3 is not bool"),
+    ("nodes:\n  - {model: T4, gpus: 2}\n", "nodes[0].name: required (or `prefix` with `count`)"),
+    ("nodes:\n  - [T4, 2]\n", "nodes[0]: a mapping of node fields is required"),
+    ("nodes: {name: a}\n", "nodes: a list of node entries is required"),
+    ("node:\n  - {name: a, model: T4, gpus: 2}\n", "node: unknown field (known: faults, nodes)"),
+    ("nodes:\n  - {name: a, model: T4, gpus: 2\n", "not valid YAML"),
+    ("nodes:\n  - {name: a, model: T4, gpus: 2, mig: [1g.5gb]}\n", "nodes[0]: MIG layout on a card 0 (T4)"),
+])
+def test_bad_fleet_input_is_one_line_naming_the_field(tmp_path, text, message):
+    spec = tmp_path / "f.yaml"
+    spec.write_text(text)
+    with pytest.raises(ValueError) as err:
+        fleet.load(str(spec))
+    assert message in str(err.value) and "\n" not in str(err.value)
+    assert str(err.value).startswith(f"fleet {spec}")
+
+
+def test_names_and_versions_may_be_numbers_and_a_missing_file_is_one_line(tmp_path):
+    spec = tmp_path / "f.yaml"
+    spec.write_text("nodes:\n  - {prefix: n, count: 2, model: T4, gpus: 1, rack: 3, cuda: 12.4}\n")
+    invs = fleet.load(str(spec))
+    assert [(i.node, i.rack, i.gpus[0].cuda_version) for i in invs] == [("n-0", "3", "12.4"), ("n-1", "3", "12.4")]
+    with pytest.raises(ValueError, match=r"^fleet .*nope.yaml: cannot read it: No such file"):
+        fleet.load(str(tmp_path / "nope.yaml"))
+    with pytest.raises(ValueError, match="demo:N wants a positive number"):
+        fleet.load("demo:x")
+    bad = tmp_path / "b.csv"
+    bad.write_text("sn,cpu_milli,memory_mib,gpu,model\nx,64000,1024,2,K80\n")
+    with pytest.raises(ValueError, match=r"line 2: model: unknown card model 'K80'"):
+        fleet.load(str(bad))

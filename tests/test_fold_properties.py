@@ -5,7 +5,8 @@ from hypothesis import strategies as st
 
 from schemas.envelope import envelope
 from schemas.events import (
-    Assignment, GpuHealth, GpuSample, GpuTelemetry, NodeCordon, NodeHeartbeat, NodeLiveness, PlaceJob, ReleaseJob,
+    Assignment, GpuHealth, GpuSample, GpuTelemetry, NodeCordon, NodeHeartbeat, NodeLiveness, NodeRemoved, PlaceJob,
+    ReleaseJob,
 )
 from streams import job_view, node_view
 from tests.builders import inventory
@@ -29,16 +30,20 @@ def payloads_for(source: str):
         return st.one_of(st.builds(lambda c, d: NodeCordon(node="n1", cordoned=c, drain=d), st.booleans(),
                                    st.booleans()),
                          st.builds(lambda card: GpuHealth(node="n1", gpu_uuid=card, healthy=True, reason="cleared"),
-                                   st.sampled_from(CARDS)))
+                                   st.sampled_from(CARDS)),
+                         st.builds(lambda r: NodeRemoved(node="n1", removed=r), st.booleans()))
     if source == "n1/liveness":
         return st.builds(lambda t: NodeLiveness(node="n1", alive=False, last_heartbeat_ms=t),
                          st.integers(0, 3000))
-    # the scheduler: placements and releases of a few jobs
+    # the scheduler: placements and releases of a few jobs, of several attempts (a release of an older one leaves a
+    # newer placement)
     return st.one_of(
-        st.builds(lambda j, card, m: PlaceJob(command_id=f"c-{j}-{m}", job_id=j, tenant="t", node="n1",
-                                              assignments=(Assignment(gpu_uuid=card, milli=m, memory_mib=100),)),
-                  st.sampled_from(["a", "b", "c"]), st.sampled_from(CARDS), st.integers(1, 1000)),
-        st.builds(lambda j: ReleaseJob(command_id=f"r-{j}", job_id=j, node="n1"), st.sampled_from(["a", "b", "c"])))
+        st.builds(lambda j, card, m, a: PlaceJob(command_id=f"c-{j}-{m}-{a}", job_id=j, tenant="t", node="n1",
+                                                 assignments=(Assignment(gpu_uuid=card, milli=m, memory_mib=100),),
+                                                 attempt=a),
+                  st.sampled_from(["a", "b", "c"]), st.sampled_from(CARDS), st.integers(1, 1000), st.integers(0, 3)),
+        st.builds(lambda j, a: ReleaseJob(command_id=f"r-{j}-{a}", job_id=j, node="n1", attempt=a),
+                  st.sampled_from(["a", "b", "c"]), st.integers(0, 3)))
 
 
 SOURCES = ["n1/inventory", "n1/telemetry", "op", "n1/liveness", "scheduler"]

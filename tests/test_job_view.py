@@ -26,3 +26,22 @@ def test_duplicate_is_a_no_op():
     e = c.env(job("j1"), "cli")
     v = evolve(None, e)
     assert evolve(v, e) is v
+
+
+def test_reports_of_an_interrupted_run_do_not_change_the_job():
+    from schemas.envelope import envelope
+    from schemas.events import JobCompleted, JobInterrupted, JobStarted
+    from streams.job_view import evolve
+    from tests.builders import job
+
+    v = evolve(None, envelope(job("j"), source="cli", seq=1, time_ms=1))
+    v = evolve(v, envelope(JobStarted(job_id="j", node="n1", command_id="c1"), source="n1/job/j", seq=1, time_ms=2))
+    v = evolve(v, envelope(JobInterrupted(job_id="j", node="n1", code="NodeLost", attempt=1, commands=("c1",)),
+                           source="scheduler", seq=5, time_ms=3))
+    assert (v.state, v.node, v.interruptions) == ("pending", "", 1)
+    # n1 comes back and reports the old run completing: not the job's completion
+    v = evolve(v, envelope(JobCompleted(job_id="j", node="n1", command_id="c1"), source="n1/job/j", seq=2, time_ms=4))
+    assert v.state == "pending"
+    v = evolve(v, envelope(JobStarted(job_id="j", node="n2", command_id="c9"), source="n2/job/j", seq=1, time_ms=5))
+    v = evolve(v, envelope(JobCompleted(job_id="j", node="n2", command_id="c9"), source="n2/job/j", seq=2, time_ms=6))
+    assert (v.state, v.node) == ("completed", "n2")

@@ -98,3 +98,25 @@ def test_other_nodes_records_are_ignored():
     c = Clock()
     v = fold([c.env(inventory("n1"), "n1/inventory")])
     assert evolve(v, c.env(NodeCordon(node="n2"), "op")) is v
+
+
+def test_a_removed_node_stays_out_until_re_added_and_older_attempts_leave_newer_holdings():
+    from schemas.events import NodeRemoved
+
+    c = Clock()
+    v = evolve(None, c.env(inventory("n1"), "n1/inventory"))
+    v = evolve(v, c.env(NodeRemoved(node="n1"), "operator", dt=10))
+    assert v.removed and not v.schedulable
+    v = evolve(v, c.env(inventory("n1"), "n1/inventory", dt=10))  # it reports again: still out
+    assert v.removed and not v.schedulable
+    v = evolve(v, c.env(NodeRemoved(node="n1", removed=False), "operator", dt=10))
+    assert not v.removed and v.schedulable
+    a = (Assignment(gpu_uuid=v.inventory.gpus[0].uuid, milli=1000, memory_mib=1),)
+    v = evolve(v, c.env(PlaceJob(command_id="c2", job_id="j", tenant="t", node="n1", assignments=a, attempt=2),
+                        "scheduler"))
+    v = evolve(v, c.env(ReleaseJob(command_id="c3", job_id="j", node="n1", attempt=1), "scheduler"))
+    v = evolve(v, c.env(PlaceJob(command_id="c1", job_id="j", tenant="t", node="n1", assignments=a,
+                                 attempt=1, cpu_milli=7), "scheduler"))
+    assert "j" in v.allocations and v.allocations["j"].attempt == 2 and v.allocations["j"].cpu_milli == 0
+    v = evolve(v, c.env(ReleaseJob(command_id="c4", job_id="j", node="n1", attempt=2), "scheduler"))
+    assert "j" not in v.allocations

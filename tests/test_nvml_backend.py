@@ -266,9 +266,10 @@ def cmd(payload, seq: int | None = None):
     return envelope(payload, source="scheduler", seq=seq if seq is not None else next(_SEQ), time_ms=0)
 
 
-def place(job: str, command_id: str, assignments=None, node: str = "n1", duration_s=None, resume_from=""):
+def place(job: str, command_id: str, assignments=None, node: str = "n1", duration_s=None, resume_from="",
+          attempt: int = 0):
     return PlaceJob(command_id=command_id, job_id=job, tenant="t", node=node, duration_s=duration_s,
-                    resume_from=resume_from,
+                    resume_from=resume_from, attempt=attempt,
                     assignments=assignments or (Assignment(gpu_uuid="GPU-aaaa", milli=1000, memory_mib=1024),))
 
 
@@ -411,6 +412,42 @@ def test_release_stops_without_reports():
 
     rec, ex = run(go())
     assert rec.kinds() == ["job.started"] and ex.running == {}
+
+
+def test_attempts_fence_superseded_placements_and_stale_stops():
+    async def go():
+        rec = Recorder()
+        ex = Executor("n1", rec, argv_for=lambda p: ["sleep", "30"])
+        await ex.execute(cmd(place("j", "c1", attempt=1)))
+        await ex.execute(cmd(ReleaseJob(command_id="c2", job_id="j", node="n1", attempt=1)))  # sent when it was lost
+        await ex.drain()
+        await ex.execute(cmd(place("j", "c3", attempt=2)))  # the job given to this node again
+        await ex.execute(cmd(place("j", "c4", attempt=1)))  # a late copy of the old placement: refused
+        await ex.execute(cmd(PreemptJob(command_id="c5", job_id="j", node="n1", attempt=1)))  # stale: spares 2
+        await ex.execute(cmd(ReleaseJob(command_id="c6", job_id="j", node="n1", attempt=1)))
+        await asyncio.gather(*ex.tasks)  # the stops under way (not the job: it runs on)
+        alive = ex.running["j"].command_id
+        await ex.execute(cmd(ReleaseJob(command_id="c7", job_id="j", node="n1", attempt=2)))
+        await ex.drain()
+        return rec, ex, alive
+
+    rec, ex, alive = run(go())
+    assert alive == "c3" and ex.running == {}
+    assert [p.command_id for p, _, _ in rec.events if isinstance(p, JobStarted)] == ["c1", "c3"]
+    assert rec.kinds() == ["job.started", "job.started"]  # no JobStopped for the stale preemption
+
+
+def test_shutdown_reports_stopped_with_the_placement_command():
+    async def go():
+        rec = Recorder()
+        ex = Executor("n1", rec, argv_for=lambda p: ["sleep", "30"])
+        await ex.execute(cmd(place("j", "c1", attempt=4)))
+        await ex.stop_all(grace_s=5)
+        return rec
+
+    rec = run(go())
+    stopped = [p for p, _, _ in rec.events if isinstance(p, JobStopped)]
+    assert [(p.command_id, p.reason) for p in stopped] == [("c1", "agent shutdown")]
 
 
 def test_commands_for_other_nodes_are_ignored_and_missing_commands_fail():

@@ -95,9 +95,9 @@ def test_views_set_by_hand_are_read_in_full():
     them: the next search reads every view."""
     from agents.scheduler.core import Scheduler
     from schemas.events import Tier
-    from tests.builders import Clock, inventory, job
+    from tests.builders import Clock, inventory, job, open_ledger
 
-    clock, s = Clock(), Scheduler()
+    clock, s = Clock(), Scheduler(ledger=open_ledger())
     for i in range(3):
         s.step(clock.env(inventory(f"n{i}", gpus=2), f"n{i}/inventory"))
     for k in range(6):
@@ -120,9 +120,9 @@ def test_protected_and_stopping_work_is_no_victim():
     neither is offered, on the node that still holds them, and the walk agrees."""
     from agents.scheduler.core import Scheduler
     from schemas.events import Tier
-    from tests.builders import Clock, inventory, job
+    from tests.builders import Clock, inventory, job, open_ledger
 
-    clock, s = Clock(), Scheduler()
+    clock, s = Clock(), Scheduler(ledger=open_ledger())
     s.step(clock.env(inventory("n0", gpus=4), "n0/inventory"))
     for k in range(4):
         s.step(clock.env(job(f"o{k}", compute=1000, mem_gib=80, tier=Tier.OFFLINE), f"cli/o{k}", dt=1))
@@ -141,9 +141,9 @@ def test_views_set_by_hand_then_folded_are_read_in_full():
     index still reads them all on the next search."""
     from agents.scheduler.core import Scheduler
     from schemas.events import NodeCordon, Tier
-    from tests.builders import Clock, inventory, job
+    from tests.builders import Clock, inventory, job, open_ledger
 
-    clock, s = Clock(), Scheduler()
+    clock, s = Clock(), Scheduler(ledger=open_ledger())
     for i in range(2):
         s.step(clock.env(inventory(f"n{i}", gpus=2), f"n{i}/inventory"))
     for k in range(4):

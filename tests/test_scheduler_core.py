@@ -2,12 +2,12 @@ import random
 
 from agents.scheduler.core import Scheduler, replay
 from schemas.events import SchedulerTick, UsageAccrued
-from tests.builders import Clock, inventory, job, run_to_completion
+from tests.builders import Clock, inventory, job, open_ledger, run_to_completion
 
 
 def test_usage_is_exact_integer_gpu_time_from_event_times():
     c = Clock()
-    s = Scheduler()
+    s = Scheduler(ledger=open_ledger())
     s.step(c.env(inventory("n1", model="A100-80GB", gpus=2), "n1/inventory"))
     (place,) = [e for e in s.step(c.env(job("j", compute=250, mem_gib=5), "cli")) if e.kind == "cmd.place"]
     outs = run_to_completion(s, c, place, runtime_ms=7_321)
@@ -20,7 +20,7 @@ def test_usage_is_exact_integer_gpu_time_from_event_times():
 
 def test_duplicate_input_emits_nothing():
     c = Clock()
-    s = Scheduler()
+    s = Scheduler(ledger=open_ledger())
     s.step(c.env(inventory(), "n1/inventory"))
     req = c.env(job("j"), "cli")
     assert s.step(req)
@@ -42,20 +42,20 @@ def _random_inputs(seed: int):
 
 def test_replaying_the_recorded_input_reproduces_every_output():
     inputs = _random_inputs(3)
-    _, first = replay(inputs)
-    _, second = replay(inputs)
+    _, first = replay(inputs, ledger=open_ledger())
+    _, second = replay(inputs, ledger=open_ledger())
     assert first and [e.model_dump() for e in first] == [e.model_dump() for e in second]
 
 
 def test_no_card_is_over_allocated():
-    s, _ = replay(_random_inputs(11))
+    s, _ = replay(_random_inputs(11), ledger=open_ledger())
     for v in s.nodes.values():
         for card in v.card_free():
             assert card.milli >= 0 and card.memory_mib >= 0
 
 
 def test_converged_state_stays_converged():
-    s, _ = replay(_random_inputs(5))
+    s, _ = replay(_random_inputs(5), ledger=open_ledger())
     c = Clock(s.now_ms)
     for _ in range(3):
         assert s.step(c.env(SchedulerTick(now_ms=c.now), "ticker2", dt=1000)) == []

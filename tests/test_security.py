@@ -23,7 +23,7 @@ from infra.principals import access_table
 from infra.security import KafkaConn
 from schemas.envelope import decode
 from schemas.events import JobCancelled, JobRequested, NodeCordon, QuotaSet, ReservationRequested, Tier
-from tests.live import cli, job_states, read_topic, wait_for
+from tests.live import cli, job_states, quotas, read_topic, wait_for
 
 pytestmark = pytest.mark.broker
 REPO = Path(__file__).resolve().parent.parent
@@ -43,6 +43,7 @@ def pool(tmp_path_factory, broker_mode, libs_home):
         for name, role, tenant in (("alice", "tenant", "acme"), ("bob", "tenant", "globex"),
                                    ("fin", "finance", None), ("aud", "auditor", None)):
             s.add_user(name, role, tenant)
+        quotas(s, "acme", "globex")  # without one a tenant runs nothing
         wait_for(lambda: s.client().api("/cluster/")["cards"] == 8, 60, "the fleet", s)
         yield s
     finally:

@@ -23,6 +23,7 @@ def _booked(now: int) -> tuple[Scheduler, Clock]:
     clock = Clock(now)
     s = Scheduler()
     s.step(clock.env(inventory("n1", gpus=4), "n1/inventory"), now)
+    s.step(clock.env(QuotaSet(tenant="acme", gpu_milli=4000), "in/admin/acme"), now)
     out = s.step(clock.env(ReservationRequested(reservation_id="acme/r1", tenant="acme", compute_milli=1000,
                                                 gpu_memory_mib=10 * 1024, start_ms=now + 60_000,
                                                 end_ms=now + 3_600_000), "in/admin/acme/r1"), now)
@@ -69,6 +70,7 @@ def test_two_requests_that_reuse_a_clients_sequence_number_are_both_scheduled():
     # negative control: trusting the client's (source, seq) loses the second
     s2 = Scheduler()
     s2.step(clock.env(inventory("n1", gpus=4), "n1/inventory"), now)
+    s2.step(clock.env(QuotaSet(tenant="acme", gpu_milli=4000), "in/admin/acme"), now)
     lost = []
     for job_id in ("a", "b"):
         env = envelope(JobRequested(job_id=f"acme/{job_id}", tenant="acme", compute_milli=100, gpu_memory_mib=1024),
@@ -82,6 +84,7 @@ def test_a_reused_job_id_with_other_content_is_rejected_the_same_request_is_a_no
     clock = Clock(now)
     s = Scheduler()
     s.step(clock.env(inventory("n1", gpus=4), "n1/inventory"), now)
+    s.step(clock.env(QuotaSet(tenant="acme", gpu_milli=4000), "in/admin/acme"), now)
     first = {"kind": "job.requested", "job_id": "train", "tenant": "acme", "compute_milli": 100,
              "gpu_memory_mib": 1024}
     view = None

@@ -367,13 +367,14 @@ def test_from_spec_schedules_the_fleet_files_faults(tmp_path):
         SimFleetAgent.from_spec(None, str(spec))
 
 
-def test_restart_fails_running_jobs_and_republishes_the_inventory():
+def test_restart_stops_running_jobs_at_their_last_checkpoint_and_republishes_the_inventory():
     async def go():
         ag, rec = agent()
         await ag.execute(cmd(place("a", "c1", duration=2)))
-        await ag.execute(cmd(place("b", "c2", card="GPU-n1-1", duration=None)))
+        await ag.execute(cmd(place("b", "c2", card="GPU-n1-1", duration=None, checkpoint_interval_s=1)))
         await ag.execute(cmd(place("m", "c3", node="n2", duration=2,
                                    assignments=whole("GPU-n2-0", 428, 1, mig_uuid="MIG-n2-0-0"))))
+        await asyncio.sleep(1.5 / SPEEDUP)  # b has checkpointed once (at 1 s)
         await ag.apply("restart:n1")
         await ag.publish_telemetry()
         await asyncio.sleep(3 / SPEEDUP)  # past a's duration: it must not complete any more
@@ -381,15 +382,71 @@ def test_restart_fails_running_jobs_and_republishes_the_inventory():
         return ag, rec
 
     ag, rec = run(go())
-    failed = rec.envs(JobFailed)
-    assert [(e.payload.job_id, e.payload.node, e.payload.reason, e.payload.command_id) for e in failed] == [
-        ("a", "n1", "agent restarted", "c1"), ("b", "n1", "agent restarted", "c2")]
+    assert rec.envs(JobFailed) == []
+    stopped = rec.envs(JobStopped)
+    # lost with the agent: reported stopped at the last checkpoint (the scheduler requeues them from there), with the
+    # placement's command id (no command asked for the stop)
+    assert [(e.payload.job_id, e.payload.node, e.payload.reason, e.payload.command_id, e.payload.checkpoint)
+            for e in stopped] == [("a", "n1", "agent restarted", "c1", ""),
+                                  ("b", "n1", "agent restarted", "c2", "ckpt:b:1000")]
     (inv,) = rec.envs(NodeInventory)
     assert inv.payload == ag.nodes["n1"].inventory and inv.source == "n1/inventory"
-    assert inv.event_time_ms >= failed[-1].event_time_ms
+    assert inv.event_time_ms >= stopped[-1].event_time_ms
     assert [p.job_id for p in rec.payloads(JobCompleted)] == ["m"]  # the other node's job is untouched
     (tel,) = rec.telemetry("n1")
     assert all(s.job_ids == () for s in tel.payload.samples)
+    check_lifecycle_causes(rec)
+
+
+def test_a_superseded_attempt_is_never_run_and_a_stop_of_an_old_attempt_spares_the_new_run():
+    async def go():
+        ag, rec = agent()
+        await ag.execute(cmd(place("j", "c1", duration=None, attempt=1)))
+        # the node was lost: the release of attempt 1 (sent then) arrives, then attempt 2 is placed here again
+        await ag.execute(cmd(ReleaseJob(command_id="c2", job_id="j", node="n1", attempt=1)))
+        assert "j" not in ag.nodes["n1"].running
+        await ag.execute(cmd(place("j", "c3", duration=None, attempt=2)))
+        assert ag.nodes["n1"].running["j"].attempt == 2
+        # a late or redelivered placement of attempt 1 is refused; a late stop of attempt 1 leaves attempt 2 alone
+        await ag.execute(cmd(place("j", "c4", duration=None, attempt=1)))
+        await ag.execute(cmd(PreemptJob(command_id="c5", job_id="j", node="n1", attempt=1)))
+        await ag.execute(cmd(ReleaseJob(command_id="c6", job_id="j", node="n1", attempt=1)))
+        await ag.execute(cmd(ResizeJob(command_id="c7", job_id="j", node="n1", attempt=1,
+                                       assignments=whole("GPU-n1-0", 300))))
+        run2 = ag.nodes["n1"].running["j"]
+        assert (run2.attempt, run2.command_id, run2.assignments[0].milli) == (2, "c3", 1000)
+        # a placement of attempt 3 while attempt 2 still runs (its release never came): 3 replaces 2, once
+        await ag.execute(cmd(place("j", "c8", duration=None, attempt=3)))
+        assert ag.nodes["n1"].running["j"].command_id == "c8"
+        # the release of attempt 3 ends it; a placement of 3 after it does not start
+        await ag.execute(cmd(ReleaseJob(command_id="c9", job_id="j", node="n1", attempt=3)))
+        await ag.execute(cmd(place("j", "c10", duration=None, attempt=3)))
+        assert "j" not in ag.nodes["n1"].running
+        await stop(ag)
+        return rec
+
+    rec = run(go())
+    assert [p.command_id for p in rec.payloads(JobStarted)] == ["c1", "c3", "c8"]
+    assert rec.payloads(JobStopped) == []  # the stale preemption stopped nothing, so it reports nothing
+
+
+def test_shutdown_checkpoints_and_reports_every_running_job_stopped():
+    async def go():
+        ag, rec = agent(speedup=1.0, telemetry_interval_s=0.05)
+        task = asyncio.create_task(ag.run(consume_commands=False))
+        await asyncio.sleep(0.05)
+        await ag.execute(cmd(place("j", "c1", duration=None)))
+        await asyncio.sleep(0.1)
+        ag.stopping.set()
+        await task
+        return ag, rec
+
+    ag, rec = run(go())
+    (stopped,) = rec.payloads(JobStopped)
+    (ckpt,) = rec.payloads(JobCheckpointed)
+    assert (stopped.job_id, stopped.command_id, stopped.reason) == ("j", "c1", "agent shutdown")
+    assert stopped.checkpoint == ckpt.checkpoint == f"ckpt:j:{stopped.progress_ms}" and stopped.progress_ms >= 100
+    assert not ag.nodes["n1"].running
     check_lifecycle_causes(rec)
 
 

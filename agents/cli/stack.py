@@ -309,9 +309,12 @@ def cmd_agent(cfg, args) -> int:
     if not args.simulate:
         from agents.node.nvml_agent import run_nvml_agent  # real cards
         return run_nvml_agent(cfg, args)
-    agent = SimFleetAgent.from_spec(cfg, args.simulate, telemetry_interval_s=args.interval,
-                                    group_id=args.group or "gpupool-agent-sim", faults=args.fault or [],
-                                    principal=args.principal)
+    try:
+        agent = SimFleetAgent.from_spec(cfg, args.simulate, telemetry_interval_s=args.interval,
+                                        group_id=args.group or "gpupool-agent-sim", faults=args.fault or [],
+                                        principal=args.principal)
+    except (OSError, ValueError) as exc:  # a bad fleet file or fault: one line naming it
+        raise SystemExit(f"gpupool agent: {exc}") from None
 
     async def main():
         loop = asyncio.get_running_loop()

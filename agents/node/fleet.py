@@ -2,6 +2,10 @@
 
 Card UUIDs are derived from node name and index, so the same fleet file always yields the same inventory.
 MIG-capable models can start with a MIG layout, following the real profile placement rules.
+
+A fleet is checked as it is read: an unknown card model, a missing or misspelt field, a value of the wrong type is a
+ValueError of one line naming the file and the field (`fleet f.yaml: nodes[2].model: unknown card model 'A100'
+(known: ...)`), never a node built from a guess.
 """
 from __future__ import annotations
 
@@ -11,7 +15,23 @@ from pathlib import Path
 import yaml
 
 from schemas.events import GpuCard, MigInstance, NodeInventory
-from schemas.gpu_models import MIG_COMPUTE_SLICES, MIG_MEMORY_SLICES, mig_profile, model
+from schemas.gpu_models import MIG_COMPUTE_SLICES, MIG_MEMORY_SLICES, MODELS, mig_profile, model
+
+FIELDS = {  # a node entry's fields: type, and whether it must be given (names and versions may be written as numbers)
+    "name": (str, False), "prefix": (str, False), "count": (int, False), "model": (str, True), "gpus": (int, True),
+    "cpu_milli": (int, False), "memory_mib": (int, False), "rack": (str, False), "nodes_per_rack": (int, False),
+    "datacenter": (str, False), "nvlink": (bool, False), "mig": (list, False), "driver": (str, False),
+    "cuda": (str, False),
+}
+AS_TEXT = frozenset({"name", "prefix", "rack", "datacenter", "driver", "cuda"})
+MINIMUM = {"count": 1, "gpus": 1, "cpu_milli": 0, "memory_mib": 0, "nodes_per_rack": 0}
+
+
+def known_model(name: str, where: str) -> str:
+    """The card model, if the project knows it (schemas/gpu_models.py); a fleet never invents one."""
+    if name not in MODELS:
+        raise ValueError(f"{where}: unknown card model {name!r} (known: {', '.join(sorted(MODELS))})")
+    return name
 
 
 def card_uuid(node: str, index: int) -> str:
@@ -69,7 +89,7 @@ def mig_layout(node: str, index: int, model_name: str, profiles: list[str]) -> t
 def make_node(name: str, gpu_model: str, gpus: int, *, cpu_milli: int = 64000, memory_mib: int = 256 * 1024,
               rack: str = "rack-0", datacenter: str = "dc-0", nvlink: bool = True,
               mig: list[str] | None = None, driver: str = "550.54.15", cuda: str = "12.4") -> NodeInventory:
-    m = model(gpu_model)
+    m = model(known_model(gpu_model, f"node {name}: model"))
     cards = []
     for i in range(gpus):
         layout = mig_layout(name, i, gpu_model, list(mig)) if mig else ()
@@ -90,20 +110,27 @@ def from_yaml(path: str | Path) -> list[NodeInventory]:
 
     One entry with `count: N` gives N nodes named `<prefix>-0..N-1`; with `nodes_per_rack: K` they fill racks
     `<rack>-0`, `<rack>-1`, ... K at a time. Cards of one node are NVLink peers unless `nvlink: false`."""
-    doc = yaml.safe_load(Path(path).read_text()) or {}
+    doc = _document(path)
     out = []
-    for spec in doc.get("nodes") or []:
-        count = int(spec.get("count", 1))
-        per_rack = int(spec.get("nodes_per_rack", 0))
-        rack = str(spec.get("rack", "rack-0"))
+    nodes = doc.get("nodes")
+    if nodes is None or not isinstance(nodes, list):
+        raise ValueError(f"fleet {path}: nodes: a list of node entries is required")
+    for i, spec in enumerate(nodes):
+        spec = _entry(path, i, spec)
+        count = spec.get("count", 1)
+        per_rack = spec.get("nodes_per_rack", 0)
+        rack = spec.get("rack", "rack-0")
         for k in range(count):
             name = spec["name"] if count == 1 and "name" in spec else f"{spec.get('prefix', spec.get('name'))}-{k}"
-            out.append(make_node(name, spec["model"], int(spec["gpus"]), cpu_milli=int(spec.get("cpu_milli", 64000)),
-                                 memory_mib=int(spec.get("memory_mib", 256 * 1024)),
-                                 rack=f"{rack}-{k // per_rack}" if per_rack else rack,
-                                 datacenter=str(spec.get("datacenter", "dc-0")), nvlink=bool(spec.get("nvlink", True)),
-                                 mig=spec.get("mig"), driver=str(spec.get("driver", "550.54.15")),
-                                 cuda=str(spec.get("cuda", "12.4"))))
+            try:
+                out.append(make_node(name, spec["model"], spec["gpus"], cpu_milli=spec.get("cpu_milli", 64000),
+                                     memory_mib=spec.get("memory_mib", 256 * 1024),
+                                     rack=f"{rack}-{k // per_rack}" if per_rack else rack,
+                                     datacenter=spec.get("datacenter", "dc-0"), nvlink=spec.get("nvlink", True),
+                                     mig=spec.get("mig"), driver=spec.get("driver", "550.54.15"),
+                                     cuda=spec.get("cuda", "12.4")))
+            except ValueError as exc:
+                raise ValueError(f"fleet {path}: nodes[{i}]: {exc}") from None
     names = [n.node for n in out]
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
@@ -111,17 +138,74 @@ def from_yaml(path: str | Path) -> list[NodeInventory]:
     return out
 
 
+def _document(path: str | Path) -> dict:
+    try:
+        doc = yaml.safe_load(Path(path).read_text())
+    except OSError as exc:
+        raise ValueError(f"fleet {path}: cannot read it: {exc.strerror or exc}") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        at = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+        raise ValueError(f"fleet {path}: not valid YAML: {getattr(exc, 'problem', None) or exc}{at}") from None
+    doc = doc or {}
+    if not isinstance(doc, dict):
+        raise ValueError(f"fleet {path}: a mapping with `nodes` (and optionally `faults`) is required")
+    extra = sorted(set(doc) - {"nodes", "faults"})
+    if extra:
+        raise ValueError(f"fleet {path}: {extra[0]}: unknown field (known: faults, nodes)")
+    return doc
+
+
+def _entry(path: str | Path, i: int, spec) -> dict:
+    """One node entry, checked: known fields, each of its type and range, a known card model, a name or prefix."""
+    where = f"fleet {path}: nodes[{i}]"
+    if not isinstance(spec, dict):
+        raise ValueError(f"{where}: a mapping of node fields is required")
+    spec = {k: str(v) if k in AS_TEXT and isinstance(v, (int, float)) and not isinstance(v, bool) else v
+            for k, v in spec.items()}
+    for key, value in spec.items():
+        if key not in FIELDS:
+            raise ValueError(f"{where}.{key}: unknown field (known: {', '.join(sorted(FIELDS))})")
+        kind = FIELDS[key][0]
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise ValueError(f"{where}.{key}: {value!r} is not {'an integer' if kind is int else kind.__name__}")
+        if key in MINIMUM and value < MINIMUM[key]:
+            raise ValueError(f"{where}.{key}: {value} is below {MINIMUM[key]}")
+        if key == "mig" and not all(isinstance(p, str) for p in value):
+            raise ValueError(f"{where}.mig: a list of MIG profile names is required")
+    for key, (_, required) in FIELDS.items():
+        if required and key not in spec:
+            raise ValueError(f"{where}.{key}: required")
+    if "name" not in spec and "prefix" not in spec:
+        raise ValueError(f"{where}.name: required (or `prefix` with `count`)")
+    known_model(spec["model"], f"{where}.model")
+    return spec
+
+
 def from_openb_csv(path: str | Path, limit: int | None = None, nodes_per_rack: int = 16) -> list[NodeInventory]:
     """openb node list (sn, cpu_milli, memory_mib, gpu, model); GPU-less rows are skipped."""
     out = []
-    with open(path, newline="") as f:
-        for row in csv.DictReader(f):
-            if int(row["gpu"]) == 0:
-                continue
+    try:
+        f = open(path, newline="")
+    except OSError as exc:
+        raise ValueError(f"fleet {path}: cannot read it: {exc.strerror or exc}") from None
+    with f:
+        for line, row in enumerate(csv.DictReader(f), start=2):
+            where = f"fleet {path}: line {line}"
+            try:
+                gpus = int(row["gpu"])
+                if gpus == 0:
+                    continue
+                cpu, mem = int(row["cpu_milli"]), int(row["memory_mib"])
+                name, card = row["sn"], row["model"]
+            except KeyError as exc:
+                raise ValueError(f"{where}: column {exc.args[0]} missing (want sn, cpu_milli, memory_mib, gpu, "
+                                 "model)") from None
+            except (TypeError, ValueError):
+                raise ValueError(f"{where}: gpu, cpu_milli and memory_mib must be integers") from None
             n = len(out)
-            out.append(make_node(row["sn"], row["model"], int(row["gpu"]), cpu_milli=int(row["cpu_milli"]),
-                                 memory_mib=int(row["memory_mib"]), rack=f"rack-{n // nodes_per_rack}",
-                                 datacenter=f"dc-{n // (nodes_per_rack * 8)}"))
+            out.append(make_node(name, known_model(card, f"{where}: model"), gpus, cpu_milli=cpu, memory_mib=mem,
+                                 rack=f"rack-{n // nodes_per_rack}", datacenter=f"dc-{n // (nodes_per_rack * 8)}"))
             if limit and len(out) >= limit:
                 break
     return out
@@ -130,7 +214,10 @@ def from_openb_csv(path: str | Path, limit: int | None = None, nodes_per_rack: i
 def load(spec: str) -> list[NodeInventory]:
     """A fleet file (.yaml/.yml/.csv) or `demo:N` for N mixed nodes."""
     if spec.startswith("demo:"):
-        return demo_fleet(int(spec.split(":", 1)[1]))
+        n = spec.split(":", 1)[1]
+        if not n.isdigit() or int(n) < 1:
+            raise ValueError(f"fleet {spec}: demo:N wants a positive number of nodes")
+        return demo_fleet(int(n))
     if spec.endswith(".csv"):
         return from_openb_csv(spec)
     return from_yaml(spec)
@@ -148,12 +235,15 @@ def load_faults(spec: str) -> list[str]:
     form SimFleetAgent.inject takes; none for `demo:N` and CSV fleets."""
     if spec.startswith("demo:") or spec.endswith(".csv"):
         return []
-    doc = yaml.safe_load(Path(spec).read_text()) or {}
+    doc = _document(spec)
     out = []
     for i, f in enumerate(doc.get("faults") or []):
         if not isinstance(f, dict) or "fault" not in f:
             raise ValueError(f"fleet {spec}: faults[{i}] needs a `fault` (and optionally `at` seconds)")
-        at = float(f.get("at", 0))
+        try:
+            at = float(f.get("at", 0))
+        except (TypeError, ValueError):
+            raise ValueError(f"fleet {spec}: faults[{i}].at: {f.get('at')!r} is not a number of seconds") from None
         if at < 0:
             raise ValueError(f"fleet {spec}: faults[{i}] at {at} is negative")
         out.append(f"{f['fault']}@{at:g}")

@@ -2,7 +2,8 @@
 
 It publishes the node's inventory at start and whenever NVML's view of it changes, one telemetry batch per interval
 (the batch is also the heartbeat), and GpuHealth events for card faults. It carries out the scheduler's commands
-addressed to this node once per command id.
+addressed to this node once per command id, fenced by attempt (agents/node/fencing.py): a placement of a superseded
+attempt is refused, a stop ends only its own run or an older one, a newer placement replaces an older run.
 
 What a placed job runs. A PlaceJob carries no command (the scheduler never needs one), so the agent looks it up:
   * GPUPOOL_JOB_COMMANDS: inline JSON, or the path of a JSON file, mapping a job id (or "*" for any job) to an argv
@@ -30,6 +31,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from agents.node.fencing import Fence
 from agents.node.sim_agent import parse_checkpoint, wall_ms
 from infra.kafka_client import consume_commands
 from infra.security import NODE, kafka_conn
@@ -93,6 +95,7 @@ class JobProc:
     assignments: tuple[Assignment, ...]
     stopping: bool = False
     waiter: asyncio.Task | None = None
+    attempt: int = 0  # the placement's attempt (PlaceJob.attempt)
 
     def progress(self, now: int) -> int:
         return self.base_progress_ms + max(0, now - self.started_ms)
@@ -118,6 +121,7 @@ class Executor:
         # A stop that found nothing to stop, per job: (source, seq). A placement of that job from the same source with
         # a lower seq was overtaken by the stop and must not start.
         self.fences: dict[str, tuple[str, int]] = {}
+        self.fence = Fence()  # by attempt: which run of each job this node may run
         self.tasks: set[asyncio.Task] = set()
 
     def _src(self, job_id: str) -> str:
@@ -144,12 +148,14 @@ class Executor:
             case PlaceJob():
                 await self._place(env, p)
             case PreemptJob():
-                self._background(self._stop(env, p.job_id, p.command_id, float(p.grace_s), report=True))
+                self._background(self._stop(env, p.job_id, p.command_id, float(p.grace_s), report=True,
+                                            attempt=p.attempt))
             case ReleaseJob():
-                self._background(self._stop(env, p.job_id, p.command_id, RELEASE_GRACE_S, report=False))
+                self._background(self._stop(env, p.job_id, p.command_id, RELEASE_GRACE_S, report=False,
+                                            attempt=p.attempt))
             case ResizeJob():
                 job = self.running.get(p.job_id)
-                if job:
+                if job and self.fence.applies(p.attempt, job.attempt):
                     # A process's CUDA_VISIBLE_DEVICES is fixed at start; the new slices apply from its next start.
                     log.info("resize of %s recorded; the running process keeps its devices", p.job_id)
                     job.assignments = p.assignments
@@ -157,8 +163,18 @@ class Executor:
                 await self._mig(p)
 
     async def _place(self, env: Envelope, p: PlaceJob) -> None:
-        if p.job_id in self.running:
+        old = self.running.get(p.job_id)
+        what = self.fence.place(p.job_id, p.attempt, old.attempt if old else None)
+        if what == "refuse":
+            log.warning("placement %s of %s is of a superseded attempt (%d); not starting it", p.command_id, p.job_id,
+                        p.attempt)
             return
+        if what == "running":
+            return
+        if what == "replace":
+            log.warning("%s: attempt %d replaces the superseded attempt %d still running", p.job_id, p.attempt,
+                        old.attempt)
+            await self._stop(None, p.job_id, p.command_id, RELEASE_GRACE_S, report=False, attempt=old.attempt)
         fence = self.fences.get(p.job_id)
         if fence is not None:
             if fence[0] == env.source and env.seq < fence[1]:
@@ -195,7 +211,7 @@ class Executor:
             if out is not None:
                 out.close()
         job = JobProc(p.job_id, p.command_id, proc, self.clock(), parse_checkpoint(p.resume_from), p.resume_from,
-                      p.assignments)
+                      p.assignments, attempt=p.attempt)
         self.running[p.job_id] = job
         await self.publish(JobStarted(job_id=p.job_id, node=self.node, command_id=p.command_id), src, p.command_id)
         job.waiter = asyncio.create_task(self._wait(job))
@@ -215,9 +231,14 @@ class Executor:
             await self.publish(JobFailed(job_id=job.job_id, node=self.node, reason=why, command_id=job.command_id),
                                src, job.command_id)
 
-    async def _stop(self, env: Envelope | None, job_id: str, command_id: str, grace_s: float, *, report: bool) -> None:
+    async def _stop(self, env: Envelope | None, job_id: str, command_id: str, grace_s: float, *, report: bool,
+                    attempt: int = 0, reason: str = "") -> None:
         job = self.running.get(job_id)
         src = self._src(job_id)
+        running = job.attempt if job is not None and job.proc.returncode is None else None
+        if not self.fence.stops(job_id, attempt, running) and running is not None:
+            log.info("stop of attempt %d of %s leaves its newer attempt %d running", attempt, job_id, running)
+            return
         if job is None or job.proc.returncode is not None:
             if job is None and env is not None:
                 self.fences[job_id] = (env.source, env.seq)
@@ -231,8 +252,8 @@ class Executor:
             await job.proc.wait()
             if report:
                 await self.publish(JobStopped(job_id=job_id, node=self.node, command_id=command_id,
-                                              progress_ms=job.base_progress_ms, checkpoint=job.resume_from),
-                                   src, command_id)
+                                              progress_ms=job.base_progress_ms, checkpoint=job.resume_from,
+                                              reason=reason), src, command_id)
             return
         job.stopping = True
         graceful = await terminate(job.proc, grace_s)
@@ -248,13 +269,15 @@ class Executor:
         else:
             progress, ckpt = job.base_progress_ms, job.resume_from  # killed: its last checkpoint is the old one
         await self.publish(JobStopped(job_id=job_id, node=self.node, command_id=command_id, progress_ms=progress,
-                                      checkpoint=ckpt), src, command_id)
+                                      checkpoint=ckpt, reason=reason), src, command_id)
 
     async def stop_all(self, grace_s: float) -> None:
-        """Agent shutdown: jobs are checkpointed and reported stopped, so the scheduler places them again rather than
-        waiting for completions no one will report."""
+        """Agent shutdown: jobs are checkpointed and reported stopped (reason "agent shutdown"; the command id is the
+        placement's: no command asked for it), so the scheduler places them again rather than waiting for
+        completions no one will report."""
         for job_id, job in list(self.running.items()):
-            self._background(self._stop(None, job_id, f"shutdown-{job.command_id}", grace_s, report=True))
+            self._background(self._stop(None, job_id, job.command_id, grace_s, report=True, attempt=job.attempt,
+                                        reason="agent shutdown"))
         await self.drain()
 
     async def _mig(self, p: MigReconfigure) -> None:

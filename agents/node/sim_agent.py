@@ -16,8 +16,14 @@ Faults (`inject`, the CLI's --fault, a fleet file's `faults:`), each optionally 
   lose:NODE          the node is gone: no telemetry, its jobs die silently, commands to it are not received
   slow:NODE:FACTOR   jobs placed on the node from now on take FACTOR times as long (checkpoints too)
   recover:NODE       the node is back at full speed and re-publishes its inventory
-  restart:NODE       the node's agent restarts: each running job is lost (JobFailed "agent restarted"), and the
-                     inventory is published again
+  restart:NODE       the node's agent restarts: each running job is lost and reported stopped at its last
+                     checkpoint (JobStopped reason "agent restarted": the scheduler requeues it to resume from there),
+                     and the inventory is published again
+
+Commands are fenced (agents/node/fencing.py): a placement of a superseded attempt is refused, a stop ends only its
+own run or an older one. When the agent stops (run() ends: SIGTERM, `gpupool down`) every running job is
+checkpointed and reported stopped (JobStopped reason "agent shutdown"), so the scheduler bills it to that moment and
+places it again when capacity comes back, rather than waiting for completions no one will report.
 """
 from __future__ import annotations
 
@@ -27,13 +33,14 @@ import time
 from dataclasses import dataclass, field
 
 from aiokafka import AIOKafkaProducer
+from agents.node.fencing import Fence
 from infra.kafka_client import consume_commands
 from infra.security import NODE, kafka_conn
 
 from infra.config import Config
 from schemas.envelope import Envelope, encode, envelope
 from schemas.events import (
-    Assignment, GpuSample, GpuTelemetry, JobCheckpointed, JobCompleted, JobFailed, JobStarted, JobStopped,
+    Assignment, GpuSample, GpuTelemetry, JobCheckpointed, JobCompleted, JobStarted, JobStopped,
     MigReconfigure, NodeInventory, PlaceJob, PreemptJob, ReleaseJob, ResizeJob,
 )
 from schemas.gpu_models import mig_profile
@@ -41,6 +48,7 @@ from schemas.routing import route
 
 log = logging.getLogger("gpupool.agent")
 
+SHUTDOWN_REPORT_S = 10.0  # how long shutdown waits to report the running jobs stopped
 FAULT_KINDS = {"ecc": 2, "clear": 2, "lose": 1, "slow": 2, "recover": 1, "restart": 1}  # kind -> number of fields
 
 
@@ -67,10 +75,18 @@ class Running:
     slow: float = 1.0  # the node's slow factor when the job started: wall time = progress * slow
     started_mono: float = 0.0  # event-loop time at start (the sleeps aim at absolute targets, so nothing drifts)
     task: asyncio.Task | None = None
+    attempt: int = 0  # the placement's attempt (PlaceJob.attempt)
 
     def progress(self, now: int) -> int:
         p = self.base_progress_ms + int(max(0, now - self.started_ms) / self.slow)
         return min(p, self.duration_ms) if self.duration_ms is not None else p
+
+    def last_checkpoint(self, now: int) -> int:
+        """Progress at the last checkpoint the run reported (where it resumes from if it dies now)."""
+        if not self.checkpoint_ms:
+            return self.base_progress_ms
+        done = self.progress(now) - self.base_progress_ms
+        return self.base_progress_ms + done // self.checkpoint_ms * self.checkpoint_ms
 
 
 @dataclass
@@ -80,6 +96,7 @@ class SimNode:
     ecc_faults: set[str] = field(default_factory=set)
     lost: bool = False
     slow_factor: float = 1.0
+    fence: Fence = field(default_factory=Fence)
 
 
 @dataclass(frozen=True)
@@ -247,20 +264,31 @@ class SimFleetAgent:
         now = self.now_ms()
         match p:
             case PlaceJob():
-                if p.job_id in node.running:
+                old = node.running.get(p.job_id)
+                what = node.fence.place(p.job_id, p.attempt, old.attempt if old else None)
+                if what == "refuse":
+                    log.warning("%s: placement %s of %s is of a superseded attempt (%d); not starting it",
+                                node_name, p.command_id, p.job_id, p.attempt)
+                    return
+                if what == "running":
                     return  # already running here: a second place for it changes nothing
+                if what == "replace":  # an older run of the job, superseded: the new one replaces it
+                    node.running.pop(p.job_id)
+                    if old.task:
+                        old.task.cancel()
                 r = Running(p.command_id, p.assignments, now,
                             p.duration_s * 1000 if p.duration_s is not None else None, parse_checkpoint(p.resume_from),
                             checkpoint_ms=p.checkpoint_interval_s * 1000, slow=node.slow_factor,
-                            started_mono=self._mono_now())
+                            started_mono=self._mono_now(), attempt=p.attempt)
                 node.running[p.job_id] = r
                 await self.publish(JobStarted(job_id=p.job_id, node=node_name, command_id=p.command_id),
                                    f"{node_name}/job/{p.job_id}", now, cause=p.command_id)
                 r.task = self._spawn(self._run_job(node_name, p.job_id, r))
             case PreemptJob():
-                r = node.running.pop(p.job_id, None)
-                if r is None:
-                    return  # not running here (finished, never placed, or already stopped): nothing to stop
+                r = node.running.get(p.job_id)
+                if not node.fence.stops(p.job_id, p.attempt, r.attempt if r else None):
+                    return  # not running here (finished, never placed, already stopped), or a newer run is
+                node.running.pop(p.job_id)
                 if r.task:
                     r.task.cancel()
                 progress = r.progress(now)
@@ -271,12 +299,14 @@ class SimFleetAgent:
                 await self.publish(JobStopped(job_id=p.job_id, node=node_name, command_id=p.command_id,
                                               progress_ms=progress, checkpoint=ckpt), src, now, p.command_id)
             case ReleaseJob():
-                r = node.running.pop(p.job_id, None)
-                if r and r.task:
-                    r.task.cancel()
+                r = node.running.get(p.job_id)
+                if node.fence.stops(p.job_id, p.attempt, r.attempt if r else None):
+                    node.running.pop(p.job_id)
+                    if r.task:
+                        r.task.cancel()
             case ResizeJob():
                 r = node.running.get(p.job_id)
-                if r:
+                if r and node.fence.applies(p.attempt, r.attempt):
                     r.assignments = p.assignments
             case MigReconfigure():
                 # Simulation applies the layout; the NVML backend does so only with an explicit opt-in.
@@ -376,10 +406,33 @@ class SimFleetAgent:
                 return []
             now = self.now_ms()
             lost = sorted(self._drop_jobs(node).items())
-            msgs = [(JobFailed(job_id=job_id, node=f.node, reason="agent restarted", command_id=r.command_id),
-                     f"{f.node}/job/{job_id}", now, r.command_id) for job_id, r in lost]
+            msgs = [self._stopped(f.node, job_id, r, r.last_checkpoint(now), "agent restarted", now)
+                    for job_id, r in lost]
             return msgs + [(node.inventory, f"{f.node}/inventory", now, None)]
         return []
+
+    @staticmethod
+    def _stopped(node: str, job_id: str, r: Running, progress: int, why: str, now: int) -> tuple:
+        """A JobStopped the agent sends of its own accord (no preempt asked for it): the placement's command id,
+        the checkpoint it resumes from."""
+        ckpt = f"ckpt:{job_id}:{progress}" if progress else ""
+        return (JobStopped(job_id=job_id, node=node, command_id=r.command_id, progress_ms=progress, checkpoint=ckpt,
+                           reason=why), f"{node}/job/{job_id}", now, r.command_id)
+
+    async def stop_jobs(self) -> None:
+        """Shutdown: every running job checkpoints now and is reported stopped (reason "agent shutdown")."""
+        now = self.now_ms()
+        msgs = []
+        for name, node in sorted(self.nodes.items()):
+            if node.lost:
+                continue
+            for job_id, r in sorted(self._drop_jobs(node).items()):
+                progress = r.progress(now)
+                msgs.append((JobCheckpointed(job_id=job_id, node=name, progress_ms=progress,
+                                             checkpoint=f"ckpt:{job_id}:{progress}", command_id=r.command_id),
+                             f"{name}/job/{job_id}", now, r.command_id))
+                msgs.append(self._stopped(name, job_id, r, progress, "agent shutdown", now))
+        await self._send_all(msgs)
 
     # ---------------------------------------------------------------- the process
 
@@ -401,6 +454,10 @@ class SimFleetAgent:
             await self.producer.flush()
             await asyncio.gather(self.telemetry_loop(), *([self.command_loop()] if consume_commands else []))
         finally:
+            try:
+                await asyncio.wait_for(self.stop_jobs(), SHUTDOWN_REPORT_S)
+            except (asyncio.TimeoutError, Exception) as exc:  # noqa: BLE001 - a broker gone first: nothing to tell
+                log.warning("running jobs not reported stopped at shutdown: %s", exc)
             for task in list(self._tasks):
                 task.cancel()
             if own:

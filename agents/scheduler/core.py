@@ -9,21 +9,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from agents.scheduler.admission import Fleet
 from agents.scheduler.node_index import NodeIndex, cards_needed
 from agents.scheduler.placement import DEFAULT_CANDIDATES, MigPlan, Placement, place
 from agents.scheduler.placement import allowed_models, fit_cards
 from agents.scheduler.preemption import (
     NODE_FILTERS, PreemptionConfig, Room, Victim, fits, placed, plan_gang, plan_over, protected, released,
 )
-from agents.scheduler.quota import Ledger
+from agents.scheduler.quota import Admission, Ledger, held
 from agents.scheduler.reservations import LIVE, Book, Booking
 from agents.scheduler.scoring import Workload
 from agents.scheduler.victims import LazyVictims, VictimIndex
 from schemas.envelope import Envelope, envelope
 from schemas.events import (
-    TIER_RANK, GpuHealth, JobCancelled, JobCheckpointed, JobCompleted, JobFailed, JobPending, JobRequested,
-    JobStarted, JobStopped, MigReconfigure, ReservationCancelled, ReservationDecided, ReservationRequested, NodeCordon, NodeInventory, NodeLiveness, PlaceJob, PreemptJob, QuotaSet,
-    Reason, Rejected, ReleaseJob, SchedulerTick, UsageAccrued,
+    TIER_RANK, GpuHealth, JobCancelled, JobCheckpointed, JobCompleted, JobFailed, JobInterrupted, JobPending,
+    JobRequested, JobStarted, JobStopped, MigReconfigure, ReservationCancelled, ReservationDecided,
+    ReservationRequested, NodeCordon, NodeInventory, NodeLiveness, NodeRemoved, PlaceJob, PreemptJob, QuotaRejected,
+    QuotaSet, Reason, Rejected, ReleaseJob, SchedulerTick, UsageAccrued,
 )
 from streams import node_view
 
@@ -48,6 +50,13 @@ class JobRecord:
     claim: tuple[str, ...] = ()  # nodes whose freed capacity is kept for it while nominated
     mig_wait: tuple[str, str] | None = None  # (node, card) whose MIG reconfigure it waits for
     hold: Booking | None = None  # a reservation's hold: placed without a command, never a victim
+    attempt: int = 0  # placements made so far: the number of the current one while it holds capacity
+    accrued_ms: int = -1  # the current run is billed up to here (usage.accrued, on ticks and at its end)
+    held_milli: int = 0  # what the quota ledger charged for the current placement (quota.held)
+    held_memory_mib: int = 0
+    interruptions: int = 0  # runs ended by a node loss, a card fault, a drain, a removal, an agent's own stop
+    stop_cause: str = ""  # why a "stopping" job was told to stop: "" (preempted for another job), Drain, NodeRemoved
+    reserved: bool = False  # placed on its own reservation's capacity: reserved in-quota, never borrowed
 
 
 @dataclass
@@ -80,6 +89,16 @@ class Scheduler:
     full_cycle_ms: int = 10_000
     _full_epoch: int = -1
     _full_ms: int = -1 << 62
+    # Usage accrues while jobs run: on the first tick usage_tick_ms of log time after the last accrual, every
+    # running job is billed [accrued_ms, now) (and at its end, the rest), so a bill includes running work.
+    usage_tick_ms: int = 60_000
+    _usage_ms: int | None = None
+    running: dict[str, None] = field(default_factory=dict)  # jobs whose run is billed (started, holding), in order
+    # command id -> (job, attempt) of every cmd.place and cmd.preempt: a node's report names the command it answers,
+    # so a report of a superseded run is known for what it is
+    commands: dict[str, tuple[str, int]] = field(default_factory=dict)
+    fleet: Fleet = field(default_factory=Fleet)  # what the pool could ever host (admission.py)
+    unsure: dict[str, None] = field(default_factory=dict)  # pending jobs that looked unsatisfiable while the fleet grew
 
     # ---------------------------------------------------------------- emitting
 
@@ -102,6 +121,11 @@ class Scheduler:
     def _command_id(self) -> str:
         return f"c{self.out_seq + 1}"
 
+    def _command(self, out: list[Envelope], payload, cause: Envelope) -> None:
+        """Emit a command about one run of a job, and remember which run (job, attempt) it concerns."""
+        self.commands[payload.command_id] = (payload.job_id, payload.attempt)
+        self._emit(out, payload, cause)
+
     # ---------------------------------------------------------------- input
 
     def step(self, env: Envelope, log_ms: int | None = None) -> list[Envelope]:
@@ -112,13 +136,17 @@ class Scheduler:
             return []  # duplicate or stale: at-least-once delivery made exact
         self.applied[env.source] = env.seq
         self.now_ms = max(self.now_ms, env.event_time_ms if log_ms is None else log_ms)
+        if self._usage_ms is None:
+            self._usage_ms = self.now_ms
         out: list[Envelope] = []
         p = env.payload
         if p.kind not in _SAME_EPOCH:
             self.epoch += 1
         match p:
-            case NodeInventory() | NodeCordon() | NodeLiveness() | GpuHealth():
+            case NodeInventory() | NodeCordon() | NodeLiveness() | GpuHealth() | NodeRemoved():
+                before = self.nodes.get(p.node)
                 self._fold_node(env)
+                self._node_changed(out, env, before, self.nodes[p.node])
                 self._cycle(out, env)
             case JobRequested():
                 if p.job_id in self.jobs:
@@ -131,32 +159,45 @@ class Scheduler:
                     rec = self.jobs[p.job_id] = JobRecord(request=p, arrival=self.arrivals)
                     self.workload.observe(p)
                     self.pending.add(p.job_id)
+                    if self._judge(out, env, rec):
+                        return out
                     if p.reservation_id:
                         self._use_reservation(out, env, rec)
                     self._cycle(out, env, only=rec)
             case JobCancelled():
-                self._finish(out, env, p.job_id)
+                self._finish(out, env, p.job_id, self.now_ms)
                 self._cycle(out, env)
             case JobStarted():
                 rec = self.jobs.get(p.job_id)
-                if rec and rec.hold is None and any(part.command_id == p.command_id for part in rec.parts):
-                    if rec.state == "placed":
-                        rec.state, rec.started_ms = "running", self._fact_ms(env)
-                    elif rec.state == "stopping" and rec.started_ms < 0:
-                        # It started before the preemption reached its node: it runs (and is billed) until it stops.
-                        rec.started_ms = self._fact_ms(env)
+                if rec is None or self._superseded(out, env, rec, p.node, p.command_id, runs=True):
+                    pass
+                elif rec.state in ("placed", "stopping") and rec.started_ms < 0 and rec.hold is None and \
+                        any(part.command_id == p.command_id for part in rec.parts):
+                    # billed from its start, also when it was told to stop before the node said it started
+                    rec.started_ms = rec.accrued_ms = self._fact_ms(env)
+                    rec.state = "running" if rec.state == "placed" else rec.state
+                    self.running[p.job_id] = None
             case JobCheckpointed():
                 rec = self.jobs.get(p.job_id)
-                if rec and rec.state in ("running", "stopping"):
+                if rec is None or self._superseded(out, env, rec, p.node, p.command_id, runs=True):
+                    pass
+                elif rec.state in ("running", "stopping"):
                     rec.checkpoint, rec.checkpoint_ms = p.checkpoint or rec.checkpoint, self._fact_ms(env)
             case JobCompleted() | JobFailed():
-                self._finish(out, env, p.job_id)
-                self._cycle(out, env)
+                rec = self.jobs.get(p.job_id)
+                if rec is not None and not self._superseded(out, env, rec, p.node, p.command_id, runs=False):
+                    self._finish(out, env, p.job_id, self._fact_ms(env))
+                    self._cycle(out, env)
             case JobStopped():
-                self._requeue(out, env, p)
-                self._cycle(out, env)
+                rec = self.jobs.get(p.job_id)
+                if rec is not None and not self._superseded(out, env, rec, p.node, p.command_id, runs=False):
+                    self._requeue(out, env, p)
+                    self._cycle(out, env)
             case QuotaSet():
-                self.ledger.set_quota(p)
+                why = self.ledger.set_quota(p)
+                if why:
+                    self._emit(out, QuotaRejected(tenant=p.tenant, project=p.project, gpu_milli=p.gpu_milli,
+                                                  code=why[0].code, reasons=why), env)
                 self._cycle(out, env)
             case ReservationRequested():
                 if p.reservation_id not in self.book.bookings:
@@ -174,34 +215,45 @@ class Scheduler:
                     self._end_hold(out, env, b, "cancelled", ())
                     self._cycle(out, env)
             case SchedulerTick():
+                if self.now_ms - self._usage_ms >= self.usage_tick_ms:
+                    self._usage_ms = self.now_ms
+                    for j in list(self.running):
+                        self._accrue(out, env, self.jobs[j], self.now_ms)
                 if self.now_ms - self._full_ms >= self.full_cycle_ms:
                     self.epoch += 1  # time alone can change answers (protection expiry, reservation windows)
+                if self.unsure and self.fleet.settled(self.now_ms):
+                    self._judge_pending(out, env, list(self.unsure))
                 self._cycle(out, env)
         return out
 
     # ---------------------------------------------------------------- lifecycle
 
-    def _fact_ms(self, env: Envelope) -> int:
-        """A node's own time for what it did (a job's start, checkpoint, end: the bill's intervals), never later
-        than the log's: a node clock running ahead cannot bill the future."""
-        return min(env.event_time_ms, self.now_ms)
-
-    def _accrue(self, out: list[Envelope], env: Envelope, rec: JobRecord) -> None:
+    def _accrue(self, out: list[Envelope], env: Envelope, rec: JobRecord, end_ms: int | None = None) -> None:
+        """Bill the run from where it was last billed to `end_ms` (default: now), one line per node. Intervals
+        follow each other: the end never goes back before what a tick already billed, and a tick bills nothing
+        twice. The first line of a run is written even when empty (a run that ended where it started)."""
         if rec.state not in ("running", "stopping") or rec.placement is None or rec.started_ms < 0:
             return
-        end = max(self._fact_ms(env), rec.started_ms)
+        start = rec.accrued_ms
+        end = max(self.now_ms if end_ms is None else end_ms, start)
+        if end == start and start > rec.started_ms:
+            return
         r = rec.request
         for pl in rec.parts:  # one usage line per node: billing is by node, model and data center
             milli = sum(a.milli for a in pl.assignments)
+            cu, _ = held(pl.assignments, lambda uuid, node=pl.node: self.card_model(node, uuid))
             inv = self.nodes[pl.node].inventory
             card_model = self.card_model(pl.node, pl.assignments[0].gpu_uuid)
             self._emit(out, UsageAccrued(
                 tenant=r.tenant, project=r.project, job_id=r.job_id, tier=r.tier, node=pl.node, gpu_model=card_model,
-                datacenter=inv.datacenter if inv else "", start_ms=rec.started_ms, end_ms=end, gpu_milli=milli,
-                gpu_milli_ms=milli * (end - rec.started_ms), borrowed=pl.borrowed), env)
+                datacenter=inv.datacenter if inv else "", start_ms=start, end_ms=end, gpu_milli=milli,
+                gpu_milli_ms=milli * (end - start), borrowed=pl.borrowed, cu_milli=cu, cu_milli_ms=cu * (end - start),
+                reserved=rec.reserved, attempt=rec.attempt), env)
+        rec.accrued_ms = end
 
     def _release(self, out: list[Envelope], env: Envelope, rec: JobRecord, why: str) -> None:
         self.stopping.discard(rec.request.job_id)
+        self.running.pop(rec.request.job_id, None)
         if rec.placement is None:
             return
         self.epoch += 1  # capacity freed: the whole queue may fit differently
@@ -212,34 +264,186 @@ class Scheduler:
                                          time_ms=self.now_ms))
                 continue
             self._emit(out, ReleaseJob(command_id=self._command_id(), job_id=rec.request.job_id, node=part.node,
-                                       reasons=(Reason(code=why),)), env)
+                                       reasons=(Reason(code=why),), attempt=rec.attempt), env)
         if rec.hold is None:
             self.held_by_tier[TIER_RANK[rec.request.tier]] -= 1
-        for ev in self.ledger.release(rec.request, rec.placement.borrowed, reserved=rec.hold is not None):
+        for ev in self.ledger.release(rec.request, rec.placement.borrowed, reserved=rec.hold is not None or rec.reserved,
+                                      milli=rec.held_milli, memory=rec.held_memory_mib):
             self._emit(out, ev, env)
         rec.placement, rec.parts = None, ()
         rec.node = ""
         rec.started_ms = -1
+        rec.held_milli = rec.held_memory_mib = 0
 
-    def _finish(self, out: list[Envelope], env: Envelope, job_id: str) -> None:
+    def _finish(self, out: list[Envelope], env: Envelope, job_id: str, end_ms: int) -> None:
         rec = self.jobs.get(job_id)
         if rec is None or rec.state == "done":
             return
-        self._accrue(out, env, rec)
+        self._accrue(out, env, rec, end_ms)
         self._release(out, env, rec, {"job.cancelled": "Cancelled", "job.failed": "Failed"}.get(env.kind, "Completed"))
         rec.state = "done"
         self.pending.discard(job_id)
+        self.unsure.pop(job_id, None)
         self._nominate(rec, None)
 
+    def _fact_ms(self, env: Envelope) -> int:
+        """A node's own time for what it did (a job's start, checkpoint, end, a fault: the bill's intervals), never
+        later than the log's: a node clock running ahead cannot bill the future."""
+        return min(env.event_time_ms, self.now_ms)
+
     def _requeue(self, out: list[Envelope], env: Envelope, p: JobStopped) -> None:
+        """The node stopped the job (checkpointed): billed to the stop, requeued to resume from the checkpoint. A
+        stop the scheduler asked for to make room is a preemption (it counts towards protection); one for a drain
+        or a removal, or the agent's own (shutdown, restart), is an interruption."""
         rec = self.jobs.get(p.job_id)
         if rec is None or rec.state not in ("placed", "running", "stopping"):
             return
-        self._accrue(out, env, rec)
+        preempted = rec.state == "stopping" and not rec.stop_cause
+        self._accrue(out, env, rec, self._fact_ms(env))
         self._release(out, env, rec, "Stopped")
-        rec.state, rec.preemptions, rec.checkpoint = "pending", rec.preemptions + 1, p.checkpoint or rec.checkpoint
-        rec.preempted_at = rec.preempted_at + (self.now_ms,)  # protection windows run on log time
+        rec.state, rec.checkpoint, rec.stop_cause = "pending", p.checkpoint or rec.checkpoint, ""
+        if preempted:
+            rec.preemptions += 1
+            rec.preempted_at = rec.preempted_at + (self.now_ms,)
+        else:
+            rec.interruptions += 1
         self.pending.add(p.job_id)
+
+    def _superseded(self, out: list[Envelope], env: Envelope, rec: JobRecord, node: str, command_id: str | None,
+                    runs: bool) -> bool:
+        """Whether a node's report about `rec` answers a command of a run that is no longer the job's (it was
+        interrupted, moved or ended since). Such a report changes nothing; when it says the old run still runs
+        (`runs`: started, checkpointed), the node is told to stop it: a release naming that run's attempt, which
+        a newer run of the job on the same node survives (agents/node/fencing.py). Reports naming a command the
+        scheduler did not send are judged as before (not ours to judge)."""
+        known = self.commands.get(command_id) if command_id else None
+        if known is None or known[0] != rec.request.job_id:
+            return False
+        attempt = known[1]
+        if attempt == rec.attempt and rec.placement is not None and rec.state in ("placed", "running", "stopping"):
+            return False
+        if runs and node:
+            self._emit(out, ReleaseJob(command_id=self._command_id(), job_id=rec.request.job_id, node=node,
+                                       attempt=attempt, reasons=(Reason(
+                                           code="Superseded", plugin="Lifecycle", nodes=(node,),
+                                           message=f"attempt {attempt} of {rec.request.job_id} was superseded "
+                                                   f"(the job is at attempt {rec.attempt}, {rec.state})",
+                                           data={"attempt": attempt, "current_attempt": rec.attempt}),)), env)
+        return True
+
+    # ---------------------------------------------------------------- failures and node lifecycle
+
+    def _node_changed(self, out: list[Envelope], env: Envelope, before: node_view.NodeView | None,
+                      after: node_view.NodeView) -> None:
+        """What a node fact means for the work on it: a node silent for two heartbeats (node.liveness alive=false)
+        or a card with a fatal fault interrupts its jobs; a drain or a removal checkpoints them and moves them off.
+        A node leaving the pool (removed) or shrinking may make waiting requests unsatisfiable."""
+        node = after.node
+        if before is not None and before.alive and not after.alive:
+            p = env.payload
+            last = min(p.last_heartbeat_ms, self.now_ms) if isinstance(p, NodeLiveness) else self.now_ms
+            self._interrupt_on(out, env, node, None, "NodeLost", last, (Reason(
+                code="NodeLost", plugin="Lifecycle", nodes=(node,), data={"last_heartbeat_ms": last},
+                message=f"{node} has been silent for two heartbeats (last at {last} ms)"),))
+        bad = [u for u in after.unhealthy if before is None or u not in before.unhealthy]
+        if bad:
+            self._interrupt_on(out, env, node, frozenset(bad), "GpuFault", self._fact_ms(env), tuple(Reason(
+                code="GpuFault", plugin="Lifecycle", nodes=(node,), data={"gpu_uuid": u},
+                message=f"card {u} on {node} failed: {after.unhealthy[u]}") for u in bad))
+        if after.removed:
+            self._move_off(out, env, node, "NodeRemoved", f"{node} was removed from the pool")
+        elif after.cordoned and after.drain:
+            self._move_off(out, env, node, "Drain", f"{node} is being drained")
+        inv = after.inventory if not after.removed else None
+        if self.fleet.update(node, inv, self.now_ms) and self.pending:
+            self._judge_pending(out, env, sorted(self.pending, key=lambda j: self.jobs[j].arrival))
+
+    def _on_node(self, node: str, cards: frozenset[str] | None = None) -> list[JobRecord]:
+        """Jobs holding capacity on `node` (on one of `cards`, when given), in the view's order."""
+        view = self.nodes[node]
+        out = []
+        for j, h in view.allocations.items():
+            rec = self.jobs.get(j)
+            if rec is None or rec.state not in ("placed", "running", "stopping"):
+                continue
+            if cards is None or any(a.gpu_uuid in cards for a in h.slices):
+                out.append(rec)
+        return out
+
+    def _interrupt_on(self, out: list[Envelope], env: Envelope, node: str, cards: frozenset[str] | None, code: str,
+                      at_ms: int, reasons: tuple[Reason, ...]) -> None:
+        """Interrupt every job on the node (or on these cards): billed to `at_ms` (the last heartbeat, the fault),
+        never before what is already billed nor after now; released everywhere (a gang as a whole); requeued to
+        resume from its last checkpoint ahead of newer work of its tier."""
+        for rec in self._on_node(node, cards):
+            r = rec.request
+            self.unsure.pop(r.job_id, None)
+            if rec.hold is not None:
+                self._hold_again(out, env, rec, code)
+                continue
+            self._accrue(out, env, rec, min(at_ms, self.now_ms))
+            billed = rec.accrued_ms if rec.started_ms >= 0 else 0
+            self._emit(out, JobInterrupted(job_id=r.job_id, node=node, code=code, attempt=rec.attempt,
+                                           billed_to_ms=max(billed, 0), checkpoint=rec.checkpoint, reasons=reasons,
+                                           commands=tuple(part.command_id for part in rec.parts)), env)
+            self._release(out, env, rec, code)
+            rec.state, rec.stop_cause = "pending", ""
+            rec.interruptions += 1
+            self.pending.add(r.job_id)
+
+    def _move_off(self, out: list[Envelope], env: Envelope, node: str, code: str, why: str) -> None:
+        """Checkpoint-and-move every job off the node (a drain, a removal): each is told to checkpoint and stop
+        (cmd.preempt naming the drain), and once stopped is requeued ahead of newer work of its tier and placed
+        elsewhere; nothing new comes to the node meanwhile (it is cordoned or removed). A reservation's hold is held
+        again elsewhere at once."""
+        for rec in self._on_node(node):
+            if rec.state == "stopping":
+                continue  # already told to stop
+            if rec.hold is not None:
+                self._hold_again(out, env, rec, code)
+                continue
+            self._command(out, PreemptJob(command_id=self._command_id(), job_id=rec.request.job_id, node=node,
+                                          attempt=rec.attempt, reasons=(Reason(
+                                              code=code, plugin="Lifecycle", nodes=(node,),
+                                              message=f"{why}: checkpoint and move"),)), env)
+            rec.state, rec.stop_cause = "stopping", code
+            self.stopping.add(rec.request.job_id)
+
+    def _hold_again(self, out: list[Envelope], env: Envelope, rec: JobRecord, why: str) -> None:
+        """A reservation's hold on a node that failed or leaves: released, and queued to be held elsewhere."""
+        self._release(out, env, rec, why)
+        rec.state, rec.hold.status = "pending", "queued"
+        self.pending.add(rec.request.job_id)
+
+    # ---------------------------------------------------------------- admission against the fleet
+
+    def _judge(self, out: list[Envelope], env: Envelope, rec: JobRecord) -> bool:
+        """Reject `rec` at once when no placement in the fleet could ever hold it (True: rejected). While the
+        fleet still grows, a request that looks unsatisfiable waits and is judged again once it has settled."""
+        why = self.fleet.never_fits(rec.request)
+        if why is None and self.fleet.kinds:
+            self.unsure.pop(rec.request.job_id, None)
+            return False
+        if why is None or not self.fleet.settled(self.now_ms):
+            self.unsure[rec.request.job_id] = None
+            return False
+        self.unsure.pop(rec.request.job_id, None)
+        rec.state = "done"
+        self.pending.discard(rec.request.job_id)
+        self._nominate(rec, None)
+        self._emit(out, Rejected(job_id=rec.request.job_id, code="unsatisfiable", reasons=(Reason(
+            code="Unsatisfiable", plugin="Admission",
+            message="Requested node configuration is not available: no node of the pool could ever hold it"),)
+            + why), env)
+        return True
+
+    def _judge_pending(self, out: list[Envelope], env: Envelope, job_ids) -> None:
+        for j in job_ids:
+            rec = self.jobs[j]
+            if rec.state == "pending" and rec.hold is None and rec.nominated is None:
+                self._judge(out, env, rec)
+            else:
+                self.unsure.pop(j, None)
 
     # ---------------------------------------------------------------- the cycle
 
@@ -261,10 +465,10 @@ class Scheduler:
             r = rec.request
             if rec.mig_wait is not None:
                 node, card = rec.mig_wait
-                if card in self.nodes[node].mig_pending:
+                if card in self.nodes[node].mig_pending and self.nodes[node].schedulable:
                     continue  # the card is being carved for it; nothing new to say
                 rec.mig_wait = None
-            quota = self.ledger.admit(r, self.index.capacity_milli)
+            quota = self._admit(rec)
             if quota.blocked:
                 self._pending(out, cause, rec, quota.reasons)
                 continue
@@ -289,10 +493,40 @@ class Scheduler:
                     if kind:
                         failed.append((kind, need, result.reasons))
                 continue
-            self._bind(out, cause, rec, result, quota)
+            holding = self._holding(result)
+            if holding != (r.compute_milli, r.gpu_memory_mib):
+                quota = self._admit(rec, holding)  # charged for what it would hold, not what it asked
+                if quota.blocked:
+                    self._pending(out, cause, rec, quota.reasons)
+                    continue
+            self._bind(out, cause, rec, result, quota, holding)
 
-    def _bind(self, out: list[Envelope], cause: Envelope, rec: JobRecord, result: Placement, quota) -> None:
+    def _admit(self, rec: JobRecord, holding: tuple[int, int] | None = None) -> Admission:
+        """The quota's answer for `rec` (holding: what a placement would hold; the request's amounts before one
+        is found, a lower bound). A reservation's hold, and the job that takes it, are reserved in-quota capacity:
+        the booking was the admission (reservations.py), so they are charged (used and reserved) but never
+        borrowed nor kept waiting by the quota."""
+        if rec.reserved or rec.hold is not None:
+            rid = rec.hold.request.reservation_id if rec.hold is not None else rec.request.reservation_id
+            return Admission(False, False, (Reason(
+                code="Reserved", plugin="Quota", message=f"on reservation {rid}",
+                data={"request_milli": holding[0] if holding else rec.request.compute_milli}),))
+        need, mem = holding if holding else (None, None)
+        return self.ledger.admit(rec.request, self.index.capacity_milli, need, mem)
+
+    def _holding(self, result: Placement) -> tuple[int, int]:
+        """What a placement holds in the quota's units (quota.held), over all its parts."""
+        cu = mem = 0
+        for part in result.parts:
+            c, m = held(part.assignments, lambda uuid, node=part.node: self.card_model(node, uuid))
+            cu, mem = cu + c, mem + m
+        return cu, mem
+
+    def _bind(self, out: list[Envelope], cause: Envelope, rec: JobRecord, result: Placement, quota,
+              holding: tuple[int, int]) -> None:
         r = rec.request
+        if rec.hold is None:
+            rec.attempt += 1
         gang = len(result.parts)
         nodes = tuple(p.node for p in result.parts) if gang > 1 else ()
         cmds = []
@@ -309,10 +543,13 @@ class Scheduler:
                 assignments=part.assignments, cpu_milli=part.cpu_milli, memory_mib=part.memory_mib,
                 duration_s=r.duration_s, checkpoint_interval_s=r.checkpoint_interval_s, resume_from=rec.checkpoint,
                 borrowed=quota.borrowed, gang_size=gang, gang_index=i, gang_nodes=nodes,
-                reasons=result.reasons + quota.reasons + (Reason(code="Cycle", data={"cycle": self.cycle}),))
-            self._emit(out, cmd, cause)
+                reasons=result.reasons + quota.reasons + (Reason(code="Cycle", data={"cycle": self.cycle}),),
+                attempt=rec.attempt)
+            self._command(out, cmd, cause)
             cmds.append(cmd)
-        for ev in self.ledger.hold(r, quota.borrowed, reserved=rec.hold is not None):
+        rec.held_milli, rec.held_memory_mib = holding
+        for ev in self.ledger.hold(r, quota.borrowed, reserved=rec.hold is not None or rec.reserved,
+                                   milli=holding[0], memory=holding[1]):
             self._emit(out, ev, cause)
         rec.state, rec.node, rec.placement, rec.parts = "placed", result.node, cmds[0], tuple(cmds)
         if rec.hold is None:
@@ -367,6 +604,7 @@ class Scheduler:
         node = hold.node if hold is not None and hold.state == "placed" else ""
         self._end_hold(out, cause, b, "used", (Reason(code="UsedBy", plugin="Reservation",
                                                       data={"job_id": rec.request.job_id}),), node)
+        rec.reserved = True  # the booked capacity is the tenant's own: charged as reserved, billed as such
         if node:
             self._nominate(rec, (node, ()), (node,))
 
@@ -459,9 +697,10 @@ class Scheduler:
         if plan is None:
             return False
         for v in plan.victims:
-            self._emit(out, PreemptJob(command_id=self._command_id(), job_id=v.job_id, node=v.node, reasons=(
+            self._command(out, PreemptJob(command_id=self._command_id(), job_id=v.job_id, node=v.node, reasons=(
                 Reason(code="PreemptedFor", plugin="Preemption", message=f"{v.rule}: {r.job_id} ({r.tier.value})",
-                       data={"for_job": r.job_id, "rule": v.rule, "progress_lost_ms": v.progress_lost_ms}),)), cause)
+                       data={"for_job": r.job_id, "rule": v.rule, "progress_lost_ms": v.progress_lost_ms}),),
+                attempt=self.jobs[v.job_id].attempt), cause)
             self.jobs[v.job_id].state = "stopping"
             self.stopping.add(v.job_id)
         self._nominate(rec, (plan.node, tuple(v.job_id for v in plan.victims)),
@@ -529,17 +768,18 @@ class Scheduler:
 
 
 def _queue_key(r: JobRecord) -> tuple:
-    return (0 if r.nominated else 1, TIER_RANK[r.request.tier], 0 if r.preemptions else 1, r.arrival)
+    return (0 if r.nominated else 1, TIER_RANK[r.request.tier], 0 if r.preemptions or r.interruptions else 1,
+            r.arrival)
 
 
 _NO_CONSTRAINTS = JobRequested.model_fields["constraints"].default
 _SAME_EPOCH = frozenset({"job.requested", "job.started", "job.checkpointed", "scheduler.tick"})
 
 
-def replay(inputs: list[Envelope], log_times: list[int] | None = None) -> tuple[Scheduler, list[Envelope]]:
-    """Run the scheduler over a recorded input stream (with each record's log time, when known); returns its final
-    state and every output."""
-    s = Scheduler()
+def replay(inputs: list[Envelope], log_times: list[int] | None = None, **config) -> tuple[Scheduler, list[Envelope]]:
+    """Run the scheduler (configured as `config` says: the same configuration decides the same) over a recorded
+    input stream, each record at its log time when known; returns its final state and every output."""
+    s = Scheduler(**config)
     outs: list[Envelope] = []
     for i, env in enumerate(inputs):
         outs.extend(s.step(env, None if log_times is None else log_times[i]))

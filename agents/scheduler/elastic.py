@@ -20,17 +20,18 @@ from agents.scheduler.autoscaler import (
 )
 from agents.scheduler.core import JobRecord, Scheduler
 from agents.scheduler.preemption import Victim, plan_for, protected
+from agents.scheduler.quota import held
 from schemas.envelope import Envelope, envelope
 from schemas.events import (
     TIER_RANK, Assignment, GpuHealth, InferenceLoad, JobCancelled, JobCompleted, JobFailed, JobRequested,
-    JobStarted, JobStopped, NodeCordon, NodeInventory, NodeLiveness, PlaceJob, Reason, ReleaseJob, ResizeJob,
+    JobStarted, JobStopped, NodeCordon, NodeInventory, NodeLiveness, NodeRemoved, PlaceJob, Reason, ReleaseJob, ResizeJob,
     SchedulerTick, ServiceDeclared, ServiceRemoved, ServiceScaled, Tier,
 )
 from schemas.gpu_models import model, share_for
 
 SOURCE = "autoscaler"
 SERVICE_KINDS = frozenset({"service.declared", "service.removed", "inference.load"})
-_NODE_KINDS = (NodeInventory, NodeCordon, NodeLiveness, GpuHealth)
+_NODE_KINDS = (NodeInventory, NodeCordon, NodeLiveness, GpuHealth, NodeRemoved)
 
 
 @dataclass(frozen=True)
@@ -74,7 +75,8 @@ class Boost:
     command_id: str  # the placement the boost applies to
     node: str
     base: tuple[Assignment, ...]  # the assignments before the boost
-    hold: JobRequested  # the extra compute held in the quota ledger (compute_milli = boost_compute_milli)
+    hold: JobRequested  # the extra compute held in the quota ledger (compute_milli: the milli-CU the larger share
+    #                     holds beyond the base one, quota.held; no GPU memory)
 
 
 @dataclass
@@ -291,6 +293,10 @@ class ElasticScheduler(Scheduler):
         cfg, spec = self.elastic, svc.spec
         first = self.replica_counter.get(spec.service_id, 0) + 1
         reqs = [self._replica_request(spec, f"{spec.service_id}/r{first + i}") for i in range(n)]
+        never = self.fleet.never_fits(reqs[0]) if self.fleet.settled(self.now_ms) else None
+        if never is not None:  # core would reject every one of them (admission.py): say so once, request none
+            return (), Reason(code="Unsatisfiable", plugin=PLUGIN, message="no node of the pool could ever hold a "
+                              "replica: " + never[0].message, data={"not_requested": n})
         if protected_n >= n:
             trial: list[int | None] = [0] * n  # all of the critical need: no trial needed
         else:
@@ -364,6 +370,7 @@ class ElasticScheduler(Scheduler):
         order = sorted(enumerate(svc.serving()), key=lambda t: (-svc.replica_util.get(t[1], 0), t[0]))
         out = []
         taken: dict[str, int] = {}  # card uuid -> milli promised to earlier boosts in this pass
+        charged = 0  # milli-CU the boosts admitted before it in this pass hold beyond their base shares
         for _, j in order:
             rec = self.jobs.get(j)
             if j in svc.boosts or rec is None or rec.state != "running" or rec.placement is None:
@@ -379,16 +386,22 @@ class ElasticScheduler(Scheduler):
             extra = new - a.milli
             if extra <= 0 or new > 1000 or card.milli - taken.get(card.uuid, 0) < extra:
                 continue
+            cu = self._extra_cu(pl.node, a, new)
             # within the tenant's own quota, counting the boosts admitted before it in this pass
             together = JobRequested(job_id=j, tenant=spec.tenant, project=spec.project, tier=Tier.INFERENCE,
-                                    compute_milli=spec.boost_compute_milli * (len(out) + 1), gpu_memory_mib=1,
-                                    cpu_milli=0, memory_mib=0)
-            adm = self.ledger.admit(together, self.index.capacity_milli)
+                                    compute_milli=charged + cu, gpu_memory_mib=1, cpu_milli=0, memory_mib=0)
+            adm = self.ledger.admit(together, self.index.capacity_milli, charged + cu, 0)
             if adm.blocked or adm.borrowed:
                 continue
             taken[card.uuid] = taken.get(card.uuid, 0) + extra
+            charged += cu
             out.append((j, rec, a, new))
         return out
+
+    def _extra_cu(self, node: str, a: Assignment, new_milli: int) -> int:
+        """milli-CU a share grown to `new_milli` holds beyond the share `a` (the quota's unit, quota.held)."""
+        card_model = lambda uuid: self.card_model(node, uuid)  # noqa: E731
+        return held((a.model_copy(update={"milli": new_milli}),), card_model)[0] - held((a,), card_model)[0]
 
     def _boost(self, out: list[Envelope], env: Envelope, svc: Service, reasons: tuple[Reason, ...]) -> None:
         todo = self._boostable(svc)
@@ -402,10 +415,11 @@ class ElasticScheduler(Scheduler):
             pl = rec.placement
             boosted = (a.model_copy(update={"milli": new}),)
             hold = JobRequested(job_id=j, tenant=spec.tenant, project=spec.project, tier=Tier.INFERENCE,
-                                compute_milli=spec.boost_compute_milli, gpu_memory_mib=1, cpu_milli=0, memory_mib=0)
+                                compute_milli=self._extra_cu(pl.node, a, new), gpu_memory_mib=1, cpu_milli=0,
+                                memory_mib=0)
             self._resize(out, env, rec, boosted, Reason(code="VerticalBoost", plugin=PLUGIN,
                                                         data={"from_milli": a.milli, "to_milli": new}))
-            for ev in self.ledger.hold(hold, False):
+            for ev in self.ledger.hold(hold, False, memory=0):
                 self._emit(out, ev, env)
             svc.boosts[j] = Boost(pl.command_id, pl.node, pl.assignments, hold)
 
@@ -415,11 +429,9 @@ class ElasticScheduler(Scheduler):
         pl = rec.placement
         self._accrue(out, env, rec)
         self._emit(out, ResizeJob(command_id=self._command_id(), job_id=pl.job_id, node=pl.node,
-                                  assignments=assignments, reasons=(why,)), env)
+                                  assignments=assignments, reasons=(why,), attempt=rec.attempt), env)
         rec.placement = pl.model_copy(update={"assignments": assignments})
         rec.parts = (rec.placement,) + tuple(rec.parts[1:])
-        if rec.state == "running":
-            rec.started_ms = self.now_ms
 
     def _revert_boosts(self, out: list[Envelope], env: Envelope, svc: Service, action: str, code: str,
                        data: dict | None = None) -> None:
@@ -432,7 +444,7 @@ class ElasticScheduler(Scheduler):
             rec = self.jobs.get(j)
             if rec and rec.state == "running" and rec.placement and rec.placement.command_id == b.command_id:
                 self._resize(out, env, rec, b.base, Reason(code=code, plugin=PLUGIN))
-            for ev in self.ledger.release(b.hold, False):
+            for ev in self.ledger.release(b.hold, False, memory=0):
                 self._emit(out, ev, env)
         self._cycle(out, env)  # the freed share is backfilled now, not at the next tick
 
@@ -464,7 +476,7 @@ class ElasticScheduler(Scheduler):
         for j in list(svc.boosts):
             rec = self.jobs.get(j)
             if rec is None or rec.placement is None or rec.placement.command_id != svc.boosts[j].command_id:
-                for ev in self.ledger.release(svc.boosts.pop(j).hold, False):
+                for ev in self.ledger.release(svc.boosts.pop(j).hold, False, memory=0):
                     self._emit(out, ev, env)
         if svc.batches:
             self._check_ready(out, env, svc)
@@ -679,6 +691,10 @@ class ElasticScheduler(Scheduler):
             if train:
                 self._train_milli += milli
         elif isinstance(p, ReleaseJob):
+            rec = self.jobs.get(p.job_id)
+            if p.attempt and rec is not None and rec.attempt > p.attempt and any(
+                    part.node == p.node for part in rec.parts):
+                return  # the release of a superseded run: the job's newer run holds the node (node_view does alike)
             before = self._held.pop((p.job_id, p.node), None)
             if before is not None and before[0]:
                 self._train_milli -= before[1]

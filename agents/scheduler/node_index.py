@@ -26,6 +26,8 @@ SHARE_BUCKETS = 11  # coarse tenths of a card (0..10) that order the share state
 
 
 def _keys(v: NodeView) -> tuple:
+    if v.removed:
+        return ()  # out of the pool for good: not even among the down nodes explanations look at one by one
     if not v.schedulable:
         return (("down",),)
     keys: set[tuple] = set()
@@ -124,7 +126,12 @@ class NodeIndex:
                 insort(shares.setdefault(k[1], []), _share_entry(k[1], k[2], k[3]))
             b[v.node] = None
         self.keys[v.node] = new
-        if self._inventory.get(v.node) is not v.inventory:  # only a new inventory changes what cards there are
+        if v.removed:  # a removed node hosts nothing any more (re-added: its inventory is taken again)
+            if v.node in self.hosts:
+                del self.hosts[v.node]
+                self.hosts_version += 1
+            self._inventory.pop(v.node, None)
+        elif self._inventory.get(v.node) is not v.inventory:  # only a new inventory changes what cards there are
             self._inventory[v.node] = v.inventory
             per_model: dict[str, int] = {}
             for c in v.cards():

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from agents.scheduler import topology
 from agents.scheduler.node_index import NodeIndex, cards_needed
 from agents.scheduler.scoring import Workload, fragmentation, model_order
-from schemas.events import Assignment, JobRequested, MigInstance, Reason, Tier
+from schemas.events import Assignment, GpuCard, JobRequested, MigInstance, NodeInventory, Reason, Tier
 from schemas.gpu_models import (
     MIG_COMPUTE_SLICES, MIG_MEMORY_SLICES, MODELS, mig_profile, mig_share_milli, model, share_for, version_tuple,
 )
@@ -77,6 +77,8 @@ class Unschedulable:
 # ---------------------------------------------------------------- filters: (node, job) -> None | reason code
 
 def _f_schedulable(v: NodeView, job: JobRequested) -> str | None:
+    if v.removed:
+        return "NodeRemoved"
     if v.inventory is None:
         return "NoInventory"
     if not v.alive:
@@ -87,8 +89,13 @@ def _f_schedulable(v: NodeView, job: JobRequested) -> str | None:
 
 
 def _f_constraints(v: NodeView, job: JobRequested) -> str | None:
+    return inventory_rejects(v.inventory, job)
+
+
+def inventory_rejects(inv: NodeInventory, job: JobRequested) -> str | None:
+    """The Constraints plugin's code for a node with this inventory, or None: what the node's cards and place allow,
+    whatever is in use (admission asks it of every node's inventory)."""
     c = job.constraints
-    inv = v.inventory
     if c.datacenter and inv.datacenter != c.datacenter:
         return "DatacenterMismatch"
     cards = inv.gpus
@@ -122,7 +129,14 @@ def _card_allowed(card: CardFree, job: JobRequested, v: NodeView) -> bool:
         return False
     if not (c.min_compute_capability or c.min_driver or c.min_cuda):
         return True
-    gpu = next(g for g in v.cards() if g.uuid == card.uuid)
+    return gpu_allowed(next(g for g in v.cards() if g.uuid == card.uuid), job)
+
+
+def gpu_allowed(gpu: GpuCard, job: JobRequested) -> bool:
+    """Whether the job's card-level constraints (model, compute capability, driver, CUDA) allow this card."""
+    c = job.constraints
+    if c.models and gpu.model not in c.models:
+        return False
     if c.min_compute_capability and version_tuple(gpu.compute_capability) < version_tuple(c.min_compute_capability):
         return False
     if c.min_driver and version_tuple(gpu.driver_version) < version_tuple(c.min_driver):

@@ -2,14 +2,41 @@
 memory in MiB where a memory quota is set).
 
 A tenant within its quota uses its own capacity; beyond it, up to quota x overcommit cap, it borrows idle capacity
-from the shared pool, and that work is marked borrowed (billed on its own line, reclaimed first). A tenant with no
-quota configured is unlimited: the pool's operators decide whether that is allowed by configuring quotas.
+from the shared pool, and that work is marked borrowed (billed on its own line, reclaimed first).
+
+What is charged is what a job *holds* (`held`): the compute units of the share, MIG slice or whole cards it was given,
+not what it asked for -- the same holding the bill counts (docs/billing.md). A tenant with no `quota.set` gets
+`default_quota_milli` (0 by default: nothing runs until an operator gives it a quota; None: unlimited, an explicit
+choice). The quotas of a tenant's projects may not add up to more than the tenant's own (`check`).
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from schemas.events import JobRequested, QuotaBorrowed, QuotaChanged, QuotaReturned, QuotaSet, Reason
+from schemas.events import Assignment, JobRequested, QuotaBorrowed, QuotaChanged, QuotaReturned, QuotaSet, Reason
+from schemas.gpu_models import MIG_COMPUTE_SLICES, mig_profile, model
+
+
+def held(assignments: Iterable[Assignment], card_model: Callable[[str], str]) -> tuple[int, int]:
+    """What a placement holds, in the quota's units: (milli-CU, GPU memory MiB). A whole card (a 1000-milli slice)
+    holds its model's compute units and all its memory; a software share holds its milli-GPU times the model's CU
+    (rounded up, so never less than the job asked for) and its memory; a MIG slice holds its compute slices' CU
+    (what `placement._instance_holds` counts) and its memory. `card_model`: card uuid -> model name."""
+    cu = mem = 0
+    for a in assignments:
+        m = model(card_model(a.gpu_uuid))
+        if a.mig_profile:
+            p = mig_profile(m.name, a.mig_profile)
+            cu += p.compute_slices * m.cu_milli // MIG_COMPUTE_SLICES
+            mem += a.memory_mib
+        elif a.milli >= 1000:
+            cu += m.cu_milli
+            mem += m.memory_mib
+        else:
+            cu += -(-a.milli * m.cu_milli // 1000)
+            mem += a.memory_mib
+    return cu, mem
 
 
 @dataclass(frozen=True)
@@ -43,18 +70,69 @@ class Ledger:
     accounts: dict[tuple[str, str | None], Account] = field(default_factory=dict)
     near_full_pct: int = 90
     pool_used_milli: int = 0  # held by every tenant together
+    # The quota of a tenant no quota.set names (milli-CU, no borrowing): 0 = it must be given one; None = unlimited.
+    default_quota_milli: int | None = 0
+
+    def __post_init__(self) -> None:
+        if self.default_quota_milli is not None and self.default_quota_milli < 0:
+            raise ValueError("default_quota_milli must be >= 0 (or None: unlimited)")
 
     def account(self, tenant: str, project: str | None = None) -> Account:
         return self.accounts.setdefault((tenant, project), Account())
 
-    def set_quota(self, q: QuotaSet) -> None:
-        self.account(q.tenant, q.project).quota = q
+    def tenant_quota(self, tenant: str) -> QuotaSet | None:
+        """The tenant's quota in force: its own, else the default (None: unlimited)."""
+        a = self.accounts.get((tenant, None))
+        if a is not None and a.quota is not None:
+            return a.quota
+        if self.default_quota_milli is None:
+            return None
+        return QuotaSet(tenant=tenant, gpu_milli=self.default_quota_milli, overcommit_pct=100)
 
-    def admit(self, r: JobRequested, capacity_milli: int = 0) -> Admission:
+    def check(self, q: QuotaSet) -> tuple[Reason, ...]:
+        """Why `q` cannot be set (empty: it can): the projects' quotas of a tenant add up to at most the tenant's,
+        for compute and (where the tenant limits it) GPU memory. Lowering a tenant below its projects is refused
+        the same way: shrink the projects first."""
+        projects = {p: a.quota for (t, p), a in self.accounts.items()
+                    if t == q.tenant and p is not None and a.quota is not None}
+        if q.project is not None:
+            projects[q.project] = q
+            tenant = self.tenant_quota(q.tenant)
+            code = "ProjectQuotasExceedTenant"
+        else:
+            tenant, code = q, "TenantQuotaBelowProjects"
+        if tenant is None or not projects:
+            return ()
+        out = []
+        total = sum(p.gpu_milli for p in projects.values())
+        if total > tenant.gpu_milli:
+            out.append(Reason(code=code, plugin="Quota", message=(
+                f"the projects of {q.tenant} would have {total} milli-CU of quota, the tenant {tenant.gpu_milli}"),
+                data={"tenant_quota_milli": tenant.gpu_milli, "projects_quota_milli": total,
+                      "request_milli": q.gpu_milli}))
+        if tenant.gpu_memory_mib is not None:
+            mem = sum(p.gpu_memory_mib or 0 for p in projects.values())
+            if mem > tenant.gpu_memory_mib:
+                out.append(Reason(code=code, plugin="Quota", message=(
+                    f"the projects of {q.tenant} would have {mem} MiB of GPU-memory quota, the tenant "
+                    f"{tenant.gpu_memory_mib}"), data={"tenant_quota_memory_mib": tenant.gpu_memory_mib,
+                                                       "projects_quota_memory_mib": mem}))
+        return tuple(out)
+
+    def set_quota(self, q: QuotaSet) -> tuple[Reason, ...]:
+        """Set `q` unless `check` refuses it; returns the refusal's reasons (empty: set)."""
+        why = self.check(q)
+        if not why:
+            self.account(q.tenant, q.project).quota = q
+        return why
+
+    def admit(self, r: JobRequested, capacity_milli: int = 0, need: int | None = None,
+              mem: int | None = None) -> Admission:
         """Own quota, borrowing up to the (possibly lowered) cap, or blocked. `capacity_milli`: the pool's
-        schedulable compute, for lowering the cap near full (0: never lowered)."""
-        need = r.compute_milli
-        mem = r.gpu_memory_mib
+        schedulable compute, for lowering the cap near full (0: never lowered). `need`, `mem`: what the placement
+        would hold (`held`); the request's compute and memory by default (a lower bound: a holding is never less)."""
+        need = r.compute_milli if need is None else need
+        mem = r.gpu_memory_mib if mem is None else mem
         proj = self.accounts.get((r.tenant, r.project))
         if proj and proj.quota:
             cap = proj.quota.gpu_milli * proj.quota.overcommit_pct // 100
@@ -69,19 +147,28 @@ class Ledger:
                         code="ProjectQuotaExceeded", plugin="Quota", message="GPU memory",
                         data={"used_memory_mib": proj.used_memory_mib, "request_memory_mib": mem,
                               "cap_memory_mib": cap_mem}),))
-        t = self.accounts.get((r.tenant, None))
-        if t is None or t.quota is None:
+        q = self.tenant_quota(r.tenant)
+        if q is None:
             return Admission(False, False, (Reason(code="NoQuotaConfigured", plugin="Quota"),))
-        quota = t.quota.gpu_milli
-        pct = effective_cap_pct(t.quota.overcommit_pct, self.pool_used_milli, capacity_milli, self.near_full_pct)
+        t = self.accounts.get((r.tenant, None)) or Account()
+        if q.gpu_milli == 0 and (t.quota is None):
+            return Admission(True, False, (Reason(
+                code="NoQuota", plugin="Quota", message=f"tenant {r.tenant} has no quota: an operator gives it one "
+                f"(quota.set; `gpupool quota set {r.tenant} --compute N`)", data={"request_milli": need}),))
+        quota = q.gpu_milli
+        pct = effective_cap_pct(q.overcommit_pct, self.pool_used_milli, capacity_milli, self.near_full_pct)
         cap = quota * pct // 100
         data = {"used_milli": t.used_milli, "request_milli": need, "quota_milli": quota, "cap_milli": cap}
-        if pct < t.quota.overcommit_pct:
-            data = {**data, "cap_pct": pct, "configured_cap_pct": t.quota.overcommit_pct,
+        if need != r.compute_milli:
+            data["asked_milli"] = r.compute_milli  # what it holds (charged) differs from what it asked for
+        if t.quota is None:
+            data["default_quota"] = 1
+        if pct < q.overcommit_pct:
+            data = {**data, "cap_pct": pct, "configured_cap_pct": q.overcommit_pct,
                     "pool_used_milli": self.pool_used_milli, "pool_capacity_milli": capacity_milli}
         within = t.used_milli + need <= quota
         fits_cap = t.used_milli + need <= cap
-        q_mem = t.quota.gpu_memory_mib
+        q_mem = q.gpu_memory_mib
         if q_mem is not None:  # memory is a resource of its own: beyond its quota is borrowing too
             cap_mem = q_mem * pct // 100
             data = {**data, "used_memory_mib": t.used_memory_mib, "request_memory_mib": mem,
@@ -104,32 +191,36 @@ class Ledger:
                                         used_memory_mib=a.used_memory_mib, job_id=r.job_id))
         return out
 
-    def hold(self, r: JobRequested, borrowed: bool, reserved: bool = False) -> list:
-        self.pool_used_milli += r.compute_milli
+    def hold(self, r: JobRequested, borrowed: bool, reserved: bool = False, milli: int | None = None,
+             memory: int | None = None) -> list:
+        """Charge `r`'s tenant and project for a holding (`held`; the request's amounts by default)."""
+        return self._move(r, borrowed, reserved, milli, memory, 1)
+
+    def release(self, r: JobRequested, borrowed: bool, reserved: bool = False, milli: int | None = None,
+                memory: int | None = None) -> list:
+        """Give back what `hold` charged (the same amounts)."""
+        return self._move(r, borrowed, reserved, milli, memory, -1)
+
+    def _move(self, r: JobRequested, borrowed: bool, reserved: bool, milli: int | None, memory: int | None,
+              sign: int) -> list:
+        milli = r.compute_milli if milli is None else milli
+        memory = r.gpu_memory_mib if memory is None else memory
+        self.pool_used_milli += sign * milli
         for project in (None, r.project):
             a = self.account(r.tenant, project)
-            a.used_milli += r.compute_milli
-            a.used_memory_mib += r.gpu_memory_mib
+            a.used_milli += sign * milli
+            a.used_memory_mib += sign * memory
             if borrowed:
-                a.borrowed_milli += r.compute_milli
+                a.borrowed_milli += sign * milli
             if reserved:
-                a.reserved_milli += r.compute_milli
+                a.reserved_milli += sign * milli
         out = self._changed(r)
-        if borrowed:
-            out.append(QuotaBorrowed(tenant=r.tenant, job_id=r.job_id, milli=r.compute_milli))
+        if borrowed and milli:
+            out.append((QuotaBorrowed if sign > 0 else QuotaReturned)(tenant=r.tenant, job_id=r.job_id, milli=milli))
         return out
 
-    def release(self, r: JobRequested, borrowed: bool, reserved: bool = False) -> list:
-        self.pool_used_milli -= r.compute_milli
-        for project in (None, r.project):
-            a = self.account(r.tenant, project)
-            a.used_milli -= r.compute_milli
-            a.used_memory_mib -= r.gpu_memory_mib
-            if borrowed:
-                a.borrowed_milli -= r.compute_milli
-            if reserved:
-                a.reserved_milli -= r.compute_milli
-        out = self._changed(r)
-        if borrowed:
-            out.append(QuotaReturned(tenant=r.tenant, job_id=r.job_id, milli=r.compute_milli))
-        return out
+
+def open_ledger() -> Ledger:
+    """A ledger for an open pool, where a tenant without a quota is unlimited (the product's default is 0: nothing
+    runs until an operator gives the tenant a quota). For simulations and tests about anything but quotas."""
+    return Ledger(default_quota_milli=None)

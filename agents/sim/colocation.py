@@ -29,6 +29,7 @@ import numpy as np
 
 from agents.node.fleet import make_node
 from agents.scheduler.core import Scheduler
+from agents.scheduler.quota import open_ledger
 from agents.sim import colocation_traces as traces
 from schemas.envelope import Envelope, envelope
 from schemas.events import (
@@ -176,7 +177,7 @@ def default_elastic(p: Params, mode: str):
     from agents.scheduler.elastic import ElasticConfig, ElasticScheduler
 
     return ElasticScheduler(elastic=ElasticConfig(mode=mode, training_share_pct=p.training_share_pct,
-                                                  warm_pool=p.warm_pool))
+                                                  warm_pool=p.warm_pool), ledger=open_ledger())
 
 
 def split_sizes(p: Params, w: Workload) -> tuple[int, int]:
@@ -195,7 +196,7 @@ def make_pools(label: str, p: Params, w: Workload, elastic: Callable | None = No
     if label == "split":
         n_inf, n_train = split_sizes(p, w)
         return [Pool("inference", elastic(p, "load"), [f"inf-{i:03d}" for i in range(n_inf)], sids, False),
-                Pool("training", Scheduler(), [f"trn-{i:03d}" for i in range(n_train)], [], True)]
+                Pool("training", Scheduler(ledger=open_ledger()), [f"trn-{i:03d}" for i in range(n_train)], [], True)]
     raise ValueError(label)
 
 
