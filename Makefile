@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install kafka up down bench clean
+.PHONY: demo test acceptance install kafka up down bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -21,7 +21,11 @@ demo: kafka
 	$(BIN)/gpupool demo
 
 test: kafka
-	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+	$(BIN)/python -m pytest -q -p no:cacheprovider --ignore=tests/acceptance tests
+
+# seed 004's four acceptance groups against a live stack of their own; the report a buyer reads lands in docs/acceptance
+acceptance: kafka
+	$(BIN)/gpupool acceptance report --out docs/acceptance
 
 up: kafka
 	$(BIN)/gpupool up

@@ -130,7 +130,8 @@ FROM (
          multiIf(countIf(kind = 'job.completed') > 0, 'completed', countIf(kind = 'job.failed') > 0, 'failed',
                  countIf(kind = 'job.cancelled') > 0, 'cancelled',
                  countIf(kind = 'job.rejected' AND code != 'duplicate_job_id') > 0, 'rejected',
-                 argMaxIf(kind, (event_time, offset), kind IN ('job.started', 'job.stopped')) = 'job.started',
+                 argMaxIf(kind, (event_time, offset), kind IN ('job.started', 'job.stopped', 'job.interrupted'))
+                     = 'job.started',
                  'running', countIf(kind = 'cmd.place') > countIf(kind = 'cmd.release'), 'placed', 'pending') AS state,
          argMinIf(JSONExtractString(payload, 'tier'), event_time_ms, kind = 'job.requested') AS tier,
          argMinIf(JSONExtractString(payload, 'project'), event_time_ms, kind = 'job.requested') AS project,
