@@ -498,7 +498,7 @@ class Worker:
                 if found is None:
                     return self.json({"error": "not found"}, status=404)
                 body, ctype = found
-                return self.bytes(body, content_type=ctype, headers=dict(ui.HEADERS))
+                return self.bytes(body, headers={**dict(ui.HEADERS), "Content-Type": ctype})
 
         self.app.page("/ui/{name:.*}")(Static)
 
@@ -525,7 +525,7 @@ class Worker:
                 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
                 api.authorize(path, principal)
-                return web.bytes(generate_latest(self.metrics.registry), content_type=CONTENT_TYPE_LATEST)
+                return web.bytes(generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
             doc = await api.answer(path, principal, dict(request.query), body, self.queries, self._memory_pages)
         except api.ApiError as exc:
             return web.json({"error": exc.message}, status=exc.status)
