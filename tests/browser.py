@@ -191,12 +191,13 @@ class Browser:
         self.eval(f"document.getElementById('signin-name').value = {json.dumps(name)};"
                   f"document.getElementById('signin-token').value = {json.dumps(token)};"
                   "document.getElementById('signin-submit').click(); true")
-        self.wait_for("document.getElementById('page').dataset.ready === '1'")
+        self.wait_for("document.getElementById('page').dataset.ready === '1'", 120)
 
-    def open(self, base: str, route: str) -> str:
+    def open(self, base: str, route: str, timeout: float = 120.0) -> str:
+        """Go to a page of the dashboard and wait until it has drawn (its queries can be slow on a busy machine)."""
         self.eval("document.getElementById('page').dataset.ready = ''; true")
         self.send("Page.navigate", url=f"{base}/ui/#/{route}")
-        self.wait_for("document.getElementById('page').dataset.ready === '1'")
+        self.wait_for("document.getElementById('page').dataset.ready === '1'", timeout)
         return self.text("#page")
 
 
