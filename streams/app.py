@@ -442,9 +442,14 @@ class Worker:
                       key=lambda v: v.node)
 
     def _queue(self) -> tuple[int, list[tuple[str, int]]]:
-        """(now, [(tier, waiting since)]) of the jobs the job view holds as pending."""
+        """(now, [(tier, waiting since)]): the scheduler's queue when it decides in this worker, else the jobs the
+        job view holds as pending (placed but not yet started counts there too). Since: when it was (re)queued, as
+        this worker saw it (now, for jobs queued before this worker started)."""
         waiting = self.metrics.waiting()
         t = now_ms()
+        if self.scheduler is not None and self.scheduler.live:
+            return t, [(r.request.tier.value, waiting.get(r.request.job_id, (t,))[0])
+                       for r in self.scheduler.state.pending_order()]
         out = []
         for job, v in list(self.job_table.items()):
             v = _as_view(job_view, v)

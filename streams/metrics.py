@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Callable, Iterable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
 from prometheus_client.core import GaugeMetricFamily, CounterMetricFamily
 
 from schemas.envelope import Envelope
@@ -44,6 +44,7 @@ class _Seen:
 
 class WorkerMetrics:
     def __init__(self):
+        disable_created_metrics()  # no `_created` series beside each counter: Prometheus does not need them
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.placements = Counter("gpupool_placements", "Jobs placed (a gang counts once), by tier and card model",

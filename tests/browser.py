@@ -184,8 +184,10 @@ class Browser:
     # ---------------------------------------------------------------- the dashboard
 
     def sign_in(self, base: str, name: str, token: str, page: str = "cluster") -> None:
-        self.goto(f"{base}/ui/#/{page}")
-        self.eval("sessionStorage.clear()")
+        self.goto("about:blank")  # a fresh load of the dashboard, signed out
+        self.goto(f"{base}/ui/")
+        self.eval("sessionStorage.clear(); true")
+        self.goto("about:blank")
         self.goto(f"{base}/ui/#/{page}")
         self.wait_for("!document.getElementById('signin').hidden")
         self.eval(f"document.getElementById('signin-name').value = {json.dumps(name)};"
@@ -195,8 +197,8 @@ class Browser:
 
     def open(self, base: str, route: str, timeout: float = 120.0) -> str:
         """Go to a page of the dashboard and wait until it has drawn (its queries can be slow on a busy machine)."""
-        self.eval("document.getElementById('page').dataset.ready = ''; true")
-        self.send("Page.navigate", url=f"{base}/ui/#/{route}")
+        self.eval("(() => { const want = " + json.dumps("#/" + route) + "; document.getElementById('page').dataset.ready"
+                  " = ''; if (location.hash === want) route(); else location.hash = want; return true; })()")
         self.wait_for("document.getElementById('page').dataset.ready === '1'", timeout)
         return self.text("#page")
 

@@ -23,6 +23,11 @@ def start(stack) -> None:
         stack.add_user(name, "tenant", tenant)
     stack.add_user("fin", "finance")
     quotas(stack, "acme", "globex", compute=40_000)
+    from importlib import resources
+
+    from agents.cli.requests import price_rows
+
+    stack.client().send(price_rows(resources.files("infra").joinpath("prices.yaml").read_text()))  # as `up` does
     wait_for(lambda: stack.client().api("/cluster/")["nodes"] == 4, 90, "the fleet", stack)
 
 

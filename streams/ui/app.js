@@ -93,7 +93,7 @@ function chart(title, xs, series, opts) {
     series: [{}, ...series.map((s, i) => ({ label: s.label, stroke: s.stroke || palette[i % palette.length], width: 2,
       points: { show: xs.length < 30 } }))],
     axes: [{}, { label: (opts && opts.unit) || "" }],
-    scales: { x: { time: true } },
+    scales: { x: { time: true }, y: { range: (u, min, max) => [0, max > 0 ? max * 1.1 : 1] } },
     hooks: opts && opts.marks ? { draw: [(u) => drawMarks(u, opts.marks)] } : {},
   }, [xs, ...series.map((s) => s.values)], box);
   charts.push(u);
@@ -103,12 +103,16 @@ function chart(title, xs, series, opts) {
 function drawMarks(u, marks) {
   const ctx = u.ctx;
   ctx.save();
-  for (const m of marks) {
+  const at = new Map();  // actions at the same moment share one line and one label
+  for (const m of marks) at.set(m.t, at.has(m.t) ? at.get(m.t) + " + " + m.label : m.label);
+  let row = 0;
+  for (const [t, label] of at) {
+    const m = { t, label, row: row++ % 3 };
     const x = u.valToPos(m.t, "x", true);
     if (x < u.bbox.left || x > u.bbox.left + u.bbox.width) continue;
     ctx.strokeStyle = "#b4417d"; ctx.setLineDash([4, 3]); ctx.lineWidth = 1.5;
     ctx.beginPath(); ctx.moveTo(x, u.bbox.top); ctx.lineTo(x, u.bbox.top + u.bbox.height); ctx.stroke();
-    ctx.fillStyle = "#b4417d"; ctx.font = "11px sans-serif"; ctx.fillText(m.label, x + 3, u.bbox.top + 12);
+    ctx.fillStyle = "#b4417d"; ctx.font = "11px sans-serif"; ctx.fillText(m.label, x + 3, u.bbox.top + 12 + 13 * m.row);
   }
   ctx.restore();
 }
@@ -148,7 +152,7 @@ async function pageCluster() {
       ["allocation", (cl.allocation_permille / 10).toFixed(1) + "%"], ["fragmentation", `${gpus(cl.fragmentation_milli)} GPUs (${(cl.fragmentation_permille / 10).toFixed(1)}% of free)`],
       ["unhealthy cards", cl.unhealthy_cards]].map(([k, v]) => h("div", { class: "kpi" }, h("span", { class: "muted", text: k }), h("b", { text: String(v) }))));
   const legend = h("p", { class: "legend" }, ["free", "part", "full", "bad"].map((s) =>
-    h("span", { class: "card " + s, text: { free: "free", part: "partly held", full: "fully held", bad: "out of service" }[s] })));
+    h("span", { class: s, text: { free: "free", part: "partly held", full: "fully held", bad: "out of service" }[s] })));
   const grid = h("div", { class: "grid-nodes", id: "cluster-grid" }, nodes.nodes.map((n) =>
     h("div", { class: "node " + n.state, "data-node": n.node },
       h("h4", { text: `${n.node} — ${n.state}` }),
@@ -219,7 +223,7 @@ async function pageTenants() {
     return [r.tenant, (q / 1000).toFixed(1), h("span", {}, bar, " ", (used / 1000).toFixed(2)), ((r.reserved_milli || 0) / 1000).toFixed(2),
       ((r.borrowed_milli || 0) / 1000).toFixed(2), b.gpu_hours ?? 0, b.cost ?? 0, b.borrowed_cost ?? 0];
   });
-  const projects = rowsOf(quota).filter((r) => r.project).map((r) => [r.tenant, r.project, ((r.quota_milli || 0) / 1000).toFixed(1), ((r.used_milli || 0) / 1000).toFixed(2), ((r.borrowed_milli || 0) / 1000).toFixed(2)]);
+  const projects = rowsOf(quota).filter((r) => r.project).map((r) => [r.tenant, r.project, r.quota_milli ? (r.quota_milli / 1000).toFixed(1) : "-", ((r.used_milli || 0) / 1000).toFixed(2), ((r.borrowed_milli || 0) / 1000).toFixed(2)]);
   page("Tenants", h("p", { class: "muted", text: "Quota, used, reserved and borrowed in compute units (1 = one A100's dense throughput); cost from the price book." }),
     table(["tenant", "quota (CU)", "used (CU)", "reserved", "borrowed", "GPU-hours", "cost", "of which borrowed"], rows, "tenants-table"),
     projects.length ? h("h4", { text: "Projects" }) : null, projects.length ? table(["tenant", "project", "quota", "used", "borrowed"], projects, "projects-table") : null);
@@ -250,7 +254,7 @@ async function pageJob(id) {
   const billed = ev.filter((e) => e.kind === "usage.accrued").reduce((a, e) => a + e.payload.gpu_milli_ms, 0);
   const last = [...ev].reverse().find((e) => ["job.completed", "job.failed", "job.cancelled", "job.rejected", "job.started", "job.stopped", "cmd.place"].includes(e.kind));
   const facts = [["tier", req.tier], ["project", req.project], ["asked", `${req.compute_milli} milli-CU, ${gib(req.gpu_memory_mib || 0)} GPU memory`],
-    ["isolation", req.isolation || "-"], ["state (last event)", last ? last.kind : "-"], ["billed so far", (billed / 1e6).toFixed(3) + " GPU-seconds"]];
+    ["isolation", req.isolation || "not stated"], ["state (last event)", last ? last.kind : "-"], ["billed so far", (billed / 1e6).toFixed(3) + " GPU-seconds"]];
   // placements: one block per placement decision (a gang's parts together)
   const places = new Map();
   for (const e of ev.filter((e) => e.kind === "cmd.place")) {
@@ -287,7 +291,7 @@ async function pageJob(id) {
     table(["", ""], facts, "job-facts"),
     h("h4", { text: "Resources" }),
     table(["placed", "placement", "node", "model", "generation", "slice share", "GPU memory"], placeRows, "job-placements"),
-    h("p", { id: "job-slowdown", text: slowdown !== null ? `Estimated communication slowdown: ~${slowdown}% (a gang spread wider than it could be)` : "Estimated communication slowdown: none (placed within its ideal topology)" }),
+    h("p", { id: "job-slowdown", text: slowdown ? `Estimated communication slowdown: ~${slowdown}% slower all-reduce (its parts are spread wider than its ideal placement)` : "Estimated communication slowdown: none (placed within its ideal topology)" }),
     chart("The job's utilization of its GPUs (%)", tel.map((r) => r.minute_ms / 1000), [{ label: "util %", values: tel.map((r) => r.util_pct) }], { unit: "%", height: 160 }),
     h("h4", { text: "Timeline" }), h("ol", { class: "timeline", id: "job-timeline" }, items));
 }
