@@ -141,25 +141,24 @@ def cost_line(events: list[dict], cost: str | None = None) -> str:
     return f"cost so far: {billed / 1e6:.3f} GPU-seconds" + (f", {cost}" if cost else "")
 
 
+# What a kind says in one line when its node is all there is to say.
+ON_NODE = {"job.started": "started on {node}", "cmd.preempt": "told to checkpoint and stop on {node}",
+           "cmd.release": "released on {node}", "job.completed": "completed on {node}"}
+
+
 def summary(e: dict) -> str:
     p, kind = e["payload"], e["kind"]
+    if kind in ON_NODE:
+        return ON_NODE[kind].format(node=p.get("node") or "-")
     if kind == "job.requested":
         return (f"requested {p['compute_milli']} milli-CU, {mib(p['gpu_memory_mib'])} GPU memory, tier {p['tier']}, "
                 f"project {p.get('project', 'default')}, isolation {p.get('isolation') or 'not stated'}"
                 + (f", by {e['actor']}" if e.get("actor") else ""))
-    if kind == "job.started":
-        return f"started on {p['node']}"
     if kind == "job.checkpointed":
         return f"checkpoint at {duration(p['progress_ms'])} of work ({p.get('checkpoint') or '-'})"
-    if kind == "cmd.preempt":
-        return f"told to checkpoint and stop on {p['node']}"
     if kind == "job.stopped":
         return f"stopped on {p['node']} after {duration(p.get('progress_ms', 0))} of work" + (
             f" ({p['reason']})" if p.get("reason") else "")
-    if kind == "cmd.release":
-        return f"released on {p['node']}"
-    if kind == "job.completed":
-        return f"completed on {p['node']}"
     if kind == "job.failed":
         return f"failed on {p.get('node') or '-'}: {p.get('reason', '')}"
     if kind == "job.cancelled":
