@@ -217,3 +217,27 @@ def test_static_files_hold_no_data_and_stay_inside(pool):
 def test_screenshots(pool, browser):
     shots = screenshots(browser, pool, Path(os.environ["GPUPOOL_SCREENSHOTS"]))
     assert all(p.stat().st_size > 10_000 for p in shots)
+
+
+# ---------------------------------------------------------------- explanations on the live stack
+
+
+def test_explain_and_history_read_at_a_glance_and_a_closed_pipe_is_quiet(pool):
+    import subprocess
+    import sys
+
+    from tests.live import cli
+
+    text = cli(pool, "explain", "train-llm", user="alice")
+    lines = text.splitlines()
+    assert lines[0].startswith("acme/train-llm  tier online-training") and "isolation" in lines[0]
+    assert "cmd.place" in text and "[GpuFit]" in text and "H100-80GB" in text
+    assert not any(ln.rstrip().endswith(":") for ln in lines)  # no reason printed as a bare "Code:"
+    assert lines[-1].startswith("cost so far: ") and "GPU-seconds" in lines[-1]
+    history = cli(pool, "history", "train-llm", user="alice")
+    assert "placed on node-" in history and "cost so far" in history
+    env = {**os.environ, **pool.env, "GPUPOOL_USER": "alice"}
+    for argv in (["explain", "train-llm"], ["history", "train-llm"], ["jobs"]):
+        out = subprocess.run(["bash", "-c", "set -o pipefail; " + " ".join([sys.executable, "-m", "agents.cli", *argv])
+                              + " | head -1"], env=env, capture_output=True, text=True, timeout=120)
+        assert "Traceback" not in out.stderr and "BrokenPipe" not in out.stderr, out.stderr

@@ -72,3 +72,11 @@ def test_a_closed_pipe_ends_quietly():
     cmd = f"{sys.executable} -m agents.cli simulate --protocol fgd --help | head -1"
     out = subprocess.run(["bash", "-c", f"set -o pipefail; {cmd}"], capture_output=True, text=True, timeout=60)
     assert "Traceback" not in out.stderr and "BrokenPipe" not in out.stderr
+
+
+def test_instants_inside_reasons_are_times_not_epoch_milliseconds():
+    text = explain.reason_text({"code": "NodeLost", "plugin": "Lifecycle",
+                                "message": f"node-1 has been silent for two heartbeats (last at {T} ms)",
+                                "data": {"last_heartbeat_ms": T, "took_ms": 3136}})
+    assert str(T) not in text and "took_ms=3136" in text  # a duration stays a number
+    assert text.count("T") >= 2 and "last at 20" in text

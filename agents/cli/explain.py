@@ -3,7 +3,20 @@ where it gave only a code and data, what that code means), one block per gang wi
 asked for, and the cost so far. Pure: documents in, lines out (tests/test_explain_text.py)."""
 from __future__ import annotations
 
+import re
+
 from agents.cli.output import duration, mib, when
+
+# an epoch-milliseconds instant in a message ("last at 1796128512698 ms"), said as a time instead
+_EPOCH_MS = re.compile(r"\b(1\d{12})(?: ?ms)?\b")
+
+
+def _times(text: str) -> str:
+    return _EPOCH_MS.sub(lambda m: when(int(m.group(1))), text)
+
+
+def _value(key: str, v) -> str:
+    return when(v) if isinstance(v, int) and key.endswith("_ms") and v >= 10 ** 12 else str(v)
 
 # What a reason code means when the scheduler said no more than the code and its data.
 MEANING = {
@@ -46,8 +59,8 @@ DECISIONS = ("job.requested", "job.pending", "job.rejected", "cmd.place", "cmd.p
 
 def reason_text(r: dict) -> str:
     """One reason as a sentence: [plugin] Code: message (or what the code means), data."""
-    data = " ".join(f"{k}={v}" for k, v in sorted((r.get("data") or {}).items()))
-    text = r.get("message") or MEANING.get(r.get("code", ""), "")
+    data = " ".join(f"{k}={_value(k, v)}" for k, v in sorted((r.get("data") or {}).items()))
+    text = _times(r.get("message") or MEANING.get(r.get("code", ""), ""))
     plugin = f"[{r['plugin']}] " if r.get("plugin") else ""
     body = "; ".join(x for x in (text, data) if x)
     if r.get("nodes"):

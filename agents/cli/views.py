@@ -69,7 +69,9 @@ def _cost(c: Client, job: str) -> str | None:
     except SystemExit:
         return None
     row = next((dict(zip(cols, r)) for r in rows if dict(zip(cols, r)).get("job_id") == job), None)
-    return f"{row['cost']:.2f} at the price book's rates ({row['borrowed_cost']:.2f} of it borrowed)" if row else None
+    if row is None or row.get("cost") is None:
+        return None
+    return f"{float(row['cost']):.2f} at the price book's rates ({float(row['borrowed_cost'] or 0):.2f} of it borrowed)"
 
 
 def cmd_explain(cfg, args) -> int:

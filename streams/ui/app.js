@@ -237,10 +237,14 @@ async function pageJobs() {
     rows.map((r) => [jobLink(r.job_id), r.state, r.tier, r.compute_milli, r.cards, r.nodes || "-", r.wait_s + " s", r.elapsed_s + " s"]), "jobs-table"));
 }
 
+// an epoch-milliseconds instant in a reason ("last at 1796128512698 ms", decided_ms=...) is shown as a local time
+const times = (text) => String(text).replace(/\b(1\d{12})( ?ms)?\b/g, (_, ms) => when(Number(ms)));
+
 function reasonLines(reasons) {
   return (reasons || []).map((r) => {
-    const data = Object.entries(r.data || {}).map(([k, v]) => `${k}=${v}`).join(" ");
-    return h("span", { class: "reason", text: `${r.plugin ? "[" + r.plugin + "] " : ""}${r.code}${r.message || data ? ": " : ""}${[r.message, data].filter(Boolean).join(" ")}` });
+    const data = Object.entries(r.data || {}).map(([k, v]) => `${k}=${k.endsWith("_ms") ? times(v) : v}`).join(" ");
+    const message = times(r.message || "");
+    return h("span", { class: "reason", text: `${r.plugin ? "[" + r.plugin + "] " : ""}${r.code}${message || data ? ": " : ""}${[message, data].filter(Boolean).join(" ")}` });
   });
 }
 
@@ -276,7 +280,7 @@ async function pageJob(id) {
   }
   // timeline: each step with how long it took (placement -> start, preemption -> stop, migration -> start)
   const after = (i, kinds) => ev.slice(i + 1).find((x) => kinds.includes(x.kind));
-  const items = ev.filter((e) => e.kind !== "usage.accrued").map((e) => {
+  const items = ev.filter((e) => e.kind !== "usage.accrued" && !e.kind.startsWith("quota.")).map((e) => {
     const i = ev.indexOf(e);
     let took = "";
     if (e.kind === "cmd.place") { const s = after(i, ["job.started"]); if (s) took = `started ${secs(s.time_ms - e.time_ms)} later`; }
