@@ -228,16 +228,12 @@ def replay_records(values: list[tuple[int, bytes | None, int]], progress=None) -
 # ---------------------------------------------------------------- reading the log
 
 
-def _progress_printer(label: str):
-    state = {"next": 10}
+def _replay(inputs):
+    """Replay with progress on stderr: a bar on a terminal, a line at each tenth otherwise."""
+    from infra.progress import Bar
 
-    def show(done: int, total: int) -> None:
-        pct = 100 * done // total if total else 100
-        while pct >= state["next"]:
-            print(f"{label}: {state['next']}% ({done}/{total})", file=sys.stderr, flush=True)
-            state["next"] += 10
-
-    return show
+    with Bar("replay") as bar:
+        return replay_records(inputs, bar)
 
 
 async def _committed(conn, group: str, topic: str, partition: int = 0) -> int:
@@ -309,7 +305,7 @@ def verification(cfg, window: tuple[int | None, int | None]) -> dict:
     committed, recorded, inputs = read_log(client.conn())
     print(f"scheduler input: {len(inputs)} records, scheduler committed offset {committed}; "
           f"recorded outputs read: {len(recorded)}", file=sys.stderr)
-    replayed = replay_records(inputs, _progress_printer("replay"))
+    replayed = _replay(inputs)
     outputs = compare_outputs(replayed, recorded, committed, window)
 
     # The bill: which replay usage events the sink must have written.
@@ -450,7 +446,7 @@ def _run_audit(cfg, argv: list[str]) -> int:
             from agents.client import Client
 
             committed, _, inputs = read_log(Client(cfg).conn())
-            outs = replay_records(inputs, _progress_printer("replay"))
+            outs = _replay(inputs)
             print(f"replayed {len(inputs)} input records (committed {committed}): {len(outs)} outputs")
             return 0
         return verify(cfg, (parse_time(args.since), parse_time(args.until)))

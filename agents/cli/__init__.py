@@ -76,6 +76,8 @@ def parser() -> argparse.ArgumentParser:
     a.add_argument("--group", help="consumer group for commands")
     a.add_argument("--principal", default="node", help="the node principal the agent connects as")
     a.add_argument("--allow-mig-reconfigure", action="store_true")
+    a.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1:PORT (default: "
+                   "$GPUPOOL_AGENT_METRICS_PORT, else none)")
     u = add("up", stack.cmd_up, help="start broker, worker and a simulated fleet in the background, supervised")
     u.add_argument("--simulate", metavar="FLEET", default="demo:4", help="fleet to simulate ('' for none)")
     add("down", stack.cmd_down, help="stop what `up` started, and nothing else")

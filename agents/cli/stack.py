@@ -92,9 +92,13 @@ def _state(cfg) -> dict:
 
 
 def cmd_up(cfg, args) -> int:
-    def say(text: str) -> None:
-        print(f"gpupool up: {text} ...", flush=True)
+    from infra.progress import status
 
+    with status("gpupool up: starting") as step:
+        return _up(cfg, args, lambda text: step(f"gpupool up: {text}"))
+
+
+def _up(cfg, args, say) -> int:
     pid = supervisor_pid(cfg)
     if pid is not None:
         print(f"gpupool is already up (supervisor pid {pid}, home {cfg.home}); `gpupool down` first to change it")
@@ -324,6 +328,9 @@ def cmd_agent(cfg, args) -> int:
                                         principal=args.principal, control=Path(args.control) if args.control else None)
     except (OSError, ValueError) as exc:  # a bad fleet file or fault: one line naming it
         raise SystemExit(f"gpupool agent: {exc}") from None
+    from agents.node.nvml_agent import metrics_port
+
+    agent.metrics.serve(metrics_port(args))
 
     async def main():
         loop = asyncio.get_running_loop()

@@ -138,6 +138,9 @@ class SimFleetAgent:
         self.started_mono: float | None = None  # event-loop time the agent started at; timed faults count from it
         self._started_wall = 0
         self._tasks: set[asyncio.Task] = set()
+        from agents.node.metrics import AgentMetrics
+
+        self.metrics = AgentMetrics(lambda: {n: len(v.running) for n, v in self.nodes.items()})
         for f in faults:
             self.inject(f)
 
@@ -176,6 +179,7 @@ class SimFleetAgent:
         spec, key = route(env)
         await self.producer.send(spec.name, key=key, value=encode(env))
         self.published += 1
+        self.metrics.observe(payload)
 
     def _spawn(self, coro) -> asyncio.Task:
         task = asyncio.create_task(coro)
@@ -261,6 +265,7 @@ class SimFleetAgent:
 
     async def execute(self, env: Envelope) -> None:
         p = env.payload
+        self.metrics.commands.labels(env.kind).inc()
         node_name = getattr(p, "node", None)
         node = self.nodes.get(node_name)
         if node is None or node.lost or p.command_id in self.seen_commands:
