@@ -535,13 +535,18 @@ class GpupoolPolicy(Policy):
             return after, None
         m = pod.gpu_milli
         f = st.gpu_free[nodes]
-        f2 = f - m
+        # The measure after the share depends on the node and the chosen GPU's free milli only: evaluate each
+        # distinct (node, free) pair once (padded slots and equal GPUs are most of the grid), then spread back.
+        rows, cols = np.nonzero(f >= m)
+        pairs, back = np.unique(rows * (GPU_MILLI + 1) + f[rows, cols], return_inverse=True)
+        r, fv = pairs // (GPU_MILLI + 1), pairs % (GPU_MILLI + 1)
+        fv2 = fv - m
         thr = ix.thresholds
-        cnt = self.cnt[nodes][:, None, :] - (f[..., None] >= thr) + (f2[..., None] >= thr)
-        ssum = self.ssum[nodes][:, None, :] - ix.usable(f) + ix.usable(f2)
-        per = self._scaled((st.gpu_free_sum[nodes] - m)[:, None], cnt, ssum,
-                           st.model_idx[nodes][:, None], cpu[:, None], mem[:, None])
-        per = np.where(f >= m, per, np.iinfo(np.int64).max)
+        cnt = self.cnt[nodes][r] - (fv[:, None] >= thr) + (fv2[:, None] >= thr)
+        ssum = self.ssum[nodes][r] - ix.usable(fv) + ix.usable(fv2)
+        val = self._scaled(st.gpu_free_sum[nodes][r] - m, cnt, ssum, st.model_idx[nodes][r], cpu[r], mem[r])
+        per = np.full(f.shape, np.iinfo(np.int64).max)
+        per[rows, cols] = val[back.reshape(-1)]
         pick = per.argmin(axis=1)  # lowest index among equals
         return per[np.arange(len(nodes)), pick], pick
 
