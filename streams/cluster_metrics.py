@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Iterable
 
-from agents.scheduler.packing import TypicalPod, fragmentation
+from agents.scheduler.fgd_measure import TypicalPod, fragmentation
 from schemas.events import JobRequested
 from schemas.gpu_models import model, share_for
 from streams.node_view import NodeView

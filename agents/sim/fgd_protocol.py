@@ -22,7 +22,7 @@ from typing import Sequence
 
 import numpy as np
 
-from agents.scheduler.packing import (
+from agents.sim.packing import (
     DEFAULT_POLICY,
     GPU_MILLI,
     POLICY_NAMES,
