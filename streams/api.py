@@ -417,7 +417,7 @@ def node_doc(view) -> dict:
         if s is None:
             return {}
         return {"util_pct": s.util_pct, "mem_used_mib": s.mem_used_mib, "temperature_c": s.temperature_c,
-                "power_w": s.power_mw // 1000}
+                "power_w": s.power_mw // 1000, "ecc_uncorrected": s.ecc_uncorrected, "xid_errors": list(s.xid_errors)}
     cpu, mem = view.free_cpu_memory()
     return {
         "node": view.node, "state": node_state(view), "rack": inv.rack if inv else "",

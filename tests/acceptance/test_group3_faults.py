@@ -84,6 +84,10 @@ def test_a_device_failure_moves_only_the_work_on_it(pool, evidence):
     evidence.events("an uncorrectable ECC error on one card: only its job moves", timeline(pool, jobs))
     evidence.table("the card", ["node", "card", "healthy", "fault"], [[node, card, bad["healthy"], bad["fault"]]])
     inject(pool, "agent-f1" if node == "fault-1" else "agent-f2", f"clear:{node}:{index}")
+    # the operator clears the card once its telemetry is clean: a clear older than the last faulty sample is
+    # rightly overruled by that sample
+    wait_for(lambda: next(g for g in nodes(pool)[node]["cards"] if g["uuid"] == card)["telemetry"].get(
+        "ecc_uncorrected") == 0, 30, "clean telemetry from the repaired card", pool)
     pool.client().send([GpuHealth(node=node, gpu_uuid=card, healthy=True, reason="operator: card checked")])
     wait_for(lambda: next(g for g in nodes(pool)[node]["cards"] if g["uuid"] == card)["healthy"], 30, "card back",
              pool)
