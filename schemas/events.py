@@ -389,6 +389,10 @@ class ServiceDeclared(Frozen):
     max_queue: NonNeg = 100
     latency_sensitive: bool = True
     constraints: Constraints = Constraints()
+    # the service's own scale-in windows (Kubernetes HPA's scaleDown stabilization window); None: the pool's
+    # (ElasticConfig scale_in_stable_ms / scale_in_cooldown_ms, 5 minutes each)
+    scale_in_stable_s: NonNeg | None = None
+    scale_in_cooldown_s: NonNeg | None = None
 
 
 class ServiceRemoved(Frozen):

@@ -521,3 +521,21 @@ def test_elastic_modules_keep_the_core_layering():
             assert top not in FORBIDDEN, f"{rel} imports {mod}"
             if top in {"streams", "agents"}:
                 assert mod in allowed, f"{rel} imports edge module {mod}"
+
+
+def _scale_in_after(**service) -> int:
+    """Seconds from the load dropping to the scale-in, for a service that scaled to 3 replicas at a peak."""
+    pool = Pool(ElasticConfig(warm_pool=0), start_ms=40_000)
+    declare(pool, max_replicas=3, **service)
+    pool.run_until(2 * MIN)
+    demand = lambda t: 250 if t < 8 * MIN else 60  # noqa: E731
+    pool.run_until(30 * MIN, sample_ms=10_000, service="chat", demand=demand)
+    ins = [o for o in pool.outputs if o.payload.kind == "service.scaled" and o.payload.action == "scale_in"]
+    assert ins, "no scale-in"
+    return (ins[0].event_time_ms - 8 * MIN) // 1000
+
+
+def test_a_service_may_declare_its_own_scale_in_windows():
+    # the pool's 5 minutes of low load (and of cooldown after the scale-up) by default; a service's own 20 s
+    assert _scale_in_after() >= 300
+    assert _scale_in_after(scale_in_stable_s=20, scale_in_cooldown_s=20) <= 40

@@ -131,6 +131,9 @@ def parser() -> argparse.ArgumentParser:
     v.add_argument("--latency-ms", type=int, default=500, help="p99 latency target")
     v.add_argument("--max-queue", type=int, default=100)
     v.add_argument("--not-latency-sensitive", action="store_true")
+    v.add_argument("--scale-in-stable-s", type=int, help="how long low load must hold before replicas go "
+                                                          "(default: the pool's, 300)")
+    v.add_argument("--scale-in-cooldown-s", type=int, help="between scale-ins and after a scale-up (default 300)")
     q = add("quota", None, help="set or show quotas: set TENANT --compute N [--project P] | show [TENANT]")
     q.add_argument("action", choices=["set", "show"])
     q.add_argument("tenant", nargs="?")

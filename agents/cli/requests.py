@@ -102,7 +102,8 @@ def cmd_service(cfg, args) -> int:
             replica_compute_milli=args.compute, replica_memory_mib=int(args.memory_gib * 1024),
             boost_compute_milli=args.boost, replica_qps=args.replica_qps, min_replicas=args.min_replicas,
             max_replicas=args.max_replicas, latency_target_ms=args.latency_ms, max_queue=args.max_queue,
-            latency_sensitive=not args.not_latency_sensitive)
+            latency_sensitive=not args.not_latency_sensitive, scale_in_stable_s=args.scale_in_stable_s,
+            scale_in_cooldown_s=args.scale_in_cooldown_s)
     c.send([payload])
     return 0
 

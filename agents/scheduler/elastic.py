@@ -483,6 +483,12 @@ class ElasticScheduler(Scheduler):
 
     # ---------------------------------------------------------------- scale down
 
+    def _scale_in_windows(self, spec: ServiceDeclared) -> tuple[int, int]:
+        """(stable, cooldown) in ms: the service's own windows where it declared them, else the pool's."""
+        cfg = self.elastic
+        return (cfg.scale_in_stable_ms if spec.scale_in_stable_s is None else spec.scale_in_stable_s * 1000,
+                cfg.scale_in_cooldown_ms if spec.scale_in_cooldown_s is None else spec.scale_in_cooldown_s * 1000)
+
     def _scale_down(self, out: list[Envelope], env: Envelope, svc: Service) -> None:
         cfg, spec, now = self.elastic, svc.spec, self.now_ms
         qps = svc.samples[-1].qps
@@ -493,8 +499,8 @@ class ElasticScheduler(Scheduler):
         if len(serving) > keep:
             if svc.low_since is None:
                 svc.low_since = now
-            if (now - svc.low_since < cfg.scale_in_stable_ms or now - svc.last_up_ms < cfg.scale_in_cooldown_ms
-                    or now - svc.last_in_ms < cfg.scale_in_cooldown_ms):
+            stable, cooldown = self._scale_in_windows(spec)
+            if now - svc.low_since < stable or now - svc.last_up_ms < cooldown or now - svc.last_in_ms < cooldown:
                 return
             surplus = len(serving) - keep
             # starting replicas first, then the newest ready ones
@@ -522,7 +528,7 @@ class ElasticScheduler(Scheduler):
             return
         svc.low_since = None
         if svc.boosts and not svc.batches and svc.calm_since is not None and now - svc.calm_since >= \
-                cfg.scale_in_stable_ms:
+                self._scale_in_windows(spec)[0]:
             self._revert_boosts(out, env, svc, "shrink", "LoadLow", {"qps": qps, "calm_for_ms": now - svc.calm_since})
 
     # ---------------------------------------------------------------- maintenance: min, clock, warm pool
