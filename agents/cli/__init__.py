@@ -206,9 +206,9 @@ def parser() -> argparse.ArgumentParser:
                                 "--plots DIR --json (docs/colocation.md)")
     sim.add_argument("--protocol", required=True, choices=["fgd", "colocation"])
     d = add("demo", stack.cmd_demo, help="the end-to-end scenario on the embedded defaults")
-    d.add_argument("--jobs", type=int, default=20)
-    d.add_argument("--nodes", type=int, default=4)
     d.add_argument("--keep", action="store_true", help="leave the demo's data directory in place")
+    d.add_argument("--stay", action="store_true", help="keep the stack (and its dashboard) up after the demo")
+    d.add_argument("--out", help="where the evidence pack and the timeline PNG go (default: $GPUPOOL_HOME/demo)")
     return p
 
 
