@@ -7,10 +7,9 @@ all drive this same class, so replaying the input reproduces every decision bit 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from agents.scheduler.admission import Fleet
-from agents.scheduler.node_index import NodeIndex, cards_needed
+from agents.scheduler.holdings import Holdings, JobRecord, rebuilt
+from agents.scheduler.node_index import cards_needed
 from agents.scheduler.placement import DEFAULT_CANDIDATES, MigPlan, Placement, place
 from agents.scheduler.placement import allowed_models, fit_cards
 from agents.scheduler.preemption import (
@@ -19,7 +18,7 @@ from agents.scheduler.preemption import (
 from agents.scheduler.quota import Admission, Ledger, held
 from agents.scheduler.reservations import LIVE, Book, Booking
 from agents.scheduler.scoring import Workload
-from agents.scheduler.victims import LazyVictims, VictimIndex
+from agents.scheduler.victims import LazyVictims
 from schemas.envelope import Envelope, envelope
 from schemas.events import (
     TIER_RANK, GpuHealth, JobCancelled, JobCheckpointed, JobCompleted, JobFailed, JobInterrupted, JobPending,
@@ -32,73 +31,68 @@ from streams import node_view
 SOURCE = "scheduler"
 
 
-@dataclass
-class JobRecord:
-    request: JobRequested
-    arrival: int
-    state: str = "pending"  # pending | placed | running | done
-    node: str = ""
-    placement: PlaceJob | None = None  # the first part (the only one unless a gang spans nodes)
-    parts: tuple[PlaceJob, ...] = ()
-    started_ms: int = -1  # event time of the current run's start; -1 while it has not started
-    preemptions: int = 0
-    preempted_at: tuple[int, ...] = ()
-    checkpoint: str = ""
-    checkpoint_ms: int = 0
-    pending_codes: tuple[str, ...] = ()
-    nominated: tuple[str, tuple[str, ...]] | None = None  # (node, victims) while its preemptions take effect
-    claim: tuple[str, ...] = ()  # nodes whose freed capacity is kept for it while nominated
-    mig_wait: tuple[str, str] | None = None  # (node, card) whose MIG reconfigure it waits for
-    hold: Booking | None = None  # a reservation's hold: placed without a command, never a victim
-    attempt: int = 0  # placements made so far: the number of the current one while it holds capacity
-    accrued_ms: int = -1  # the current run is billed up to here (usage.accrued, on ticks and at its end)
-    held_milli: int = 0  # what the quota ledger charged for the current placement (quota.held)
-    held_memory_mib: int = 0
-    interruptions: int = 0  # runs ended by a node loss, a card fault, a drain, a removal, an agent's own stop
-    stop_cause: str = ""  # why a "stopping" job was told to stop: "" (preempted for another job), Drain, NodeRemoved
-    reserved: bool = False  # placed on its own reservation's capacity: reserved in-quota, never borrowed
-
-
-@dataclass
 class Scheduler:
-    nodes: dict[str, node_view.NodeView] = field(default_factory=dict)
-    jobs: dict[str, JobRecord] = field(default_factory=dict)
-    ledger: Ledger = field(default_factory=Ledger)
-    preemption: PreemptionConfig = field(default_factory=PreemptionConfig)
-    applied: dict[str, int] = field(default_factory=dict)
-    now_ms: int = 0
-    cycle: int = 0
-    out_seq: int = 0
-    arrivals: int = 0
-    pending: set[str] = field(default_factory=set)  # ids of jobs in state "pending": the cycle's queue
-    index: NodeIndex = field(default_factory=NodeIndex)
-    workload: Workload = field(default_factory=Workload)
-    candidates: int = DEFAULT_CANDIDATES
-    # Jobs nominated on nodes (kube-scheduler's nominatedNodeName): what their victims free there is theirs; jobs of
-    # the same or a lower tier do not take it in the meantime (or preemption would thrash).
-    nominations: dict[str, JobRecord] = field(default_factory=dict)
-    held_by_tier: dict[int, int] = field(default_factory=dict)  # tier rank -> jobs holding capacity (holds aside)
-    stopping: set[str] = field(default_factory=set)  # jobs told to checkpoint and stop, not yet stopped
-    victim_index: VictimIndex = field(default_factory=VictimIndex)  # which nodes hold work of which tier / borrowed
-    book: Book = field(default_factory=Book)
-    # The pending queue is retried as a whole only when something may have changed its answers: the epoch moves
-    # on every input that can free capacity or change quota, health or reservations, and on a tick every
-    # full_cycle_ms. A request arriving when nothing moved tries only itself: everything else failed against
-    # the same or a larger free capacity.
-    epoch: int = 0
+    """The policy over `Holdings` (holdings.py): it reads the state, decides, and emits; what it emits is applied to
+    the holdings (the one write path), so the node views, the indices and the job records follow its decisions.
+    Configuration (the same configuration decides the same, so the live agent, the audit and `replay` share it):
+    `ledger`, `preemption`, `candidates`, `full_cycle_ms`, `usage_tick_ms`, `elastic` (an ElasticConfig: the
+    autoscaler component, elastic.py). `nodes` and `jobs` adopt a state built elsewhere (tests)."""
+
     full_cycle_ms: int = 10_000
-    _full_epoch: int = -1
-    _full_ms: int = -1 << 62
-    # Usage accrues while jobs run: on the first tick usage_tick_ms of log time after the last accrual, every
-    # running job is billed [accrued_ms, now) (and at its end, the rest), so a bill includes running work.
     usage_tick_ms: int = 60_000
-    _usage_ms: int | None = None
-    running: dict[str, None] = field(default_factory=dict)  # jobs whose run is billed (started, holding), in order
-    # command id -> (job, attempt) of every cmd.place and cmd.preempt: a node's report names the command it answers,
-    # so a report of a superseded run is known for what it is
-    commands: dict[str, tuple[str, int]] = field(default_factory=dict)
-    fleet: Fleet = field(default_factory=Fleet)  # what the pool could ever host (admission.py)
-    unsure: dict[str, None] = field(default_factory=dict)  # pending jobs that looked unsatisfiable while the fleet grew
+
+    def __init__(self, *, ledger: Ledger | None = None, preemption: PreemptionConfig | None = None,
+                 candidates: int = DEFAULT_CANDIDATES, full_cycle_ms: int | None = None,
+                 usage_tick_ms: int | None = None, elastic=None, nodes: dict | None = None,
+                 jobs: dict | None = None, applied: dict | None = None, out_seq: int = 0):
+        self.h = Holdings() if nodes is None and jobs is None else rebuilt(nodes or {}, jobs or {})
+        self.ledger = ledger if ledger is not None else Ledger()
+        self.preemption = preemption or PreemptionConfig()
+        self.candidates = candidates
+        if full_cycle_ms is not None:
+            self.full_cycle_ms = full_cycle_ms
+        if usage_tick_ms is not None:
+            self.usage_tick_ms = usage_tick_ms
+        self.applied: dict[str, int] = dict(applied or {})
+        self.now_ms = 0
+        self.cycle = 0
+        self.out_seq = out_seq
+        self.arrivals = 0
+        self.workload = Workload()
+        # Jobs nominated on nodes (kube-scheduler's nominatedNodeName): what their victims free there is theirs; jobs
+        # of the same or a lower claim do not take it in the meantime (or preemption would thrash).
+        self.nominations: dict[str, JobRecord] = {}
+        self.book = Book()
+        # The pending queue is retried as a whole only when something may have changed its answers: the epoch moves
+        # on every input that can free capacity or change quota, health or reservations, and on a tick every
+        # full_cycle_ms. A request arriving when nothing moved tries only itself: everything else failed against
+        # the same or a larger free capacity.
+        self.epoch = 0
+        self._full_epoch = -1
+        self._full_ms = -1 << 62
+        # Usage accrues while jobs run: on the first tick usage_tick_ms of log time after the last accrual, every
+        # running job is billed [accrued_ms, now) (and at its end, the rest), so a bill includes running work.
+        self._usage_ms: int | None = None
+        # command id -> (job, attempt) of every cmd.place, cmd.preempt and cmd.migrate: a node's report names the
+        # command it answers, so a report of a superseded run is known for what it is
+        self.commands: dict[str, tuple[str, int]] = {}
+        self.fleet = Fleet()  # what the pool could ever host (admission.py)
+        self.unsure: dict[str, None] = {}  # pending jobs that looked unsatisfiable while the fleet grew
+        self.autoscaler = None
+        if elastic is not None:
+            from agents.scheduler.elastic import Autoscaler  # the component reads this state, feeds requests in
+
+            self.autoscaler = Autoscaler(elastic, self)
+
+    # the holdings, read through (they change only by `Holdings.apply`)
+    nodes = property(lambda self: self.h.nodes)
+    jobs = property(lambda self: self.h.jobs)
+    index = property(lambda self: self.h.index)
+    victim_index = property(lambda self: self.h.victims)
+    pending = property(lambda self: self.h.pending)
+    stopping = property(lambda self: self.h.stopping)
+    running = property(lambda self: self.h.running)
+    held_by_tier = property(lambda self: self.h.held_by_tier)
 
     # ---------------------------------------------------------------- emitting
 
@@ -108,15 +102,7 @@ class Scheduler:
                        correlation_id=getattr(payload, "job_id", None))
         out.append(env)
         if env.is_command:
-            self._fold_node(env)
-
-    def _fold_node(self, env: Envelope) -> None:
-        p = env.payload
-        name = getattr(p, "node", None)
-        if name is not None:
-            view = self.nodes[name] = node_view.evolve(self.nodes.get(name), env)
-            self.index.update(view)
-            self.victim_index.fold(name, p, view, self.jobs, self.nodes)
+            self.h.apply(env)
 
     def _command_id(self) -> str:
         return f"c{self.out_seq + 1}"
@@ -145,7 +131,7 @@ class Scheduler:
         match p:
             case NodeInventory() | NodeCordon() | NodeLiveness() | GpuHealth() | NodeRemoved():
                 before = self.nodes.get(p.node)
-                self._fold_node(env)
+                self.h.apply(env)
                 self._node_changed(out, env, before, self.nodes[p.node])
                 self._cycle(out, env)
             case JobRequested():
@@ -156,9 +142,9 @@ class Scheduler:
                             message="a different request already uses this job id; the first one stands"),)), env)
                 else:  # the same request again (a retry) changes nothing
                     self.arrivals += 1
-                    rec = self.jobs[p.job_id] = JobRecord(request=p, arrival=self.arrivals)
+                    rec = JobRecord(request=p, arrival=self.arrivals)
+                    self.h.add_job(rec)
                     self.workload.observe(p)
-                    self.pending.add(p.job_id)
                     if self._judge(out, env, rec):
                         return out
                     if p.reservation_id:
@@ -171,12 +157,10 @@ class Scheduler:
                 rec = self.jobs.get(p.job_id)
                 if rec is None or self._superseded(out, env, rec, p.node, p.command_id, runs=True):
                     pass
-                elif rec.state in ("placed", "stopping") and rec.started_ms < 0 and rec.hold is None and \
-                        any(part.command_id == p.command_id for part in rec.parts):
+                elif rec.state in ("placed", "stopping", "migrating") and rec.started_ms < 0 and rec.hold is None \
+                        and any(part.command_id == p.command_id for part in rec.parts):
                     # billed from its start, also when it was told to stop before the node said it started
-                    rec.started_ms = rec.accrued_ms = self._fact_ms(env)
-                    rec.state = "running" if rec.state == "placed" else rec.state
-                    self.running[p.job_id] = None
+                    self.h.apply(env, self._fact_ms(env))
             case JobCheckpointed():
                 rec = self.jobs.get(p.job_id)
                 if rec is None or self._superseded(out, env, rec, p.node, p.command_id, runs=True):
@@ -252,28 +236,23 @@ class Scheduler:
         rec.accrued_ms = end
 
     def _release(self, out: list[Envelope], env: Envelope, rec: JobRecord, why: str) -> None:
-        self.stopping.discard(rec.request.job_id)
-        self.running.pop(rec.request.job_id, None)
+        """Release every part the run holds (a hold's only in the scheduler's own view: it was never sent), and give
+        its quota back."""
         if rec.placement is None:
             return
         self.epoch += 1  # capacity freed: the whole queue may fit differently
+        borrowed, milli, memory = rec.placement.borrowed, rec.held_milli, rec.held_memory_mib
         for part in rec.parts:
             if rec.hold is not None:  # a hold was never sent to a node: undo it in the scheduler's view only
-                self._fold_node(envelope(ReleaseJob(command_id=f"release-{rec.request.job_id}", job_id=part.job_id,
-                                                    node=part.node), source=SOURCE, seq=self._hold_seq(),
-                                         time_ms=self.now_ms))
+                self.h.apply(envelope(ReleaseJob(command_id=f"release-{rec.request.job_id}", job_id=part.job_id,
+                                                 node=part.node), source=SOURCE, seq=self._hold_seq(),
+                                      time_ms=self.now_ms))
                 continue
             self._emit(out, ReleaseJob(command_id=self._command_id(), job_id=rec.request.job_id, node=part.node,
                                        reasons=(Reason(code=why),), attempt=rec.attempt), env)
-        if rec.hold is None:
-            self.held_by_tier[TIER_RANK[rec.request.tier]] -= 1
-        for ev in self.ledger.release(rec.request, rec.placement.borrowed, reserved=rec.hold is not None or rec.reserved,
-                                      milli=rec.held_milli, memory=rec.held_memory_mib):
+        for ev in self.ledger.release(rec.request, borrowed, reserved=rec.hold is not None or rec.reserved,
+                                      milli=milli, memory=memory):
             self._emit(out, ev, env)
-        rec.placement, rec.parts = None, ()
-        rec.node = ""
-        rec.started_ms = -1
-        rec.held_milli = rec.held_memory_mib = 0
 
     def _finish(self, out: list[Envelope], env: Envelope, job_id: str, end_ms: int) -> None:
         rec = self.jobs.get(job_id)
@@ -281,8 +260,7 @@ class Scheduler:
             return
         self._accrue(out, env, rec, end_ms)
         self._release(out, env, rec, {"job.cancelled": "Cancelled", "job.failed": "Failed"}.get(env.kind, "Completed"))
-        rec.state = "done"
-        self.pending.discard(job_id)
+        self.h.set_state(rec, "done")
         self.unsure.pop(job_id, None)
         self._nominate(rec, None)
 
@@ -301,13 +279,13 @@ class Scheduler:
         preempted = rec.state == "stopping" and not rec.stop_cause
         self._accrue(out, env, rec, self._fact_ms(env))
         self._release(out, env, rec, "Stopped")
-        rec.state, rec.checkpoint, rec.stop_cause = "pending", p.checkpoint or rec.checkpoint, ""
+        rec.checkpoint, rec.stop_cause = p.checkpoint or rec.checkpoint, ""
+        self.h.set_state(rec, "pending")
         if preempted:
             rec.preemptions += 1
             rec.preempted_at = rec.preempted_at + (self.now_ms,)
         else:
             rec.interruptions += 1
-        self.pending.add(p.job_id)
 
     def _superseded(self, out: list[Envelope], env: Envelope, rec: JobRecord, node: str, command_id: str | None,
                     runs: bool) -> bool:
@@ -387,9 +365,9 @@ class Scheduler:
                                            billed_to_ms=max(billed, 0), checkpoint=rec.checkpoint, reasons=reasons,
                                            commands=tuple(part.command_id for part in rec.parts)), env)
             self._release(out, env, rec, code)
-            rec.state, rec.stop_cause = "pending", ""
+            rec.stop_cause = ""
+            self.h.set_state(rec, "pending")
             rec.interruptions += 1
-            self.pending.add(r.job_id)
 
     def _move_off(self, out: list[Envelope], env: Envelope, node: str, code: str, why: str) -> None:
         """Checkpoint-and-move every job off the node (a drain, a removal): each is told to checkpoint and stop
@@ -406,14 +384,12 @@ class Scheduler:
                                           attempt=rec.attempt, reasons=(Reason(
                                               code=code, plugin="Lifecycle", nodes=(node,),
                                               message=f"{why}: checkpoint and move"),)), env)
-            rec.state, rec.stop_cause = "stopping", code
-            self.stopping.add(rec.request.job_id)
 
     def _hold_again(self, out: list[Envelope], env: Envelope, rec: JobRecord, why: str) -> None:
         """A reservation's hold on a node that failed or leaves: released, and queued to be held elsewhere."""
         self._release(out, env, rec, why)
-        rec.state, rec.hold.status = "pending", "queued"
-        self.pending.add(rec.request.job_id)
+        rec.hold.status = "queued"
+        self.h.set_state(rec, "pending")
 
     # ---------------------------------------------------------------- admission against the fleet
 
@@ -428,8 +404,7 @@ class Scheduler:
             self.unsure[rec.request.job_id] = None
             return False
         self.unsure.pop(rec.request.job_id, None)
-        rec.state = "done"
-        self.pending.discard(rec.request.job_id)
+        self.h.set_state(rec, "done")
         self._nominate(rec, None)
         self._emit(out, Rejected(job_id=rec.request.job_id, code="unsatisfiable", reasons=(Reason(
             code="Unsatisfiable", plugin="Admission",
@@ -534,8 +509,8 @@ class Scheduler:
             if rec.hold is not None:
                 cmd = PlaceJob(command_id=f"hold-{r.job_id}-{i}", job_id=r.job_id, tenant=r.tenant, node=part.node,
                                assignments=part.assignments, cpu_milli=part.cpu_milli, memory_mib=part.memory_mib,
-                               borrowed=quota.borrowed)
-                self._fold_node(envelope(cmd, source=SOURCE, seq=self._hold_seq(), time_ms=self.now_ms))
+                               borrowed=quota.borrowed, gang_size=gang, gang_index=i, gang_nodes=nodes)
+                self.h.apply(envelope(cmd, source=SOURCE, seq=self._hold_seq(), time_ms=self.now_ms))
                 cmds.append(cmd)
                 continue
             cmd = PlaceJob(
@@ -547,17 +522,10 @@ class Scheduler:
                 attempt=rec.attempt)
             self._command(out, cmd, cause)
             cmds.append(cmd)
-        rec.held_milli, rec.held_memory_mib = holding
         for ev in self.ledger.hold(r, quota.borrowed, reserved=rec.hold is not None or rec.reserved,
                                    milli=holding[0], memory=holding[1]):
             self._emit(out, ev, cause)
-        rec.state, rec.node, rec.placement, rec.parts = "placed", result.node, cmds[0], tuple(cmds)
-        if rec.hold is None:
-            rank = TIER_RANK[r.tier]
-            self.held_by_tier[rank] = self.held_by_tier.get(rank, 0) + 1
-        rec.pending_codes = ()
         self._nominate(rec, None)
-        self.pending.discard(r.job_id)
         if rec.hold is not None:
             rec.hold.status = "active"
             self._emit(out, ReservationDecided(reservation_id=rec.hold.request.reservation_id, status="active",
@@ -577,8 +545,7 @@ class Scheduler:
         for b in self.book.opening(self.now_ms):
             if b.hold_id not in self.jobs or self.jobs[b.hold_id].state == "done":
                 self.arrivals += 1
-                self.jobs[b.hold_id] = JobRecord(request=b.hold_request(), arrival=self.arrivals, hold=b)
-                self.pending.add(b.hold_id)
+                self.h.add_job(JobRecord(request=b.hold_request(), arrival=self.arrivals, hold=b))
                 b.status = "queued"
                 self.epoch += 1
 
@@ -589,8 +556,7 @@ class Scheduler:
             if rec.placement is not None:
                 node = node or rec.node
                 self._release(out, cause, rec, status)
-            rec.state = "done"
-            self.pending.discard(b.hold_id)
+            self.h.set_state(rec, "done")
         b.status = status
         self._emit(out, ReservationDecided(reservation_id=b.request.reservation_id, status=status, node=node,
                                            reasons=reasons), cause)
@@ -701,8 +667,6 @@ class Scheduler:
                 Reason(code="PreemptedFor", plugin="Preemption", message=f"{v.rule}: {r.job_id} ({r.tier.value})",
                        data={"for_job": r.job_id, "rule": v.rule, "progress_lost_ms": v.progress_lost_ms}),),
                 attempt=self.jobs[v.job_id].attempt), cause)
-            self.jobs[v.job_id].state = "stopping"
-            self.stopping.add(v.job_id)
         self._nominate(rec, (plan.node, tuple(v.job_id for v in plan.victims)),
                        tuple(sorted({plan.node} | {v.node for v in plan.victims})))
         where = tuple(sorted({v.node for v in plan.victims}))
@@ -763,8 +727,7 @@ class Scheduler:
             self._emit(out, JobPending(job_id=rec.request.job_id, reasons=reasons), cause)
 
     def card_model(self, node: str, gpu_uuid: str) -> str:
-        inv = self.nodes[node].inventory
-        return next((g.model for g in inv.gpus if g.uuid == gpu_uuid), "unknown") if inv else "unknown"
+        return self.h.card_model(node, gpu_uuid)
 
 
 def _queue_key(r: JobRecord) -> tuple:

@@ -119,10 +119,6 @@ class ElasticScheduler(Scheduler):
         self.autoscaler_seq = 0
         self.training_waited_ms = -(1 << 62)  # the last time non-inference work was seen waiting
         self.share = ShareMeter()
-        self._held: dict[tuple[str, str], tuple[bool, int]] = {}  # (job, node) -> (non-inference?, milli-GPU)
-        self._train_milli = 0
-        self._cap: dict[str, int] = {}
-        self._cap_milli = 0
 
     # ---------------------------------------------------------------- input
 
@@ -132,8 +128,6 @@ class ElasticScheduler(Scheduler):
         p = env.payload
         if p.kind not in SERVICE_KINDS:
             out = super().step(env, log_ms)
-            if isinstance(p, _NODE_KINDS):
-                self._node_capacity(p.node)
             self._after(env, out)
         else:
             self.applied[env.source] = env.seq
@@ -301,9 +295,8 @@ class ElasticScheduler(Scheduler):
             trial: list[int | None] = [0] * n  # all of the critical need: no trial needed
         else:
             held: dict[str, int] = {}
-            for (j, _), (train, m) in self._held.items():
-                if train:
-                    held[j] = held.get(j, 0) + m
+            for (j, _), m in self.h.train_held.items():
+                held[j] = held.get(j, 0) + m
             trial = self._trial(reqs, self._training_victims(), held)
         chosen: list[str] = []
         displaced = 0
@@ -316,7 +309,7 @@ class ElasticScheduler(Scheduler):
                     break
                 if d > 0 and cfg.training_share_pct > 0:
                     t, c = self.share.projected(self.now_ms, cfg.window_ms, cfg.share_horizon_ms,
-                                                self._train_milli - displaced - d, self._cap_milli)
+                                                self.h.train_milli - displaced - d, self.h.cap_milli)
                     if not share_ok(t, c, cfg.training_share_pct + cfg.share_readmit_pct):
                         refused = Reason(
                             code="TrainingShareGuarantee", plugin=PLUGIN,
@@ -430,8 +423,6 @@ class ElasticScheduler(Scheduler):
         self._accrue(out, env, rec)
         self._emit(out, ResizeJob(command_id=self._command_id(), job_id=pl.job_id, node=pl.node,
                                   assignments=assignments, reasons=(why,), attempt=rec.attempt), env)
-        rec.placement = pl.model_copy(update={"assignments": assignments})
-        rec.parts = (rec.placement,) + tuple(rec.parts[1:])
 
     def _revert_boosts(self, out: list[Envelope], env: Envelope, svc: Service, action: str, code: str,
                        data: dict | None = None) -> None:
@@ -579,8 +570,8 @@ class ElasticScheduler(Scheduler):
             return
         cands: dict[str, list[Victim]] = {}
         owner: dict[str, str] = {}
-        t, c = self.share.projected(self.now_ms, cfg.window_ms, cfg.share_horizon_ms, self._train_milli,
-                                    self._cap_milli)
+        t, c = self.share.projected(self.now_ms, cfg.window_ms, cfg.share_horizon_ms, self.h.train_milli,
+                                    self.h.cap_milli)
         share_low = cfg.training_share_pct > 0 and not share_ok(t, c, cfg.training_share_pct)
         for sid in sorted(self.services):
             svc = self.services[sid]
@@ -671,42 +662,8 @@ class ElasticScheduler(Scheduler):
 
     # ---------------------------------------------------------------- the training-share meter
 
-    def _emit(self, out: list[Envelope], payload, cause: Envelope) -> None:
-        super()._emit(out, payload, cause)
-        if out[-1].is_command:
-            self._track(out[-1].payload)
-
-    def _track(self, p) -> None:
-        if isinstance(p, (PlaceJob, ResizeJob)):
-            rec = self.jobs.get(p.job_id)
-            if rec is None:
-                return
-            key = (p.job_id, p.node)
-            before = self._held.get(key)
-            if before is not None and before[0]:
-                self._train_milli -= before[1]
-            train = rec.request.tier != Tier.INFERENCE
-            milli = sum(a.milli for a in p.assignments)
-            self._held[key] = (train, milli)
-            if train:
-                self._train_milli += milli
-        elif isinstance(p, ReleaseJob):
-            rec = self.jobs.get(p.job_id)
-            if p.attempt and rec is not None and rec.attempt > p.attempt and any(
-                    part.node == p.node for part in rec.parts):
-                return  # the release of a superseded run: the job's newer run holds the node (node_view does alike)
-            before = self._held.pop((p.job_id, p.node), None)
-            if before is not None and before[0]:
-                self._train_milli -= before[1]
-
-    def _node_capacity(self, node: str) -> None:
-        view = self.nodes.get(node)
-        cap = capacity_milli(view) if view is not None else 0
-        self._cap_milli += cap - self._cap.get(node, 0)
-        self._cap[node] = cap
-
     def _record_share(self) -> None:
-        self.share.record(self.now_ms, self._train_milli, self._cap_milli)
+        self.share.record(self.now_ms, self.h.train_milli, self.h.cap_milli)
         self.share.prune(self.now_ms - self.elastic.window_ms)
 
     def training_share(self) -> tuple[int, int]:
