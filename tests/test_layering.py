@@ -14,7 +14,7 @@ CORE_MODULES = {"streams.node_view", "agents.scheduler.preemption", "streams.clu
                 "agents.scheduler.placement", "agents.scheduler.quota", "agents.scheduler.packing",
                 "agents.scheduler.node_index", "agents.scheduler.scoring", "agents.scheduler.topology",
                 "agents.scheduler.reservations", "agents.scheduler.autoscaler", "agents.scheduler.elastic",
-                "agents.scheduler.victims", "agents.scheduler.admission"}
+                "agents.scheduler.victims", "agents.scheduler.admission", "agents.scheduler.holdings"}
 PACKAGES = {"streams", "agents", "agents.scheduler", "agents.node", "schemas", "infra"}
 FORBIDDEN = {"faust", "aiokafka", "clickhouse_connect", "chdb", "asyncio", "time", "random", "datetime", "socket",
              "subprocess", "os", "infra", "pynvml", "requests", "urllib"}

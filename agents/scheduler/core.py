@@ -8,6 +8,8 @@ all drive this same class, so replaying the input reproduces every decision bit 
 from __future__ import annotations
 
 from agents.scheduler.admission import Fleet
+from agents.scheduler.elastic import SERVICE_KINDS, SOURCE as AUTOSCALER, Autoscaler, Backfill, Charge, Emit, Request
+from agents.scheduler.elastic import Resize
 from agents.scheduler.holdings import Holdings, JobRecord, rebuilt
 from agents.scheduler.node_index import cards_needed
 from agents.scheduler.placement import DEFAULT_CANDIDATES, MigPlan, Placement, place
@@ -24,7 +26,7 @@ from schemas.events import (
     TIER_RANK, GpuHealth, JobCancelled, JobCheckpointed, JobCompleted, JobFailed, JobInterrupted, JobPending,
     JobRequested, JobStarted, JobStopped, MigReconfigure, ReservationCancelled, ReservationDecided,
     ReservationRequested, NodeCordon, NodeInventory, NodeLiveness, NodeRemoved, PlaceJob, PreemptJob, QuotaRejected,
-    QuotaSet, Reason, Rejected, ReleaseJob, SchedulerTick, UsageAccrued,
+    QuotaSet, Reason, Rejected, ReleaseJob, ResizeJob, SchedulerTick, UsageAccrued,
 )
 from streams import node_view
 
@@ -78,11 +80,8 @@ class Scheduler:
         self.commands: dict[str, tuple[str, int]] = {}
         self.fleet = Fleet()  # what the pool could ever host (admission.py)
         self.unsure: dict[str, None] = {}  # pending jobs that looked unsatisfiable while the fleet grew
-        self.autoscaler = None
-        if elastic is not None:
-            from agents.scheduler.elastic import Autoscaler  # the component reads this state, feeds requests in
-
-            self.autoscaler = Autoscaler(elastic, self)
+        # the elastic layer (elastic.py): reads this state, yields requests and decisions that `_act` carries out
+        self.autoscaler = Autoscaler(elastic, self) if elastic is not None else None
 
     # the holdings, read through (they change only by `Holdings.apply`)
     nodes = property(lambda self: self.h.nodes)
@@ -117,14 +116,59 @@ class Scheduler:
     def step(self, env: Envelope, log_ms: int | None = None) -> list[Envelope]:
         """Apply one input. `log_ms`: the broker's append time of the input record, the scheduler's only clock (a
         replay passes the same times, read from the same log); without it (pure tests, simulations) the event time
-        stands in for it."""
+        stands in for it. With the autoscaler component, it is handed the service kinds and, after the scheduler's
+        own handling, every other input; what it yields is carried out here (`_act`)."""
+        out: list[Envelope] = []
+        if not self._fresh(env, log_ms):
+            return out  # duplicate or stale: at-least-once delivery made exact
+        a = self.autoscaler
+        if a is not None and env.kind in SERVICE_KINDS:
+            self._act(out, env, a.on_input(env))
+        else:
+            self._input(out, env)
+            if a is not None:
+                self._act(out, env, a.after(env))
+        if a is not None:
+            a.record_share()
+        return out
+
+    def _fresh(self, env: Envelope, log_ms: int | None) -> bool:
         if env.seq <= self.applied.get(env.source, -1):
-            return []  # duplicate or stale: at-least-once delivery made exact
+            return False
         self.applied[env.source] = env.seq
         self.now_ms = max(self.now_ms, env.event_time_ms if log_ms is None else log_ms)
+        return True
+
+    def _act(self, out: list[Envelope], cause: Envelope, actions) -> None:
+        """Carry out the autoscaler's actions one by one: each is decided on the state the last one left."""
+        a = self.autoscaler
+        for act in actions:
+            if isinstance(act, Emit):
+                self._emit(out, act.payload, cause)
+            elif isinstance(act, Request):  # fed through the ordinary input path, as if it came from the log
+                a.seq += 1
+                env = envelope(act.payload, source=AUTOSCALER, seq=a.seq, time_ms=self.now_ms,
+                               causation_id=cause.event_id, correlation_id=getattr(act.payload, "job_id", None))
+                out.append(env)
+                if self._fresh(env, None):
+                    self._input(out, env)
+            elif isinstance(act, Resize):
+                rec = self.jobs[act.job_id]
+                self._accrue(out, cause, rec)  # billed at the old size up to now
+                self._emit(out, ResizeJob(command_id=self._command_id(), job_id=act.job_id, node=rec.node,
+                                          assignments=act.assignments, reasons=(act.why,), attempt=rec.attempt),
+                           cause)
+            elif isinstance(act, Charge):
+                move = self.ledger.hold if act.sign > 0 else self.ledger.release
+                for ev in move(act.hold, False, memory=0):
+                    self._emit(out, ev, cause)
+            elif isinstance(act, Backfill):
+                self._cycle(out, cause)
+
+    def _input(self, out: list[Envelope], env: Envelope) -> None:
+        """The scheduler's own handling of one input (a fresh one: `_fresh` said so)."""
         if self._usage_ms is None:
             self._usage_ms = self.now_ms
-        out: list[Envelope] = []
         p = env.payload
         if p.kind not in _SAME_EPOCH:
             self.epoch += 1
@@ -146,7 +190,7 @@ class Scheduler:
                     self.h.add_job(rec)
                     self.workload.observe(p)
                     if self._judge(out, env, rec):
-                        return out
+                        return
                     if p.reservation_id:
                         self._use_reservation(out, env, rec)
                     self._cycle(out, env, only=rec)
@@ -208,7 +252,6 @@ class Scheduler:
                 if self.unsure and self.fleet.settled(self.now_ms):
                     self._judge_pending(out, env, list(self.unsure))
                 self._cycle(out, env)
-        return out
 
     # ---------------------------------------------------------------- lifecycle
 
