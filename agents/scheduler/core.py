@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from agents.scheduler.admission import Fleet
 from agents.scheduler.elastic import SERVICE_KINDS, SOURCE as AUTOSCALER, Autoscaler, Backfill, Charge, Emit, Request
-from agents.scheduler.elastic import Resize
+from agents.scheduler.elastic import ElasticConfig, Resize
 from agents.scheduler.holdings import Holdings, JobRecord, rebuilt
 from agents.scheduler.node_index import cards_needed
 from agents.scheduler.placement import DEFAULT_CANDIDATES, MigPlan, Placement, place
@@ -21,7 +21,7 @@ from agents.scheduler.quota import Admission, Ledger, held
 from agents.scheduler.reservations import LIVE, Book, Booking
 from agents.scheduler.scoring import Workload
 from agents.scheduler.victims import LazyVictims
-from schemas.envelope import Envelope, envelope
+from schemas.envelope import DecodeError, Envelope, decode, envelope
 from schemas.events import (
     TIER_RANK, GpuHealth, JobCancelled, JobCheckpointed, JobCompleted, JobFailed, JobInterrupted, JobPending,
     JobRequested, JobStarted, JobStopped, MigReconfigure, ReservationCancelled, ReservationDecided,
@@ -782,12 +782,32 @@ _NO_CONSTRAINTS = JobRequested.model_fields["constraints"].default
 _SAME_EPOCH = frozenset({"job.requested", "job.started", "job.checkpointed", "scheduler.tick"})
 
 
-def replay(inputs: list[Envelope], log_times: list[int] | None = None, **config) -> tuple[Scheduler, list[Envelope]]:
-    """Run the scheduler (configured as `config` says: the same configuration decides the same) over a recorded
-    input stream, each record at its log time when known; returns its final state and every output."""
-    s = Scheduler(**config)
-    outs: list[Envelope] = []
-    for i, env in enumerate(inputs):
-        outs.extend(s.step(env, None if log_times is None else log_times[i]))
-    return s, outs
+def live_config() -> dict:
+    """The live scheduler agent's configuration: the autoscaler component, the product's ledger (a tenant without a
+    quota gets 0). The audit replays with it, and any replay of the live log must: the same configuration decides
+    the same."""
+    return {"elastic": ElasticConfig()}
 
+
+def replay(records, log_times: list[int] | None = None, *, scheduler: Scheduler | None = None, on_outputs=None,
+           **config) -> tuple[Scheduler, list[Envelope]]:
+    """The one replay: run the scheduler over recorded input -- the agent's rebuild, the audit and the benches all
+    call this. `records`: envelopes, or record values as read from the log (bytes: decoded; one that does not decode
+    is skipped, as the live scheduler skips it: the folds dead-lettered it), each at its log time when known.
+    `scheduler`: go on from this state (a rebuild read in batches), else a new one configured as `config` says.
+    `on_outputs(i, outputs)`: called per input record instead of collecting the outputs (a rebuild keeps none, the
+    audit tags them with their input's offset). Returns the final state and the outputs collected."""
+    s = scheduler if scheduler is not None else Scheduler(**config)
+    outs: list[Envelope] = []
+    for i, rec in enumerate(records):
+        if not isinstance(rec, Envelope):
+            try:
+                rec = decode(rec)
+            except DecodeError:
+                continue
+        got = s.step(rec, None if log_times is None else log_times[i])
+        if on_outputs is not None:
+            on_outputs(i, got)
+        else:
+            outs.extend(got)
+    return s, outs
