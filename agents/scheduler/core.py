@@ -8,6 +8,7 @@ all drive this same class, so replaying the input reproduces every decision bit 
 from __future__ import annotations
 
 from agents.scheduler.admission import Fleet
+from agents.scheduler.claims import Search, standing_now
 from agents.scheduler.elastic import SERVICE_KINDS, SOURCE as AUTOSCALER, Autoscaler, Backfill, Charge, Emit, Request
 from agents.scheduler.elastic import ElasticConfig, Resize
 from agents.scheduler.holdings import Holdings, JobRecord, rebuilt
@@ -15,7 +16,8 @@ from agents.scheduler.node_index import cards_needed
 from agents.scheduler.placement import DEFAULT_CANDIDATES, MigPlan, Placement, place
 from agents.scheduler.placement import allowed_models, fit_cards
 from agents.scheduler.preemption import (
-    NODE_FILTERS, PreemptionConfig, Room, Victim, fits, placed, plan_gang, plan_over, protected, released,
+    NODE_FILTERS, PreemptionConfig, Room, Victim, disruption_order, fits, placed, plan_gang, plan_over, protected,
+    quiet_until, released,
 )
 from agents.scheduler.quota import Admission, Ledger, held
 from agents.scheduler.reservations import LIVE, Book, Booking
@@ -466,9 +468,14 @@ class Scheduler:
     # ---------------------------------------------------------------- the cycle
 
     def pending_order(self) -> list[JobRecord]:
-        """Jobs that preemption freed capacity for come first (the capacity was stopped for them); then tier; within a
-        tier, preempted work resumes before newer work; then arrival order."""
-        return sorted((self.jobs[j] for j in self.pending), key=_queue_key)
+        """Jobs that preemption freed capacity for come first (the capacity was stopped for them); then the claim
+        order (claims.py: standing, tier, on a reservation); among equal claims, stopped work resumes before newer
+        work; then arrival order."""
+        return sorted((self.jobs[j] for j in self.pending), key=self._queue_key)
+
+    def _queue_key(self, r: JobRecord) -> tuple:
+        return (0 if r.nominated else 1, -standing_now(self.h, self.ledger, r), TIER_RANK[r.request.tier],
+                0 if r.reserved else 1, 0 if r.preemptions or r.interruptions else 1, r.arrival)
 
     def _cycle(self, out: list[Envelope], cause: Envelope, only: JobRecord | None = None) -> None:
         self.cycle += 1
@@ -488,16 +495,19 @@ class Scheduler:
                 rec.mig_wait = None
             quota = self._admit(rec)
             if quota.blocked:
-                self._pending(out, cause, rec, quota.reasons)
+                if self._quiet(rec) is not None or not self._preempt_for_quota(out, cause, rec, quota):
+                    self._pending(out, cause, rec, quota.reasons)
                 continue
-            within_quota = any(q.code in ("WithinQuota", "NoQuotaConfigured") for q in quota.reasons)
-            kind = (TIER_RANK[r.tier], r.tenant, within_quota, r.gang) if r.constraints == _NO_CONSTRAINTS else None
+            standing = standing_now(self.h, self.ledger, rec)
+            quiet = self._quiet(rec)
+            kind = (TIER_RANK[r.tier], r.tenant, r.project, standing, r.gang, quiet is not None) \
+                if r.constraints == _NO_CONSTRAINTS and not rec.reserved else None
             need = (r.compute_milli, r.gpu_memory_mib, r.cpu_milli, r.memory_mib)
             dominated = next((why for k, f, why in failed if k == kind and all(a >= b for a, b in zip(need, f))),
                              None) if kind and rec.nominated is None else None
             if dominated is not None:
-                # It asks for at least as much as a job of the same kind (tier, tenant, quota standing: the same
-                # preemption candidates) that just failed, and nothing was freed since: it fails too.
+                # It asks for at least as much as a job of the same kind (tier, account, standing: the same claim,
+                # the same preemption candidates) that just failed, and nothing was freed since: it fails too.
                 self._pending(out, cause, rec, dominated)
                 continue
             result = place(self.index, self.nodes, r, self.workload, self.candidates,
@@ -506,16 +516,18 @@ class Scheduler:
                 self._reconfigure(out, cause, rec, result)
                 continue
             if not isinstance(result, Placement):
-                if not self._preempt_for(out, cause, rec, within_quota):
-                    self._pending(out, cause, rec, result.reasons)
+                if quiet is not None or not self._preempt_for(out, cause, rec):
+                    why = result.reasons + ((quiet,) if quiet is not None else ())
+                    self._pending(out, cause, rec, why)
                     if kind:
-                        failed.append((kind, need, result.reasons))
+                        failed.append((kind, need, why))
                 continue
             holding = self._holding(result)
             if holding != (r.compute_milli, r.gpu_memory_mib):
                 quota = self._admit(rec, holding)  # charged for what it would hold, not what it asked
                 if quota.blocked:
-                    self._pending(out, cause, rec, quota.reasons)
+                    if quiet is not None or not self._preempt_for_quota(out, cause, rec, quota, holding):
+                        self._pending(out, cause, rec, quota.reasons)
                     continue
             self._bind(out, cause, rec, result, quota, holding)
 
@@ -631,53 +643,44 @@ class Scheduler:
 
     # ---------------------------------------------------------------- preemption and reclaim
 
-    def _victims(self, rec: JobRecord, within_quota: bool) -> LazyVictims:
-        """Every node's candidate victims for `rec` (multi-node gang plans may need them all), each node's worked out
-        when the plan first looks at it; the nodes named are those the victim index names (some may hold nobody)."""
-        return LazyVictims(self._victim_nodes(rec, within_quota),
-                           lambda name: self._victims_on(self.nodes[name], rec, within_quota))
+    def _victims(self, search: Search, key) -> LazyVictims:
+        """Every node's candidate victims for the search's job (multi-node gang plans may need them all), each node's
+        worked out when the plan first looks at it; the nodes named are those the victim index names (some may hold
+        nobody)."""
+        return LazyVictims(self._victim_nodes(search, key),
+                           lambda name: self._victims_on(self.nodes[name], search, key))
 
-    def _victim_nodes(self, rec: JobRecord, within_quota: bool):
-        """The nodes that may hold a victim for `rec`, in node order (the victim index; a superset of the nodes
-        `_victims_on` finds anyone on, and the same order as a walk over every node)."""
+    def _victim_nodes(self, search: Search, key):
+        """The nodes that may hold a victim for the search's job of claim `key`, in node order (the victim index; a
+        superset of the nodes `_victims_on` finds anyone on, and the same order as a walk over every node)."""
         self.victim_index.sync(self.nodes, self.jobs)
-        tables = self.victim_index.nodes_for(TIER_RANK[rec.request.tier], rec.request.tenant, within_quota)
-        return self.victim_index.in_order(self.nodes, tables)
+        return self.victim_index.in_order(self.nodes, self.victim_index.nodes_for(search.groups(key)))
 
-    def _anyone_to_stop(self, rec: JobRecord, within_quota: bool) -> bool:
-        """Whether any job at all could be a victim (lower-tier work, or borrowed work of another tenant) -- so a
-        queue of low-tier jobs does not search every node on every cycle for victims that cannot exist."""
-        rank = TIER_RANK[rec.request.tier]
-        if any(n for tier, n in self.held_by_tier.items() if tier > rank):
-            return True
-        return within_quota and any(a.borrowed_milli for (tenant, project), a in self.ledger.accounts.items()
-                                    if project is None and tenant != rec.request.tenant)
-
-    def _victims_on(self, view: node_view.NodeView, rec: JobRecord, within_quota: bool) -> list[Victim]:
-        """Who on this node may be stopped for `rec`: lower tiers, or (for a job within its own quota) another
-        tenant's borrowed work; never a reservation hold, never a protected job. Read from the victim index's entries
-        for the node (the jobs its view holds, holds aside), so other work is passed over without a look-up."""
-        r = rec.request
-        rank = TIER_RANK[r.tier]
+    def _victims_on(self, view: node_view.NodeView, search: Search, key=None) -> list[Victim]:
+        """Who on this node may be stopped for the search's job: work whose claim is below the job's (claims.py:
+        the one order for tier preemption and reclaim); never a reservation hold, never a protected job, never
+        one already stopping. Read from the victim index's entries for the node (the jobs its view holds, holds
+        aside), so other work is passed over without a look-up. `key`: the job's claim (default: on this node's
+        cards)."""
+        key = key or search.node_key(view)
         out: list[Victim] = []
         self.victim_index.sync(self.nodes, self.jobs)
-        for j, (o_rank, tenant, borrowed) in self.victim_index.held.get(view.node, {}).items():
-            if o_rank > rank:
-                rule = "tier"
-            elif within_quota and borrowed and tenant != r.tenant:
-                rule = "reclaim"
-            else:
-                continue
+        for j in self.victim_index.held.get(view.node, {}):
             other = self.jobs[j]
             if other.state not in ("placed", "running") or other.placement is None:
                 continue
             if other.preempted_at and protected(other.preempted_at, self.now_ms, self.preemption):
                 continue
+            rule = search.rule(other, key)
+            if rule is None:
+                continue
             since = max(other.started_ms, other.checkpoint_ms) if other.state == "running" else self.now_ms
-            out.append(Victim(j, view.node, o_rank, borrowed, max(0, self.now_ms - since), rule))
+            borrowed = rule == "reclaim" or not search.victim_claim(other, search.mine)[0]
+            out.append(Victim(j, view.node, TIER_RANK[other.request.tier], borrowed,
+                              max(0, self.now_ms - since), rule))
         return out
 
-    def _preempt_for(self, out: list[Envelope], cause: Envelope, rec: JobRecord, within_quota: bool) -> bool:
+    def _preempt_for(self, out: list[Envelope], cause: Envelope, rec: JobRecord) -> bool:
         """True when the job waits on preemptions (already under way, or started now)."""
         if rec.nominated is not None:
             if any(self.jobs[v].state == "stopping" for v in rec.nominated[1]):
@@ -692,24 +695,28 @@ class Scheduler:
                 message=f"waiting for {len(waiting[1])} job(s) already stopping on {waiting[0]}",
                 data={"victims": ",".join(waiting[1])}),))
             return True
-        if not self._anyone_to_stop(rec, within_quota):
-            return False
+        search = Search(self.h, self.ledger, rec)
         r = rec.request
+        keys = [search.key(m) for m in self.index.models if not r.constraints.models or m in r.constraints.models]
+        strongest, weakest = max(keys, default=search.key()), min(keys, default=search.key())
+        if not search.groups(strongest):
+            return False  # nobody's claim is below its own, on any card model: no search over the nodes
         too_big = {m: cards_needed(r.compute_milli, r.gpu_memory_mib, m) > n for m, n in self.index.models.items()}
         plan = None
         if not all(too_big.values()):  # else no node has cards enough, whoever stops: only a multi-node gang plan
-            plan = plan_over(r, ((self.nodes[name], self._victims_on(self.nodes[name], rec, within_quota))
-                                 for name in self._victim_nodes(rec, within_quota)), self.preemption.candidate_nodes)
+            def pairs():
+                for name in self._victim_nodes(search, strongest):
+                    view = self.nodes[name]
+                    key = search.node_key(view)  # its claim on this node's cards
+                    yield view, self._victims_on(view, search, key), (lambda chosen, v, key=key:
+                                                                     search.valid(chosen, v, key))
+            plan = plan_over(r, pairs(), self.preemption.candidate_nodes)
         if plan is None and r.gang and any(too_big.values()):
             plan = plan_gang(rec.request, self.nodes, self.index, allowed_models(self.index, rec.request),
-                             self._victims(rec, within_quota))
+                             self._victims(search, weakest), lambda chosen, v: search.valid(chosen, v, weakest))
         if plan is None:
             return False
-        for v in plan.victims:
-            self._command(out, PreemptJob(command_id=self._command_id(), job_id=v.job_id, node=v.node, reasons=(
-                Reason(code="PreemptedFor", plugin="Preemption", message=f"{v.rule}: {r.job_id} ({r.tier.value})",
-                       data={"for_job": r.job_id, "rule": v.rule, "progress_lost_ms": v.progress_lost_ms}),),
-                attempt=self.jobs[v.job_id].attempt), cause)
+        self._stop_for(out, cause, rec, plan.victims)
         self._nominate(rec, (plan.node, tuple(v.job_id for v in plan.victims)),
                        tuple(sorted({plan.node} | {v.node for v in plan.victims})))
         where = tuple(sorted({v.node for v in plan.victims}))
@@ -718,6 +725,114 @@ class Scheduler:
             message=f"waiting for {len(plan.victims)} job(s) to checkpoint and stop on {', '.join(where)}",
             data={"victims": ",".join(rec.nominated[1])}),))
         return True
+
+    def _quiet(self, rec: JobRecord) -> Reason | None:
+        """Why a recently stopped victim may not preempt now (None: it may): it was stopped for another job less
+        than `victim_quiet_ms` of log time ago, and takes free capacity only until then -- so a victim's requeue
+        starts no chain of preemptions its preemptor was not allowed."""
+        if not rec.preempted_at:
+            return None
+        until = quiet_until(rec.preempted_at, self.preemption)
+        if self.now_ms >= until:
+            return None
+        return Reason(code="RecentlyPreempted", plugin="Preemption", data={"until_ms": until},
+                      message=f"stopped for another job at {rec.preempted_at[-1]} ms: it preempts nothing until "
+                              f"{until} ms, and takes free capacity meanwhile")
+
+    def _stop_for(self, out: list[Envelope], cause: Envelope, rec: JobRecord, victims) -> None:
+        r = rec.request
+        for v in victims:
+            self._command(out, PreemptJob(command_id=self._command_id(), job_id=v.job_id, node=v.node, reasons=(
+                Reason(code="PreemptedFor", plugin="Preemption", message=f"{v.rule}: {r.job_id} ({r.tier.value})",
+                       data={"for_job": r.job_id, "rule": v.rule, "progress_lost_ms": v.progress_lost_ms}),),
+                attempt=self.jobs[v.job_id].attempt), cause)
+
+    def _preempt_for_quota(self, out: list[Envelope], cause: Envelope, rec: JobRecord, quota: Admission,
+                           holding: tuple[int, int] | None = None) -> bool:
+        """A job its own account's quota keeps waiting (QuotaExceeded, ProjectQuotaExceeded: beyond the cap) stops
+        that account's weaker work (claims.py: its own borrowed or lower-tier jobs) until the quota admits it --
+        the same claim order as everywhere, inside one tenant: a tenant's inference service displaces its own
+        training. True when it waits on such stops (under way, or started now)."""
+        if rec.nominated is not None and any(self.jobs[v].state == "stopping" for v in rec.nominated[1]):
+            return True
+        codes = {q.code for q in quota.reasons}
+        if not codes & {"QuotaExceeded", "ProjectQuotaExceeded"}:
+            return False
+        r = rec.request
+        sums = self.h.sums.get((r.tenant, None))
+        if sums is None or not any(sums.milli[:rec.group]) and not self._beyond_quota(r.tenant):
+            return False  # its account holds nothing weaker: same-tenant work of its group or above never is
+        project = "ProjectQuotaExceeded" in codes
+        search = Search(self.h, self.ledger, rec)
+        key = search.key()
+        need, mem = holding if holding else (None, None)
+        cands = []
+        for o in (self.jobs[j] for j in self._account_holders(r.tenant)):
+            if o is rec or o.state not in ("placed", "running") or o.placement is None or o.hold is not None:
+                continue
+            if project and o.request.project != r.project:
+                continue
+            if o.preempted_at and protected(o.preempted_at, self.now_ms, self.preemption):
+                continue
+            rule = search.rule(o, key)
+            if rule is None:
+                continue
+            since = max(o.started_ms, o.checkpoint_ms) if o.state == "running" else self.now_ms
+            cands.append(Victim(o.request.job_id, o.node, TIER_RANK[o.request.tier],
+                                rule == "reclaim" or not search.victim_claim(o, search.mine)[0],
+                                max(0, self.now_ms - since), rule))
+        chosen: list[Victim] = []
+        freed: dict[tuple[str, str | None], list[int]] = {}
+
+        def count(v: Victim, sign: int) -> None:
+            o = self.jobs[v.job_id]
+            for k in ((r.tenant, None), (r.tenant, o.request.project)):
+                f = freed.setdefault(k, [0, 0])
+                f[0] += sign * o.held_milli
+                f[1] += sign * o.held_memory_mib
+
+        def admitted() -> bool:
+            return not self.ledger.admit(r, self.index.capacity_milli, need, mem, freed=freed).blocked
+
+        for v in sorted(cands, key=disruption_order):
+            if v.rule == "reclaim" and not search.valid(chosen, v, key):
+                continue
+            chosen.append(v)
+            count(v, 1)
+            if admitted():
+                break
+        else:
+            return False
+        for extra in reversed(chosen):  # as many as it needs: drop, most disruptive first, what it does without
+            count(extra, -1)
+            if admitted():
+                chosen = [c for c in chosen if c is not extra]
+            else:
+                count(extra, 1)
+        self._stop_for(out, cause, rec, chosen)
+        self._nominate(rec, (chosen[0].node, tuple(v.job_id for v in chosen)), tuple(sorted({v.node for v in chosen})))
+        self._pending(out, cause, rec, (Reason(
+            code="Preempting", plugin="Preemption", nodes=tuple(sorted({v.node for v in chosen})),
+            message=f"waiting for {len(chosen)} job(s) of its own account to stop: its quota is held by weaker work",
+            data={"victims": ",".join(v.job_id for v in chosen), "quota": 1}),) + quota.reasons)
+        return True
+
+    def _account_holders(self, tenant: str) -> list[str]:
+        """Jobs of this tenant holding capacity (holds aside), in node order then job order (the victim index)."""
+        vi = self.victim_index
+        vi.sync(self.nodes, self.jobs)
+        nodes = vi.in_order(self.nodes, [ns for (t, _g), ns in vi.by_group.items() if t == tenant and ns])
+        out: dict[str, None] = {}
+        for name in nodes:
+            for j, (_g, t) in vi.held.get(name, {}).items():
+                if t == tenant:
+                    out[j] = None
+        return list(out)
+
+    def _beyond_quota(self, tenant: str) -> bool:
+        a = self.ledger.accounts.get((tenant, None))
+        q = self.ledger.tenant_quota(tenant)
+        return a is not None and q is not None and a.used_milli > q.gpu_milli
 
     def _nominate(self, rec: JobRecord, nominated, claim: tuple[str, ...] = ()) -> None:
         rec.nominated, rec.claim = nominated, claim if nominated is not None else ()
@@ -730,8 +845,8 @@ class Scheduler:
         """Nodes `rec` may not take from: claimed by a nominated job ahead of it in the queue."""
         if not self.nominations:
             return frozenset()
-        mine = _queue_key(rec)
-        return frozenset(n for o in self.nominations.values() if o is not rec and _queue_key(o) < mine
+        mine = self._queue_key(rec)
+        return frozenset(n for o in self.nominations.values() if o is not rec and self._queue_key(o) < mine
                          for n in o.claim)
 
     def _freed_by_stops(self, rec: JobRecord) -> tuple[str, tuple[str, ...]] | None:
@@ -771,11 +886,6 @@ class Scheduler:
 
     def card_model(self, node: str, gpu_uuid: str) -> str:
         return self.h.card_model(node, gpu_uuid)
-
-
-def _queue_key(r: JobRecord) -> tuple:
-    return (0 if r.nominated else 1, TIER_RANK[r.request.tier], 0 if r.preemptions or r.interruptions else 1,
-            r.arrival)
 
 
 _NO_CONSTRAINTS = JobRequested.model_fields["constraints"].default
