@@ -17,13 +17,15 @@ from infra.clickhouse import connect
 from infra.config import Config
 from schemas.envelope import DecodeError, decode
 from schemas.routing import at_home
-from schemas.topics import COMMANDS, DECISIONS, INVENTORY, JOB_EVENTS, JOB_REQUESTS, LEDGER, NODE_CONTROL
+from schemas.topics import (
+    COMMANDS, DECISIONS, INVENTORY, JOB_EVENTS, JOB_REQUESTS, LEDGER, NODE_CONTROL, TELEMETRY_MINUTES,
+)
 from streams.rows import COLUMNS, rows_for
 
 log = logging.getLogger("gpupool.sink")
 GROUP = "gpupool-sink"
 SINK_TOPICS = (JOB_REQUESTS.name, JOB_EVENTS.name, DECISIONS.name, COMMANDS.name, LEDGER.name, INVENTORY.name,
-               NODE_CONTROL.name)
+               NODE_CONTROL.name, TELEMETRY_MINUTES.name)
 
 
 def batch_rows(topic: str, partition: int, msgs) -> dict[str, list]:
