@@ -48,6 +48,8 @@ def _match(env, want: dict) -> bool:
             got = [a.milli for a in p.assignments]
         elif key == "mig":
             got = p.assignments[0].mig_profile
+        elif key == "isolation":  # what the Placed reason says was given
+            got = next((r.data.get("isolation") for r in getattr(p, "reasons", ()) if r.code == "Placed"), None)
         else:
             got = getattr(p, key, None)
             got = got.value if hasattr(got, "value") else got

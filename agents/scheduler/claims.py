@@ -55,7 +55,7 @@ def holding_on(r: JobRequested, model_name: str) -> tuple[int, int]:
     milli-GPU times the model's compute units (rounded up) and the memory asked, whole cards all their compute and
     memory."""
     m = model(model_name)
-    if r.compute_milli <= m.cu_milli and r.gpu_memory_mib <= m.memory_mib:
+    if r.compute_milli <= m.cu_milli and r.gpu_memory_mib <= m.memory_mib and r.isolation_asked != "exclusive":
         share = share_for(r.compute_milli, m)
         if share < 1000:
             return -(-share * m.cu_milli // 1000), r.gpu_memory_mib

@@ -161,8 +161,11 @@ class Shape:
         got = self.per_model.get(name)
         if got is None:
             job, m = self.job, model(name)
+            iso = job.isolation_asked
             if job.compute_milli <= m.cu_milli and job.gpu_memory_mib <= m.memory_mib:
-                got = (share_for(job.compute_milli, m), None)
+                # "mig": no software share will do (MIG cards are left to the trial); "exclusive": one whole card
+                got = (None, None) if iso == "mig" else (None, (1, m.memory_mib)) if iso == "exclusive" else (
+                    share_for(job.compute_milli, m), None)
             elif job.gang:
                 got = (None, (cards_needed(job.compute_milli, job.gpu_memory_mib, name), m.memory_mib))
             else:
