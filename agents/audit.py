@@ -43,8 +43,8 @@ from pathlib import Path
 
 import orjson
 
-from agents.scheduler.core import SOURCE
-from agents.scheduler.elastic import SOURCE as AUTOSCALER, ElasticScheduler
+from agents.scheduler.core import SOURCE, live_config, replay
+from agents.scheduler.elastic import SOURCE as AUTOSCALER
 from schemas.envelope import DecodeError, Envelope, decode
 from schemas.topics import (
     COMMANDS, DECISIONS, INVENTORY, JOB_REQUESTS, LEDGER, NODE_CONTROL, SCHEDULER_INPUT, TELEMETRY,
@@ -210,18 +210,18 @@ def compare_bill(expected: list[Envelope], rows: list[dict], not_yet_sunk: set[s
 
 def replay_records(values: list[tuple[int, bytes | None, int]], progress=None) -> list[tuple[int, Envelope]]:
     """Step the pure scheduler over (offset, raw value, log time) input records, each at the broker's append time
-    the live scheduler saw; outputs tagged with their input offset."""
-    s = ElasticScheduler()  # the live agent's class: services and the autoscaler included
+    the live scheduler saw, configured as the live agent is (`core.live_config`); outputs tagged with their input
+    offset. The replay is `core.replay`, the one the agent's rebuild runs."""
     outs: list[tuple[int, Envelope]] = []
     n = len(values)
-    for i, (off, raw, log_ms) in enumerate(values):
-        try:
-            env = decode(raw)
-        except DecodeError:
-            continue  # dead-lettered by the folds; the live scheduler skips it the same way
-        outs.extend((off, o) for o in s.step(env, log_ms))
+
+    def tag(i: int, got: list[Envelope]) -> None:
+        off = values[i][0]
+        outs.extend((off, o) for o in got)
         if progress:
             progress(i + 1, n)
+
+    replay([raw for _, raw, _ in values], [t for _, _, t in values], on_outputs=tag, **live_config())
     return outs
 
 

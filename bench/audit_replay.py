@@ -37,7 +37,7 @@ import zlib
 from pathlib import Path
 
 from agents.node.fleet import make_node
-from agents.scheduler.core import Scheduler
+from agents.scheduler.core import Scheduler, replay as core_replay
 from schemas.envelope import Envelope, decode, encode, envelope
 from schemas.events import JobCompleted, JobRequested, JobStarted, QuotaSet, SchedulerTick, Tier
 from schemas.routing import route
@@ -146,12 +146,12 @@ class Gen:
 
 
 def replay(inputs: list[bytes]) -> tuple[float, int]:
-    s = Scheduler()
-    outs = 0
+    """`core.replay` (the agent's rebuild and the audit run it) over the encoded inputs, configured as the generator's
+    scheduler was."""
+    outs = [0]
     t = time.perf_counter()
-    for raw in inputs:
-        outs += len(s.step(decode(raw)))
-    return time.perf_counter() - t, outs
+    core_replay(inputs, on_outputs=lambda _i, got: outs.__setitem__(0, outs[0] + len(got)))
+    return time.perf_counter() - t, outs[0]
 
 
 def ledger_stream(kept: list[Envelope], want: int) -> list[tuple[Envelope, str, int, int]]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 NonNeg = Annotated[int, Field(ge=0)]
 Pos = Annotated[int, Field(gt=0)]
@@ -27,6 +27,15 @@ class Tier(StrEnum):
 
 
 TIER_RANK = {Tier.INFERENCE: 0, Tier.ONLINE_TRAINING: 1, Tier.OFFLINE: 2}
+
+# How a job is isolated from others on a card: "shared" a software share of a card (or a MIG instance: never less
+# isolation than asked), "mig" a hardware slice only (a free MIG instance or one carved out of idle slices, never a
+# software share), "exclusive" whole cards only (no share, no MIG). docs/scheduler.md, "Isolation".
+Isolation = Literal["shared", "mig", "exclusive"]
+# A request that says nothing gets its tier's default (the documented table): every tier shares by default, so that a
+# request asks for isolation rather than being kept waiting for it.
+DEFAULT_ISOLATION: dict[Tier, str] = {Tier.INFERENCE: "shared", Tier.ONLINE_TRAINING: "shared",
+                                      Tier.OFFLINE: "shared"}
 
 
 class Reason(Frozen):
@@ -162,6 +171,18 @@ class JobRequested(Frozen):
     latency_sensitive: bool = False  # inference that wants the newest generation and memory-rich units
     reservation_id: str | None = None  # consume capacity booked by this reservation
     service_id: str | None = None  # a replica of this inference service (set by the autoscaler)
+    isolation: Isolation | None = None  # None: the tier's default (DEFAULT_ISOLATION)
+
+    @model_validator(mode="after")
+    def _mig_needs_mig(self):
+        if self.isolation == "mig" and not self.constraints.mig_allowed:
+            raise ValueError("isolation 'mig' with constraints.mig_allowed false: no slice could serve it")
+        return self
+
+    @property
+    def isolation_asked(self) -> str:
+        """What isolation the job gets: as asked, else its tier's default."""
+        return self.isolation or DEFAULT_ISOLATION[self.tier]
 
 
 class JobCancelled(Frozen):

@@ -13,7 +13,10 @@ quota). `usage_tick_ms` sets the scheduler's usage tick (default: the product's,
 Lifecycle steps: `node_down: NODE` or `{node, heartbeat_ago_ms}` (node.liveness alive=false, last heartbeat that long
 ago), `node_up: NODE` (the node reports its inventory again), `drain`, `uncordon`, `remove`, `readd` (node.removed),
 `fail: JOB`, `quota: {tenant, project?, compute}`, and `stale: {job, attempt, report: started|checkpointed|completed}`
-(a report from an earlier run of the job: the command of its `attempt`-th placement)."""
+(a report from an earlier run of the job: the command of its `attempt`-th placement).
+
+`log_time: true` steps every input at its log time (the scenario clock, as the broker stamps it) and lets a step say
+`skew_ms: N`: its producer's clock is N ms off (the event time it claims), which must not move the scheduler."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -45,6 +48,8 @@ def _match(env, want: dict) -> bool:
             got = [a.milli for a in p.assignments]
         elif key == "mig":
             got = p.assignments[0].mig_profile
+        elif key == "isolation":  # what the Placed reason says was given
+            got = next((r.data.get("isolation") for r in getattr(p, "reasons", ()) if r.code == "Placed"), None)
         else:
             got = getattr(p, key, None)
             got = got.value if hasattr(got, "value") else got
@@ -74,9 +79,22 @@ def run(path: Path) -> None:
         s.step(clock.env(QuotaSet(tenant=q["tenant"], project=q.get("project"), gpu_milli=q["compute"],
                                   gpu_memory_mib=q["mem_gib"] * 1024 if "mem_gib" in q else None,
                                   overcommit_pct=q.get("overcommit_pct", 120)), "operator"))
+    step = s.step
+    if doc.get("log_time"):
+        # the scheduler's clock is the log's (each input at the scenario clock, its append time), whatever a step's
+        # `skew_ms` says the producer's clock was
+        skew = {"ms": 0}
+
+        def step(env):
+            log_ms = env.event_time_ms
+            if skew["ms"]:
+                env = env.model_copy(update={"event_time_ms": env.event_time_ms + skew["ms"]})
+            return s.step(env, log_ms)
     for i, st in enumerate(doc["steps"]):
         st = dict(st)
         dt = st.pop("after", 0)
+        if doc.get("log_time"):
+            skew["ms"] = st.pop("skew_ms", 0)
         ((op, arg),) = st.items()
         if op == "expect_none":  # none of the previous step's envelopes matches any of these
             for w in arg:
@@ -99,41 +117,41 @@ def run(path: Path) -> None:
             cons = Constraints(**a.pop("constraints", {}))
             req = job(a.pop("job_id"), a.pop("tenant", "t1"), a.pop("compute"), a.pop("mem_gib"),
                       constraints=cons, **a)
-            last = s.step(clock.env(req, f"cli/{req.job_id}"))
+            last = step(clock.env(req, f"cli/{req.job_id}"))
         elif op in ("start", "complete", "stop", "fail"):
             cmd = placed[arg].payload
             src = f"{cmd.node}/job/{arg}"
             ev = {"start": JobStarted, "complete": JobCompleted}.get(op)
             if ev:
-                last = s.step(clock.env(ev(job_id=arg, node=cmd.node, command_id=cmd.command_id), src, dt=dt))
+                last = step(clock.env(ev(job_id=arg, node=cmd.node, command_id=cmd.command_id), src, dt=dt))
             elif op == "fail":
-                last = s.step(clock.env(JobFailed(job_id=arg, node=cmd.node, command_id=cmd.command_id,
+                last = step(clock.env(JobFailed(job_id=arg, node=cmd.node, command_id=cmd.command_id,
                                                   reason="exit code 1"), src, dt=dt))
             else:
-                last = s.step(clock.env(JobStopped(job_id=arg, node=cmd.node, command_id=cmd.command_id,
+                last = step(clock.env(JobStopped(job_id=arg, node=cmd.node, command_id=cmd.command_id,
                                                    checkpoint=f"ckpt:{arg}:1000"), src, dt=dt))
         elif op == "checkpoint":
             cmd = placed[arg].payload
-            last = s.step(clock.env(JobCheckpointed(job_id=arg, node=cmd.node, progress_ms=1000,
+            last = step(clock.env(JobCheckpointed(job_id=arg, node=cmd.node, progress_ms=1000,
                                                     checkpoint=f"ckpt:{arg}:1000"), f"{cmd.node}/job/{arg}", dt=dt))
         elif op == "cancel":
-            last = s.step(clock.env(JobCancelled(job_id=arg), f"cli/{arg}", dt=dt))
+            last = step(clock.env(JobCancelled(job_id=arg), f"cli/{arg}", dt=dt))
         elif op == "declare":
-            last = s.step(clock.env(ServiceDeclared(**{"tenant": "t1", **arg}), f"cli/service/{arg['service_id']}"))
+            last = step(clock.env(ServiceDeclared(**{"tenant": "t1", **arg}), f"cli/service/{arg['service_id']}"))
         elif op == "load":
-            last = s.step(clock.env(InferenceLoad(**arg), f"load/{arg['service_id']}", dt=dt))
+            last = step(clock.env(InferenceLoad(**arg), f"load/{arg['service_id']}", dt=dt))
         elif op == "remove_service":
-            last = s.step(clock.env(ServiceRemoved(service_id=arg), f"cli/service/{arg}"))
+            last = step(clock.env(ServiceRemoved(service_id=arg), f"cli/service/{arg}"))
         elif op == "tick":
-            last = s.step(clock.env(SchedulerTick(now_ms=clock.now + arg), "ticker", dt=arg))
+            last = step(clock.env(SchedulerTick(now_ms=clock.now + arg), "ticker", dt=arg))
         elif op == "reserve":
             a = dict(arg)
-            last = s.step(clock.env(ReservationRequested(
+            last = step(clock.env(ReservationRequested(
                 reservation_id=a["reservation_id"], tenant=a.get("tenant", "t1"), tier=a.get("tier", "online-training"),
                 compute_milli=a["compute"], gpu_memory_mib=a["mem_gib"] * 1024,
                 start_ms=clock.now + a["start_s"] * 1000, end_ms=clock.now + a["end_s"] * 1000), "cli/reserve", dt=dt))
         elif op == "cancel_reservation":
-            last = s.step(clock.env(ReservationCancelled(reservation_id=arg), "cli/reserve", dt=dt))
+            last = step(clock.env(ReservationCancelled(reservation_id=arg), "cli/reserve", dt=dt))
         elif op == "mig_done":
             # the node agent applied the last MIG reconfigure sent to this node and reports its inventory again
             cmd = next(e.payload for e in reversed(sent) if e.payload.kind == "cmd.mig_reconfigure"
@@ -141,25 +159,25 @@ def run(path: Path) -> None:
             inv = s.nodes[arg].inventory
             gpus = tuple(g.model_copy(update={"mig_layout": cmd.layout, "mig_enabled": True})
                          if g.uuid == cmd.gpu_uuid else g for g in inv.gpus)
-            last = s.step(clock.env(inv.model_copy(update={"gpus": gpus}), f"{arg}/inventory", dt=dt or 1))
+            last = step(clock.env(inv.model_copy(update={"gpus": gpus}), f"{arg}/inventory", dt=dt or 1))
         elif op == "cordon":
-            last = s.step(clock.env(NodeCordon(node=arg), "operator", dt=dt))
+            last = step(clock.env(NodeCordon(node=arg), "operator", dt=dt))
         elif op == "drain":
-            last = s.step(clock.env(NodeCordon(node=arg, drain=True, reason="maintenance"), "operator", dt=dt))
+            last = step(clock.env(NodeCordon(node=arg, drain=True, reason="maintenance"), "operator", dt=dt))
         elif op == "uncordon":
-            last = s.step(clock.env(NodeCordon(node=arg, cordoned=False), "operator", dt=dt))
+            last = step(clock.env(NodeCordon(node=arg, cordoned=False), "operator", dt=dt))
         elif op in ("remove", "readd"):
-            last = s.step(clock.env(NodeRemoved(node=arg, removed=op == "remove"), "operator", dt=dt))
+            last = step(clock.env(NodeRemoved(node=arg, removed=op == "remove"), "operator", dt=dt))
         elif op == "node_down":
             a = arg if isinstance(arg, dict) else {"node": arg}
             clock.now += dt
-            last = s.step(clock.env(NodeLiveness(node=a["node"], alive=False,
+            last = step(clock.env(NodeLiveness(node=a["node"], alive=False,
                                                  last_heartbeat_ms=clock.now - a.get("heartbeat_ago_ms", 0)),
                                     f"{a['node']}/liveness"))
         elif op == "node_up":
-            last = s.step(clock.env(s.nodes[arg].inventory, f"{arg}/inventory", dt=dt or 1))
+            last = step(clock.env(s.nodes[arg].inventory, f"{arg}/inventory", dt=dt or 1))
         elif op == "quota":
-            last = s.step(clock.env(QuotaSet(tenant=arg["tenant"], project=arg.get("project"),
+            last = step(clock.env(QuotaSet(tenant=arg["tenant"], project=arg.get("project"),
                                              gpu_milli=arg["compute"]), "operator", dt=dt))
         elif op == "stale":
             cmd = attempts[(arg["job"], arg["attempt"])].payload
@@ -170,11 +188,11 @@ def run(path: Path) -> None:
             else:
                 rep = JobCheckpointed(job_id=arg["job"], node=cmd.node, progress_ms=2000, command_id=cmd.command_id,
                                       checkpoint=f"ckpt:{arg['job']}:2000")
-            last = s.step(clock.env(rep, src, dt=dt))
+            last = step(clock.env(rep, src, dt=dt))
         elif op == "gpu_fault":
             node, idx = arg.split(":")
             uuid = s.nodes[node].inventory.gpus[int(idx)].uuid
-            last = s.step(clock.env(GpuHealth(node=node, gpu_uuid=uuid, healthy=False, reason="ecc"), f"{node}/health",
+            last = step(clock.env(GpuHealth(node=node, gpu_uuid=uuid, healthy=False, reason="ecc"), f"{node}/health",
                                     dt=dt))
         else:
             raise ValueError(f"unknown step {op}")

@@ -108,12 +108,12 @@ class Pool:
                 next_tick += tick_ms
 
     def ready_replicas(self, service: str) -> list[str]:
-        svc = self.s.services[service]
+        svc = self.s.autoscaler.services[service]
         return [j for j in svc.serving() if self.s.jobs[j].state == "running"]
 
     def sample(self, service: str, qps: int, replica_qps: int, dt_ms: int) -> list:
         """The service's own load report: capacity from the ready serving replicas (a boost adds its share)."""
-        svc = self.s.services[service]
+        svc = self.s.autoscaler.services[service]
         cap = len(self.ready_replicas(service)) * replica_qps
         cap += sum(replica_qps * svc.spec.boost_compute_milli // svc.spec.replica_compute_milli for _ in svc.boosts)
         q = self.queue.get(service, 0)
@@ -329,7 +329,7 @@ def test_warm_replicas_start_from_free_capacity_are_promoted_at_once_and_yield_t
                                                      ("horizontal_up", ("chat/r2", "chat/r3"))]
     assert warm_up[1].reasons[0].code == "WarmPool" and warm_up[1].replicas == 1
     pool.run_until(2 * MIN)
-    svc = pool.s.services["chat"]
+    svc = pool.s.autoscaler.services["chat"]
     assert svc.serving() == ["chat/r1"] and svc.warm() == ["chat/r2", "chat/r3"]
     # a hot signal promotes a ready warm replica: traffic shifts at once
     before = len(pool.scaled())
@@ -357,7 +357,7 @@ def test_the_warm_pool_is_refilled_only_after_training_stopped_waiting_for_a_whi
     pool = Pool(ElasticConfig(warm_pool=1, warm_quiet_ms=10 * MIN), nodes=(("n1", "A100-80GB", 2),))
     declare(pool, replica_compute_milli=1000, replica_memory_mib=40 * 1024, max_replicas=2)
     pool.run_until(MIN)
-    assert pool.s.services["chat"].warm() == ["chat/r2"]
+    assert pool.s.autoscaler.services["chat"].warm() == ["chat/r2"]
     submit(pool, "train", 1000, 40)
     assert pool.scaled("scale_in")[-1].reasons[0].code == "WarmPoolYields"
     t_wait = pool.now
@@ -387,7 +387,7 @@ def _peaks(cfg: ElasticConfig, hours: int = 12):
     while t < hours * HOUR:
         t += 5 * MIN
         pool.run_until(t, sample_ms=30_000, service="chat", demand=demand)
-        train, cap = pool.s.training_share()
+        train, cap = pool.s.autoscaler.training_share()
         waiting = any(pool.s.jobs[j].request.tier != Tier.INFERENCE for j in pool.s.pending)
         shares.append((t, train * 1000 // cap, waiting))
     return pool, shares
@@ -478,7 +478,7 @@ def test_no_allocate_evict_thrash_under_steady_load():
 
 def test_replaying_the_same_inputs_gives_identical_outputs():
     pool = _busy_day()
-    again = ElasticScheduler(pool.s.elastic, ledger=open_ledger())
+    again = ElasticScheduler(pool.s.autoscaler.cfg, ledger=open_ledger())
     outs = [o for e in pool.inputs for o in again.step(e)]
     assert len(outs) == len(pool.outputs) > 100
     assert [o.model_dump() for o in outs] == [o.model_dump() for o in pool.outputs]

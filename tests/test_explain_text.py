@@ -62,9 +62,9 @@ def test_history_lists_the_gang_once_and_the_bill():
     assert lines[-1] == "  cost so far: 240.000 GPU-seconds"
 
 
-def test_isolation_absent_is_said_as_not_stated():
+def test_isolation_absent_is_said_as_the_tiers_default():
     (line,) = explain.header("acme/x", [ev("job.requested", compute_milli=100, gpu_memory_mib=1024, tier="offline")])
-    assert line.endswith("isolation not stated")
+    assert line.endswith("isolation shared (the tier's default)")
 
 
 def test_a_closed_pipe_ends_quietly():

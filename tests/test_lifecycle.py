@@ -133,5 +133,5 @@ def test_a_replica_on_a_lost_node_is_requeued_and_placed_elsewhere():
     assert [e.payload.code for e in out if e.kind == "job.interrupted"] == ["NodeLost"]
     (again,) = [e.payload for e in out if e.kind == "cmd.place"]
     assert again.job_id == p.job_id and again.node != p.node and again.attempt == 2
-    assert s.services["chat"].serving() == [p.job_id]  # still the service's replica, starting again
-    assert s._train_milli == 0 and s._held == {(p.job_id, again.node): (False, again.assignments[0].milli)}
+    assert s.autoscaler.services["chat"].serving() == [p.job_id]  # still the service's replica, starting again
+    assert s.h.train_milli == 0 and s.h.train_held == {}  # an inference replica is not training's share

@@ -2,22 +2,52 @@
 quotas with borrowing, reservations, preemption and requeue), the incrementally kept index equals one rebuilt from
 the node views, every node where someone may be stopped for a pending job is among the nodes it names, and it names
 them in the scheduler's node order (the order the walk over every node used, so plans and tie-breaks stay the same).
-The inherited teardown replays the inputs into a fresh scheduler that never syncs between steps: the same outputs
-show the lazy sync does not change decisions."""
+Who may be stopped is checked against a reference: each job's claim worked out by a walk over every job record
+(claims.py's standings from scratch). The inherited teardown replays the inputs into a fresh scheduler that never
+syncs between steps: the same outputs show the lazy sync does not change decisions."""
 from hypothesis import settings
 from hypothesis.stateful import invariant
 
+from agents.scheduler.claims import Search
 from agents.scheduler.preemption import Victim, protected
 from agents.scheduler.victims import VictimIndex, rebuilt
 from schemas.events import TIER_RANK
 from tests.test_scheduler_invariants import SchedulerMachine
 
 
-def victims_by_walk(s, view, rec, within_quota):
-    """Who on the node may be stopped for `rec`, by a walk over the view's allocations (what the scheduler did
-    before the index): the index-driven `_victims_on` must give exactly these."""
-    r = rec.request
-    rank = TIER_RANK[r.tier]
+def _reference_within(s, r, g, milli, memory, gone=(), plus=()):
+    """A job's standing by the claim order, from a walk over every job record (not the holdings' sums): what its
+    account's holders of group g and stronger hold -- less the jobs `gone`, plus (request, group) `plus` counted
+    with what they asked -- and it, fit every quota of its account."""
+    quotas = []
+    q = s.ledger.tenant_quota(r.tenant)
+    if q is not None:
+        quotas.append((None, q))
+    pa = s.ledger.accounts.get((r.tenant, r.project))
+    if pa is not None and pa.quota is not None:
+        quotas.append((r.project, pa.quota))
+    for project, q in quotas:
+        m = mem = 0
+        for o in s.jobs.values():
+            if o.placement is None or o.request.tenant != r.tenant or o.request.job_id in gone:
+                continue
+            if project is not None and o.request.project != project:
+                continue
+            if o.group >= g:
+                m, mem = m + o.held_milli, mem + o.held_memory_mib
+        for req, gg in plus:
+            if req.tenant == r.tenant and (project is None or req.project == project) and gg >= g:
+                m, mem = m + req.compute_milli, mem + req.gpu_memory_mib
+        if m + milli > q.gpu_milli or (q.gpu_memory_mib is not None and mem + memory > q.gpu_memory_mib):
+            return False
+    return True
+
+
+def victims_by_walk(s, view, rec, key):
+    """Who on the node may be stopped for `rec` of claim `key`, by a walk over the view's allocations and a
+    reference standing: every job whose claim, were it to come back now with `rec` placed, is below `key`."""
+    from agents.scheduler.claims import claim, may_stop
+
     out = []
     for j in view.allocations:
         other = s.jobs.get(j)
@@ -25,16 +55,18 @@ def victims_by_walk(s, view, rec, within_quota):
                 other.hold is not None:
             continue
         o = other.request
-        if TIER_RANK[o.tier] > rank:
-            rule = "tier"
-        elif within_quota and other.placement.borrowed and o.tenant != r.tenant:
-            rule = "reclaim"
-        else:
-            continue
         if protected(other.preempted_at, s.now_ms, s.preemption):
             continue
+        if other.reserved:
+            theirs = claim(True, o.tier, True)
+        else:
+            theirs = claim(_reference_within(s, o, other.group, o.compute_milli, o.gpu_memory_mib, gone={j},
+                                             plus=((rec.request, rec.group),)), o.tier, False)
+        if not may_stop(key, theirs):
+            continue
+        rule = "tier" if may_stop(key, claim(True, o.tier, other.reserved)) else "reclaim"
         since = max(other.started_ms, other.checkpoint_ms) if other.state == "running" else s.now_ms
-        out.append(Victim(o.job_id, view.node, TIER_RANK[o.tier], other.placement.borrowed,
+        out.append(Victim(o.job_id, view.node, TIER_RANK[o.tier], rule == "reclaim" or not theirs[0],
                           max(0, s.now_ms - since), rule))
     return out
 
@@ -48,26 +80,33 @@ class VictimIndexMachine(SchedulerMachine):
 
     @invariant()
     def index_names_every_node_with_a_victim_in_node_order(self):
+        from agents.scheduler.claims import Search, claim
+
         s = self.s
         order = list(s.nodes)
         for rec in list(s.jobs.values()):
             if rec.state != "pending":
                 continue
-            for within_quota in (False, True):
-                named = list(s._victim_nodes(rec, within_quota))
+            search = Search(s.h, s.ledger, rec)
+            r = rec.request
+            keys = {search.key(), *(search.key(m) for m in s.index.models)}
+            for key in sorted(keys):
+                # the preemptor's claim by the reference walk agrees with the search's (on what it asked)
+                if key == search.key() and not (rec.reserved or rec.hold is not None):
+                    assert key == claim(_reference_within(s, r, rec.group, r.compute_milli, r.gpu_memory_mib),
+                                        r.tier, False)
+                named = list(s._victim_nodes(search, key))
                 assert named == [n for n in order if n in set(named)]
                 for n in order:
-                    assert sorted(s._victims_on(s.nodes[n], rec, within_quota), key=lambda v: v.job_id) == sorted(
-                        victims_by_walk(s, s.nodes[n], rec, within_quota), key=lambda v: v.job_id)
-                with_victims = [n for n in order if victims_by_walk(s, s.nodes[n], rec, within_quota)]
-                assert set(with_victims) <= set(named), (rec.request.job_id, within_quota)
-                # and the index is tight: a node it names holds lower-tier or borrowed work of another tenant
-                r = rec.request
+                    assert sorted(s._victims_on(s.nodes[n], search, key), key=lambda v: v.job_id) == sorted(
+                        victims_by_walk(s, s.nodes[n], rec, key), key=lambda v: v.job_id)
+                with_victims = [n for n in order if victims_by_walk(s, s.nodes[n], rec, key)]
+                assert set(with_victims) <= set(named), (rec.request.job_id, key)
+                # and the index is tight: a node it names holds work of a (tenant, group) the search picked
+                picked = set(search.groups(key))
                 for n in named:
-                    assert any(TIER_RANK[o.request.tier] > TIER_RANK[r.tier] or (
-                        within_quota and o.request.tenant != r.tenant and
-                        (o.placement is None or o.placement.borrowed))
-                        for o in (s.jobs[j] for j in s.nodes[n].allocations) if o.hold is None)
+                    assert any((o.request.tenant, o.group) in picked
+                               for o in (s.jobs[j] for j in s.nodes[n].allocations) if o.hold is None)
 
 
 class TooBigMachine(SchedulerMachine):
@@ -84,10 +123,9 @@ class TooBigMachine(SchedulerMachine):
             if rec.state != "pending" or not s.index.models or not all(
                     cards_needed(r.compute_milli, r.gpu_memory_mib, m) > n for m, n in s.index.models.items()):
                 continue
-            for within_quota in (False, True):
-                # every job on every node offered as a victim: the most any plan could free
-                everyone = {n: [Victim(j, n, 2, True, 0, "tier") for j in v.allocations] for n, v in s.nodes.items()}
-                assert plan_over(r, ((s.nodes[n], vs) for n, vs in everyone.items())) is None
+            # every job on every node offered as a victim: the most any plan could free
+            everyone = {n: [Victim(j, n, 2, True, 0, "tier") for j in v.allocations] for n, v in s.nodes.items()}
+            assert plan_over(r, ((s.nodes[n], vs) for n, vs in everyone.items())) is None
 
 
 def test_views_set_by_hand_are_read_in_full():
@@ -104,9 +142,11 @@ def test_views_set_by_hand_are_read_in_full():
         s.step(clock.env(job(f"o{k}", compute=1000, mem_gib=80, tier=Tier.OFFLINE), f"cli/o{k}", dt=1))
     by_hand = Scheduler(nodes=dict(s.nodes), jobs=s.jobs)
     hi = by_hand.jobs["o0"].__class__(request=job("hi", tier=Tier.INFERENCE), arrival=99)
-    assert list(by_hand._victim_nodes(hi, False)) == list(s._victim_nodes(hi, False)) == ["n0", "n1", "n2"]
+    mine, theirs = Search(by_hand.h, by_hand.ledger, hi), Search(s.h, s.ledger, hi)
+    assert list(by_hand._victim_nodes(mine, mine.key())) == list(s._victim_nodes(theirs, theirs.key())) == [
+        "n0", "n1", "n2"]
     assert by_hand.victim_index.state() == s.victim_index.state() == rebuilt(s.nodes, s.jobs).state()
-    assert VictimIndex().state() == ({}, {}, {})
+    assert VictimIndex().state() == ({}, {})
 
 
 VictimIndexMachine.TestCase.settings = settings(max_examples=40, stateful_step_count=40, deadline=None)
@@ -129,11 +169,12 @@ def test_protected_and_stopping_work_is_no_victim():
     s.jobs["o1"].preempted_at = (s.now_ms - 3, s.now_ms - 2, s.now_ms - 1)
     s.jobs["o2"].state = "stopping"
     hi = s.jobs["o0"].__class__(request=job("hi", tier=Tier.INFERENCE), arrival=99)
-    got = s._victims_on(s.nodes["n0"], hi, False)
+    search = Search(s.h, s.ledger, hi)
+    got = s._victims_on(s.nodes["n0"], search, search.key())
     assert sorted(v.job_id for v in got) == ["o0", "o3"]
-    assert got == victims_by_walk(s, s.nodes["n0"], hi, False)
+    assert got == victims_by_walk(s, s.nodes["n0"], hi, search.key())
     s.now_ms += s.preemption.protect_ms + 1  # protection runs out
-    assert sorted(v.job_id for v in s._victims_on(s.nodes["n0"], hi, False)) == ["o0", "o1", "o3"]
+    assert sorted(v.job_id for v in s._victims_on(s.nodes["n0"], search, search.key())) == ["o0", "o1", "o3"]
 
 
 def test_views_set_by_hand_then_folded_are_read_in_full():
@@ -152,7 +193,8 @@ def test_views_set_by_hand_then_folded_are_read_in_full():
     for i in range(2):  # every node folded once more, in reverse order, before any search
         by_hand.step(clock.env(NodeCordon(node=f"n{1 - i}", cordoned=False), "operator", dt=1))
     hi = s.jobs["o0"].__class__(request=job("hi", tier=Tier.INFERENCE), arrival=99)
-    assert list(by_hand._victim_nodes(hi, False)) == ["n0", "n1"]
+    search = Search(by_hand.h, by_hand.ledger, hi)
+    assert list(by_hand._victim_nodes(search, search.key())) == ["n0", "n1"]
     assert by_hand.victim_index.state() == rebuilt(by_hand.nodes, by_hand.jobs).state()
 
 

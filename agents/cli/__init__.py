@@ -103,6 +103,8 @@ def parser() -> argparse.ArgumentParser:
                    help="the widest a multi-card gang may spread")
     s.add_argument("--nvlink", action="store_true", help="a multi-card job must stay in one NVLink domain")
     s.add_argument("--reservation", help="take the capacity booked by this reservation")
+    s.add_argument("--isolation", choices=["shared", "mig", "exclusive"],
+                   help="software share, hardware slice (MIG) only, or whole cards only (default: the tier's, shared)")
     s.add_argument("--job-id")
     c = add("cancel", requests.cmd_cancel, help="cancel jobs (a tenant: its own; operators: TENANT/NAME)")
     c.add_argument("jobs", nargs="+")

@@ -96,11 +96,23 @@ def blocks(events: list[dict]) -> list[list[dict]]:
     return out
 
 
+def _isolation(req: dict) -> str:
+    """The isolation asked for, or the tier's default (schemas.events.DEFAULT_ISOLATION) when the request said none."""
+    from schemas.events import DEFAULT_ISOLATION, Tier
+
+    if req.get("isolation"):
+        return req["isolation"]
+    try:
+        return f"{DEFAULT_ISOLATION[Tier(req.get('tier', 'offline'))]} (the tier's default)"
+    except ValueError:
+        return "not stated"
+
+
 def header(job: str, events: list[dict]) -> list[str]:
     req = next((e["payload"] for e in events if e["kind"] == "job.requested"), None)
     if req is None:
         return [job]
-    isolation = req.get("isolation") or "not stated"
+    isolation = _isolation(req)
     return [f"{job}  tier {req.get('tier')}, {req['compute_milli']} milli-CU, {mib(req['gpu_memory_mib'])} GPU memory, "
             f"project {req.get('project', 'default')}, isolation {isolation}"]
 
@@ -165,7 +177,7 @@ def summary(e: dict) -> str:
         return ON_NODE[kind].format(node=p.get("node") or "-")
     if kind == "job.requested":
         return (f"requested {p['compute_milli']} milli-CU, {mib(p['gpu_memory_mib'])} GPU memory, tier {p['tier']}, "
-                f"project {p.get('project', 'default')}, isolation {p.get('isolation') or 'not stated'}"
+                f"project {p.get('project', 'default')}, isolation {_isolation(p)}"
                 + (f", by {e['actor']}" if e.get("actor") else ""))
     if kind == "job.checkpointed":
         return f"checkpoint at {duration(p['progress_ms'])} of work ({p.get('checkpoint') or '-'})"

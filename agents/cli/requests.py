@@ -20,6 +20,7 @@ def job_request(args, job_id: str, tenant: str):
         compute_milli=args.compute, gpu_memory_mib=int(args.memory_gib * 1024), cpu_milli=args.cpu,
         memory_mib=args.host_memory_mib, duration_s=args.duration, latency_sensitive=args.latency_sensitive,
         reservation_id=args.reservation, checkpoint_interval_s=args.checkpoint_every,
+        isolation=getattr(args, "isolation", None),
         constraints=Constraints(models=tuple(args.model or ()), max_spread=args.max_spread,
                                 interconnect="nvlink" if args.nvlink else "any"))
 

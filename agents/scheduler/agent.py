@@ -17,7 +17,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from infra.kafka_client import stop_consumer
 from aiokafka.abc import ConsumerRebalanceListener
 
-from agents.scheduler.elastic import ElasticScheduler
+from agents.scheduler.core import Scheduler, live_config, replay
 from infra.config import Config
 from schemas.envelope import DecodeError, decode, encode
 from schemas.routing import route
@@ -89,7 +89,7 @@ class SchedulerAgent:
     def __init__(self, cfg: Config, conn):
         self.cfg = cfg
         self.conn = conn
-        self.state = ElasticScheduler()
+        self.state = Scheduler(**live_config())
         self.position = 0
         self.emitted = 0
         self.bad_input = 0
@@ -110,8 +110,25 @@ class SchedulerAgent:
         return self.state.step(env, msg.timestamp)  # the broker's append time is the scheduler's clock
 
     async def _rebuild(self, committed: int) -> None:
-        self.state = ElasticScheduler()
-        await replay_input(self.conn, committed, self._step)
+        """The state at the committed offset: the input replayed (`core.replay`, as the audit does) in batches as it
+        is read, without emitting (those outputs are in the log already)."""
+        self.state = Scheduler(**live_config())
+        batch: list = []
+
+        def flush() -> None:
+            stepped = []
+            replay([m.value for m in batch], [m.timestamp for m in batch], scheduler=self.state,
+                   on_outputs=lambda i, _outs: stepped.append(i))
+            self.bad_input += len(batch) - len(stepped)  # the folds dead-lettered them; the scheduler only skips
+            batch.clear()
+
+        def keep(msg) -> None:
+            batch.append(msg)
+            if len(batch) >= 5000:
+                flush()
+
+        await replay_input(self.conn, committed, keep)
+        flush()
         self.position = committed
         tune_gc()
 

@@ -212,16 +212,6 @@ def permille(train_ms: int, cap_ms: int) -> int:
     return train_ms * 1000 // cap_ms if cap_ms > 0 else 1000
 
 
-# ---------------------------------------------------------------- pool facts from node views
-
-def capacity_milli(view: node_view.NodeView) -> int:
-    """The pool capacity a node contributes: 1000 milli-GPU per healthy card while it is schedulable, else 0."""
-    if not view.schedulable:
-        return 0
-    bad = view.unhealthy
-    return 1000 * sum(1 for g in view.cards() if g.uuid not in bad)
-
-
 # ---------------------------------------------------------------- what new replicas would displace
 
 def trial_placements(index: NodeIndex, views: Mapping[str, node_view.NodeView], workload: Workload, k: int,

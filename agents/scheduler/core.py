@@ -7,98 +7,93 @@ all drive this same class, so replaying the input reproduces every decision bit 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from agents.scheduler.admission import Fleet
-from agents.scheduler.node_index import NodeIndex, cards_needed
+from agents.scheduler.claims import Search, standing_now
+from agents.scheduler.elastic import SERVICE_KINDS, SOURCE as AUTOSCALER, Autoscaler, Backfill, Charge, Emit, Request
+from agents.scheduler.elastic import ElasticConfig, Resize
+from agents.scheduler.holdings import Holdings, JobRecord, rebuilt
+from agents.scheduler.node_index import cards_needed
 from agents.scheduler.placement import DEFAULT_CANDIDATES, MigPlan, Placement, place
 from agents.scheduler.placement import allowed_models, fit_cards
 from agents.scheduler.preemption import (
-    NODE_FILTERS, PreemptionConfig, Room, Victim, fits, placed, plan_gang, plan_over, protected, released,
+    NODE_FILTERS, PreemptionConfig, Room, Victim, disruption_order, fits, placed, plan_gang, plan_over, protected,
+    quiet_until, released,
 )
 from agents.scheduler.quota import Admission, Ledger, held
 from agents.scheduler.reservations import LIVE, Book, Booking
 from agents.scheduler.scoring import Workload
-from agents.scheduler.victims import LazyVictims, VictimIndex
-from schemas.envelope import Envelope, envelope
+from agents.scheduler.victims import LazyVictims
+from schemas.envelope import DecodeError, Envelope, decode, envelope
 from schemas.events import (
     TIER_RANK, GpuHealth, JobCancelled, JobCheckpointed, JobCompleted, JobFailed, JobInterrupted, JobPending,
     JobRequested, JobStarted, JobStopped, MigReconfigure, ReservationCancelled, ReservationDecided,
     ReservationRequested, NodeCordon, NodeInventory, NodeLiveness, NodeRemoved, PlaceJob, PreemptJob, QuotaRejected,
-    QuotaSet, Reason, Rejected, ReleaseJob, SchedulerTick, UsageAccrued,
+    QuotaSet, Reason, Rejected, ReleaseJob, ResizeJob, SchedulerTick, UsageAccrued,
 )
 from streams import node_view
 
 SOURCE = "scheduler"
 
 
-@dataclass
-class JobRecord:
-    request: JobRequested
-    arrival: int
-    state: str = "pending"  # pending | placed | running | done
-    node: str = ""
-    placement: PlaceJob | None = None  # the first part (the only one unless a gang spans nodes)
-    parts: tuple[PlaceJob, ...] = ()
-    started_ms: int = -1  # event time of the current run's start; -1 while it has not started
-    preemptions: int = 0
-    preempted_at: tuple[int, ...] = ()
-    checkpoint: str = ""
-    checkpoint_ms: int = 0
-    pending_codes: tuple[str, ...] = ()
-    nominated: tuple[str, tuple[str, ...]] | None = None  # (node, victims) while its preemptions take effect
-    claim: tuple[str, ...] = ()  # nodes whose freed capacity is kept for it while nominated
-    mig_wait: tuple[str, str] | None = None  # (node, card) whose MIG reconfigure it waits for
-    hold: Booking | None = None  # a reservation's hold: placed without a command, never a victim
-    attempt: int = 0  # placements made so far: the number of the current one while it holds capacity
-    accrued_ms: int = -1  # the current run is billed up to here (usage.accrued, on ticks and at its end)
-    held_milli: int = 0  # what the quota ledger charged for the current placement (quota.held)
-    held_memory_mib: int = 0
-    interruptions: int = 0  # runs ended by a node loss, a card fault, a drain, a removal, an agent's own stop
-    stop_cause: str = ""  # why a "stopping" job was told to stop: "" (preempted for another job), Drain, NodeRemoved
-    reserved: bool = False  # placed on its own reservation's capacity: reserved in-quota, never borrowed
-
-
-@dataclass
 class Scheduler:
-    nodes: dict[str, node_view.NodeView] = field(default_factory=dict)
-    jobs: dict[str, JobRecord] = field(default_factory=dict)
-    ledger: Ledger = field(default_factory=Ledger)
-    preemption: PreemptionConfig = field(default_factory=PreemptionConfig)
-    applied: dict[str, int] = field(default_factory=dict)
-    now_ms: int = 0
-    cycle: int = 0
-    out_seq: int = 0
-    arrivals: int = 0
-    pending: set[str] = field(default_factory=set)  # ids of jobs in state "pending": the cycle's queue
-    index: NodeIndex = field(default_factory=NodeIndex)
-    workload: Workload = field(default_factory=Workload)
-    candidates: int = DEFAULT_CANDIDATES
-    # Jobs nominated on nodes (kube-scheduler's nominatedNodeName): what their victims free there is theirs; jobs of
-    # the same or a lower tier do not take it in the meantime (or preemption would thrash).
-    nominations: dict[str, JobRecord] = field(default_factory=dict)
-    held_by_tier: dict[int, int] = field(default_factory=dict)  # tier rank -> jobs holding capacity (holds aside)
-    stopping: set[str] = field(default_factory=set)  # jobs told to checkpoint and stop, not yet stopped
-    victim_index: VictimIndex = field(default_factory=VictimIndex)  # which nodes hold work of which tier / borrowed
-    book: Book = field(default_factory=Book)
-    # The pending queue is retried as a whole only when something may have changed its answers: the epoch moves
-    # on every input that can free capacity or change quota, health or reservations, and on a tick every
-    # full_cycle_ms. A request arriving when nothing moved tries only itself: everything else failed against
-    # the same or a larger free capacity.
-    epoch: int = 0
+    """The policy over `Holdings` (holdings.py): it reads the state, decides, and emits; what it emits is applied to
+    the holdings (the one write path), so the node views, the indices and the job records follow its decisions.
+    Configuration (the same configuration decides the same, so the live agent, the audit and `replay` share it):
+    `ledger`, `preemption`, `candidates`, `full_cycle_ms`, `usage_tick_ms`, `elastic` (an ElasticConfig: the
+    autoscaler component, elastic.py). `nodes` and `jobs` adopt a state built elsewhere (tests)."""
+
     full_cycle_ms: int = 10_000
-    _full_epoch: int = -1
-    _full_ms: int = -1 << 62
-    # Usage accrues while jobs run: on the first tick usage_tick_ms of log time after the last accrual, every
-    # running job is billed [accrued_ms, now) (and at its end, the rest), so a bill includes running work.
     usage_tick_ms: int = 60_000
-    _usage_ms: int | None = None
-    running: dict[str, None] = field(default_factory=dict)  # jobs whose run is billed (started, holding), in order
-    # command id -> (job, attempt) of every cmd.place and cmd.preempt: a node's report names the command it answers,
-    # so a report of a superseded run is known for what it is
-    commands: dict[str, tuple[str, int]] = field(default_factory=dict)
-    fleet: Fleet = field(default_factory=Fleet)  # what the pool could ever host (admission.py)
-    unsure: dict[str, None] = field(default_factory=dict)  # pending jobs that looked unsatisfiable while the fleet grew
+
+    def __init__(self, *, ledger: Ledger | None = None, preemption: PreemptionConfig | None = None,
+                 candidates: int = DEFAULT_CANDIDATES, full_cycle_ms: int | None = None,
+                 usage_tick_ms: int | None = None, elastic=None, nodes: dict | None = None,
+                 jobs: dict | None = None, applied: dict | None = None, out_seq: int = 0):
+        self.h = Holdings() if nodes is None and jobs is None else rebuilt(nodes or {}, jobs or {})
+        self.ledger = ledger if ledger is not None else Ledger()
+        self.preemption = preemption or PreemptionConfig()
+        self.candidates = candidates
+        if full_cycle_ms is not None:
+            self.full_cycle_ms = full_cycle_ms
+        if usage_tick_ms is not None:
+            self.usage_tick_ms = usage_tick_ms
+        self.applied: dict[str, int] = dict(applied or {})
+        self.now_ms = 0
+        self.cycle = 0
+        self.out_seq = out_seq
+        self.arrivals = 0
+        self.workload = Workload()
+        # Jobs nominated on nodes (kube-scheduler's nominatedNodeName): what their victims free there is theirs; jobs
+        # of the same or a lower claim do not take it in the meantime (or preemption would thrash).
+        self.nominations: dict[str, JobRecord] = {}
+        self.book = Book()
+        # The pending queue is retried as a whole only when something may have changed its answers: the epoch moves
+        # on every input that can free capacity or change quota, health or reservations, and on a tick every
+        # full_cycle_ms. A request arriving when nothing moved tries only itself: everything else failed against
+        # the same or a larger free capacity.
+        self.epoch = 0
+        self._full_epoch = -1
+        self._full_ms = -1 << 62
+        # Usage accrues while jobs run: on the first tick usage_tick_ms of log time after the last accrual, every
+        # running job is billed [accrued_ms, now) (and at its end, the rest), so a bill includes running work.
+        self._usage_ms: int | None = None
+        # command id -> (job, attempt) of every cmd.place, cmd.preempt and cmd.migrate: a node's report names the
+        # command it answers, so a report of a superseded run is known for what it is
+        self.commands: dict[str, tuple[str, int]] = {}
+        self.fleet = Fleet()  # what the pool could ever host (admission.py)
+        self.unsure: dict[str, None] = {}  # pending jobs that looked unsatisfiable while the fleet grew
+        # the elastic layer (elastic.py): reads this state, yields requests and decisions that `_act` carries out
+        self.autoscaler = Autoscaler(elastic, self) if elastic is not None else None
+
+    # the holdings, read through (they change only by `Holdings.apply`)
+    nodes = property(lambda self: self.h.nodes)
+    jobs = property(lambda self: self.h.jobs)
+    index = property(lambda self: self.h.index)
+    victim_index = property(lambda self: self.h.victims)
+    pending = property(lambda self: self.h.pending)
+    stopping = property(lambda self: self.h.stopping)
+    running = property(lambda self: self.h.running)
+    held_by_tier = property(lambda self: self.h.held_by_tier)
 
     # ---------------------------------------------------------------- emitting
 
@@ -108,15 +103,7 @@ class Scheduler:
                        correlation_id=getattr(payload, "job_id", None))
         out.append(env)
         if env.is_command:
-            self._fold_node(env)
-
-    def _fold_node(self, env: Envelope) -> None:
-        p = env.payload
-        name = getattr(p, "node", None)
-        if name is not None:
-            view = self.nodes[name] = node_view.evolve(self.nodes.get(name), env)
-            self.index.update(view)
-            self.victim_index.fold(name, p, view, self.jobs, self.nodes)
+            self.h.apply(env)
 
     def _command_id(self) -> str:
         return f"c{self.out_seq + 1}"
@@ -131,21 +118,66 @@ class Scheduler:
     def step(self, env: Envelope, log_ms: int | None = None) -> list[Envelope]:
         """Apply one input. `log_ms`: the broker's append time of the input record, the scheduler's only clock (a
         replay passes the same times, read from the same log); without it (pure tests, simulations) the event time
-        stands in for it."""
+        stands in for it. With the autoscaler component, it is handed the service kinds and, after the scheduler's
+        own handling, every other input; what it yields is carried out here (`_act`)."""
+        out: list[Envelope] = []
+        if not self._fresh(env, log_ms):
+            return out  # duplicate or stale: at-least-once delivery made exact
+        a = self.autoscaler
+        if a is not None and env.kind in SERVICE_KINDS:
+            self._act(out, env, a.on_input(env))
+        else:
+            self._input(out, env)
+            if a is not None:
+                self._act(out, env, a.after(env))
+        if a is not None:
+            a.record_share()
+        return out
+
+    def _fresh(self, env: Envelope, log_ms: int | None) -> bool:
         if env.seq <= self.applied.get(env.source, -1):
-            return []  # duplicate or stale: at-least-once delivery made exact
+            return False
         self.applied[env.source] = env.seq
         self.now_ms = max(self.now_ms, env.event_time_ms if log_ms is None else log_ms)
+        return True
+
+    def _act(self, out: list[Envelope], cause: Envelope, actions) -> None:
+        """Carry out the autoscaler's actions one by one: each is decided on the state the last one left."""
+        a = self.autoscaler
+        for act in actions:
+            if isinstance(act, Emit):
+                self._emit(out, act.payload, cause)
+            elif isinstance(act, Request):  # fed through the ordinary input path, as if it came from the log
+                a.seq += 1
+                env = envelope(act.payload, source=AUTOSCALER, seq=a.seq, time_ms=self.now_ms,
+                               causation_id=cause.event_id, correlation_id=getattr(act.payload, "job_id", None))
+                out.append(env)
+                if self._fresh(env, None):
+                    self._input(out, env)
+            elif isinstance(act, Resize):
+                rec = self.jobs[act.job_id]
+                self._accrue(out, cause, rec)  # billed at the old size up to now
+                self._emit(out, ResizeJob(command_id=self._command_id(), job_id=act.job_id, node=rec.node,
+                                          assignments=act.assignments, reasons=(act.why,), attempt=rec.attempt),
+                           cause)
+            elif isinstance(act, Charge):
+                move = self.ledger.hold if act.sign > 0 else self.ledger.release
+                for ev in move(act.hold, False, memory=0):
+                    self._emit(out, ev, cause)
+            elif isinstance(act, Backfill):
+                self._cycle(out, cause)
+
+    def _input(self, out: list[Envelope], env: Envelope) -> None:
+        """The scheduler's own handling of one input (a fresh one: `_fresh` said so)."""
         if self._usage_ms is None:
             self._usage_ms = self.now_ms
-        out: list[Envelope] = []
         p = env.payload
         if p.kind not in _SAME_EPOCH:
             self.epoch += 1
         match p:
             case NodeInventory() | NodeCordon() | NodeLiveness() | GpuHealth() | NodeRemoved():
                 before = self.nodes.get(p.node)
-                self._fold_node(env)
+                self.h.apply(env)
                 self._node_changed(out, env, before, self.nodes[p.node])
                 self._cycle(out, env)
             case JobRequested():
@@ -156,11 +188,11 @@ class Scheduler:
                             message="a different request already uses this job id; the first one stands"),)), env)
                 else:  # the same request again (a retry) changes nothing
                     self.arrivals += 1
-                    rec = self.jobs[p.job_id] = JobRecord(request=p, arrival=self.arrivals)
+                    rec = JobRecord(request=p, arrival=self.arrivals)
+                    self.h.add_job(rec)
                     self.workload.observe(p)
-                    self.pending.add(p.job_id)
                     if self._judge(out, env, rec):
-                        return out
+                        return
                     if p.reservation_id:
                         self._use_reservation(out, env, rec)
                     self._cycle(out, env, only=rec)
@@ -171,12 +203,10 @@ class Scheduler:
                 rec = self.jobs.get(p.job_id)
                 if rec is None or self._superseded(out, env, rec, p.node, p.command_id, runs=True):
                     pass
-                elif rec.state in ("placed", "stopping") and rec.started_ms < 0 and rec.hold is None and \
-                        any(part.command_id == p.command_id for part in rec.parts):
+                elif rec.state in ("placed", "stopping", "migrating") and rec.started_ms < 0 and rec.hold is None \
+                        and any(part.command_id == p.command_id for part in rec.parts):
                     # billed from its start, also when it was told to stop before the node said it started
-                    rec.started_ms = rec.accrued_ms = self._fact_ms(env)
-                    rec.state = "running" if rec.state == "placed" else rec.state
-                    self.running[p.job_id] = None
+                    self.h.apply(env, self._fact_ms(env))
             case JobCheckpointed():
                 rec = self.jobs.get(p.job_id)
                 if rec is None or self._superseded(out, env, rec, p.node, p.command_id, runs=True):
@@ -224,7 +254,6 @@ class Scheduler:
                 if self.unsure and self.fleet.settled(self.now_ms):
                     self._judge_pending(out, env, list(self.unsure))
                 self._cycle(out, env)
-        return out
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -252,28 +281,23 @@ class Scheduler:
         rec.accrued_ms = end
 
     def _release(self, out: list[Envelope], env: Envelope, rec: JobRecord, why: str) -> None:
-        self.stopping.discard(rec.request.job_id)
-        self.running.pop(rec.request.job_id, None)
+        """Release every part the run holds (a hold's only in the scheduler's own view: it was never sent), and give
+        its quota back."""
         if rec.placement is None:
             return
         self.epoch += 1  # capacity freed: the whole queue may fit differently
+        borrowed, milli, memory = rec.placement.borrowed, rec.held_milli, rec.held_memory_mib
         for part in rec.parts:
             if rec.hold is not None:  # a hold was never sent to a node: undo it in the scheduler's view only
-                self._fold_node(envelope(ReleaseJob(command_id=f"release-{rec.request.job_id}", job_id=part.job_id,
-                                                    node=part.node), source=SOURCE, seq=self._hold_seq(),
-                                         time_ms=self.now_ms))
+                self.h.apply(envelope(ReleaseJob(command_id=f"release-{rec.request.job_id}", job_id=part.job_id,
+                                                 node=part.node), source=SOURCE, seq=self._hold_seq(),
+                                      time_ms=self.now_ms))
                 continue
             self._emit(out, ReleaseJob(command_id=self._command_id(), job_id=rec.request.job_id, node=part.node,
                                        reasons=(Reason(code=why),), attempt=rec.attempt), env)
-        if rec.hold is None:
-            self.held_by_tier[TIER_RANK[rec.request.tier]] -= 1
-        for ev in self.ledger.release(rec.request, rec.placement.borrowed, reserved=rec.hold is not None or rec.reserved,
-                                      milli=rec.held_milli, memory=rec.held_memory_mib):
+        for ev in self.ledger.release(rec.request, borrowed, reserved=rec.hold is not None or rec.reserved,
+                                      milli=milli, memory=memory):
             self._emit(out, ev, env)
-        rec.placement, rec.parts = None, ()
-        rec.node = ""
-        rec.started_ms = -1
-        rec.held_milli = rec.held_memory_mib = 0
 
     def _finish(self, out: list[Envelope], env: Envelope, job_id: str, end_ms: int) -> None:
         rec = self.jobs.get(job_id)
@@ -281,8 +305,7 @@ class Scheduler:
             return
         self._accrue(out, env, rec, end_ms)
         self._release(out, env, rec, {"job.cancelled": "Cancelled", "job.failed": "Failed"}.get(env.kind, "Completed"))
-        rec.state = "done"
-        self.pending.discard(job_id)
+        self.h.set_state(rec, "done")
         self.unsure.pop(job_id, None)
         self._nominate(rec, None)
 
@@ -301,13 +324,13 @@ class Scheduler:
         preempted = rec.state == "stopping" and not rec.stop_cause
         self._accrue(out, env, rec, self._fact_ms(env))
         self._release(out, env, rec, "Stopped")
-        rec.state, rec.checkpoint, rec.stop_cause = "pending", p.checkpoint or rec.checkpoint, ""
+        rec.checkpoint, rec.stop_cause = p.checkpoint or rec.checkpoint, ""
+        self.h.set_state(rec, "pending")
         if preempted:
             rec.preemptions += 1
             rec.preempted_at = rec.preempted_at + (self.now_ms,)
         else:
             rec.interruptions += 1
-        self.pending.add(p.job_id)
 
     def _superseded(self, out: list[Envelope], env: Envelope, rec: JobRecord, node: str, command_id: str | None,
                     runs: bool) -> bool:
@@ -387,9 +410,9 @@ class Scheduler:
                                            billed_to_ms=max(billed, 0), checkpoint=rec.checkpoint, reasons=reasons,
                                            commands=tuple(part.command_id for part in rec.parts)), env)
             self._release(out, env, rec, code)
-            rec.state, rec.stop_cause = "pending", ""
+            rec.stop_cause = ""
+            self.h.set_state(rec, "pending")
             rec.interruptions += 1
-            self.pending.add(r.job_id)
 
     def _move_off(self, out: list[Envelope], env: Envelope, node: str, code: str, why: str) -> None:
         """Checkpoint-and-move every job off the node (a drain, a removal): each is told to checkpoint and stop
@@ -406,14 +429,12 @@ class Scheduler:
                                           attempt=rec.attempt, reasons=(Reason(
                                               code=code, plugin="Lifecycle", nodes=(node,),
                                               message=f"{why}: checkpoint and move"),)), env)
-            rec.state, rec.stop_cause = "stopping", code
-            self.stopping.add(rec.request.job_id)
 
     def _hold_again(self, out: list[Envelope], env: Envelope, rec: JobRecord, why: str) -> None:
         """A reservation's hold on a node that failed or leaves: released, and queued to be held elsewhere."""
         self._release(out, env, rec, why)
-        rec.state, rec.hold.status = "pending", "queued"
-        self.pending.add(rec.request.job_id)
+        rec.hold.status = "queued"
+        self.h.set_state(rec, "pending")
 
     # ---------------------------------------------------------------- admission against the fleet
 
@@ -428,8 +449,7 @@ class Scheduler:
             self.unsure[rec.request.job_id] = None
             return False
         self.unsure.pop(rec.request.job_id, None)
-        rec.state = "done"
-        self.pending.discard(rec.request.job_id)
+        self.h.set_state(rec, "done")
         self._nominate(rec, None)
         self._emit(out, Rejected(job_id=rec.request.job_id, code="unsatisfiable", reasons=(Reason(
             code="Unsatisfiable", plugin="Admission",
@@ -448,9 +468,14 @@ class Scheduler:
     # ---------------------------------------------------------------- the cycle
 
     def pending_order(self) -> list[JobRecord]:
-        """Jobs that preemption freed capacity for come first (the capacity was stopped for them); then tier; within a
-        tier, preempted work resumes before newer work; then arrival order."""
-        return sorted((self.jobs[j] for j in self.pending), key=_queue_key)
+        """Jobs that preemption freed capacity for come first (the capacity was stopped for them); then the claim
+        order (claims.py: standing, tier, on a reservation); among equal claims, stopped work resumes before newer
+        work; then arrival order."""
+        return sorted((self.jobs[j] for j in self.pending), key=self._queue_key)
+
+    def _queue_key(self, r: JobRecord) -> tuple:
+        return (0 if r.nominated else 1, -standing_now(self.h, self.ledger, r), TIER_RANK[r.request.tier],
+                0 if r.reserved else 1, 0 if r.preemptions or r.interruptions else 1, r.arrival)
 
     def _cycle(self, out: list[Envelope], cause: Envelope, only: JobRecord | None = None) -> None:
         self.cycle += 1
@@ -470,16 +495,19 @@ class Scheduler:
                 rec.mig_wait = None
             quota = self._admit(rec)
             if quota.blocked:
-                self._pending(out, cause, rec, quota.reasons)
+                if self._quiet(rec) is not None or not self._preempt_for_quota(out, cause, rec, quota):
+                    self._pending(out, cause, rec, quota.reasons)
                 continue
-            within_quota = any(q.code in ("WithinQuota", "NoQuotaConfigured") for q in quota.reasons)
-            kind = (TIER_RANK[r.tier], r.tenant, within_quota, r.gang) if r.constraints == _NO_CONSTRAINTS else None
+            standing = standing_now(self.h, self.ledger, rec)
+            quiet = self._quiet(rec)
+            kind = (TIER_RANK[r.tier], r.tenant, r.project, standing, r.gang, quiet is not None, r.isolation_asked) \
+                if r.constraints == _NO_CONSTRAINTS and not rec.reserved else None
             need = (r.compute_milli, r.gpu_memory_mib, r.cpu_milli, r.memory_mib)
             dominated = next((why for k, f, why in failed if k == kind and all(a >= b for a, b in zip(need, f))),
                              None) if kind and rec.nominated is None else None
             if dominated is not None:
-                # It asks for at least as much as a job of the same kind (tier, tenant, quota standing: the same
-                # preemption candidates) that just failed, and nothing was freed since: it fails too.
+                # It asks for at least as much as a job of the same kind (tier, account, standing: the same claim,
+                # the same preemption candidates) that just failed, and nothing was freed since: it fails too.
                 self._pending(out, cause, rec, dominated)
                 continue
             result = place(self.index, self.nodes, r, self.workload, self.candidates,
@@ -488,16 +516,18 @@ class Scheduler:
                 self._reconfigure(out, cause, rec, result)
                 continue
             if not isinstance(result, Placement):
-                if not self._preempt_for(out, cause, rec, within_quota):
-                    self._pending(out, cause, rec, result.reasons)
+                if quiet is not None or not self._preempt_for(out, cause, rec):
+                    why = result.reasons + ((quiet,) if quiet is not None else ())
+                    self._pending(out, cause, rec, why)
                     if kind:
-                        failed.append((kind, need, result.reasons))
+                        failed.append((kind, need, why))
                 continue
             holding = self._holding(result)
             if holding != (r.compute_milli, r.gpu_memory_mib):
                 quota = self._admit(rec, holding)  # charged for what it would hold, not what it asked
                 if quota.blocked:
-                    self._pending(out, cause, rec, quota.reasons)
+                    if quiet is not None or not self._preempt_for_quota(out, cause, rec, quota, holding):
+                        self._pending(out, cause, rec, quota.reasons)
                     continue
             self._bind(out, cause, rec, result, quota, holding)
 
@@ -534,8 +564,8 @@ class Scheduler:
             if rec.hold is not None:
                 cmd = PlaceJob(command_id=f"hold-{r.job_id}-{i}", job_id=r.job_id, tenant=r.tenant, node=part.node,
                                assignments=part.assignments, cpu_milli=part.cpu_milli, memory_mib=part.memory_mib,
-                               borrowed=quota.borrowed)
-                self._fold_node(envelope(cmd, source=SOURCE, seq=self._hold_seq(), time_ms=self.now_ms))
+                               borrowed=quota.borrowed, gang_size=gang, gang_index=i, gang_nodes=nodes)
+                self.h.apply(envelope(cmd, source=SOURCE, seq=self._hold_seq(), time_ms=self.now_ms))
                 cmds.append(cmd)
                 continue
             cmd = PlaceJob(
@@ -547,17 +577,10 @@ class Scheduler:
                 attempt=rec.attempt)
             self._command(out, cmd, cause)
             cmds.append(cmd)
-        rec.held_milli, rec.held_memory_mib = holding
         for ev in self.ledger.hold(r, quota.borrowed, reserved=rec.hold is not None or rec.reserved,
                                    milli=holding[0], memory=holding[1]):
             self._emit(out, ev, cause)
-        rec.state, rec.node, rec.placement, rec.parts = "placed", result.node, cmds[0], tuple(cmds)
-        if rec.hold is None:
-            rank = TIER_RANK[r.tier]
-            self.held_by_tier[rank] = self.held_by_tier.get(rank, 0) + 1
-        rec.pending_codes = ()
         self._nominate(rec, None)
-        self.pending.discard(r.job_id)
         if rec.hold is not None:
             rec.hold.status = "active"
             self._emit(out, ReservationDecided(reservation_id=rec.hold.request.reservation_id, status="active",
@@ -577,8 +600,7 @@ class Scheduler:
         for b in self.book.opening(self.now_ms):
             if b.hold_id not in self.jobs or self.jobs[b.hold_id].state == "done":
                 self.arrivals += 1
-                self.jobs[b.hold_id] = JobRecord(request=b.hold_request(), arrival=self.arrivals, hold=b)
-                self.pending.add(b.hold_id)
+                self.h.add_job(JobRecord(request=b.hold_request(), arrival=self.arrivals, hold=b))
                 b.status = "queued"
                 self.epoch += 1
 
@@ -589,8 +611,7 @@ class Scheduler:
             if rec.placement is not None:
                 node = node or rec.node
                 self._release(out, cause, rec, status)
-            rec.state = "done"
-            self.pending.discard(b.hold_id)
+            self.h.set_state(rec, "done")
         b.status = status
         self._emit(out, ReservationDecided(reservation_id=b.request.reservation_id, status=status, node=node,
                                            reasons=reasons), cause)
@@ -622,53 +643,44 @@ class Scheduler:
 
     # ---------------------------------------------------------------- preemption and reclaim
 
-    def _victims(self, rec: JobRecord, within_quota: bool) -> LazyVictims:
-        """Every node's candidate victims for `rec` (multi-node gang plans may need them all), each node's worked out
-        when the plan first looks at it; the nodes named are those the victim index names (some may hold nobody)."""
-        return LazyVictims(self._victim_nodes(rec, within_quota),
-                           lambda name: self._victims_on(self.nodes[name], rec, within_quota))
+    def _victims(self, search: Search, key) -> LazyVictims:
+        """Every node's candidate victims for the search's job (multi-node gang plans may need them all), each node's
+        worked out when the plan first looks at it; the nodes named are those the victim index names (some may hold
+        nobody)."""
+        return LazyVictims(self._victim_nodes(search, key),
+                           lambda name: self._victims_on(self.nodes[name], search, key))
 
-    def _victim_nodes(self, rec: JobRecord, within_quota: bool):
-        """The nodes that may hold a victim for `rec`, in node order (the victim index; a superset of the nodes
-        `_victims_on` finds anyone on, and the same order as a walk over every node)."""
+    def _victim_nodes(self, search: Search, key):
+        """The nodes that may hold a victim for the search's job of claim `key`, in node order (the victim index; a
+        superset of the nodes `_victims_on` finds anyone on, and the same order as a walk over every node)."""
         self.victim_index.sync(self.nodes, self.jobs)
-        tables = self.victim_index.nodes_for(TIER_RANK[rec.request.tier], rec.request.tenant, within_quota)
-        return self.victim_index.in_order(self.nodes, tables)
+        return self.victim_index.in_order(self.nodes, self.victim_index.nodes_for(search.groups(key)))
 
-    def _anyone_to_stop(self, rec: JobRecord, within_quota: bool) -> bool:
-        """Whether any job at all could be a victim (lower-tier work, or borrowed work of another tenant) -- so a
-        queue of low-tier jobs does not search every node on every cycle for victims that cannot exist."""
-        rank = TIER_RANK[rec.request.tier]
-        if any(n for tier, n in self.held_by_tier.items() if tier > rank):
-            return True
-        return within_quota and any(a.borrowed_milli for (tenant, project), a in self.ledger.accounts.items()
-                                    if project is None and tenant != rec.request.tenant)
-
-    def _victims_on(self, view: node_view.NodeView, rec: JobRecord, within_quota: bool) -> list[Victim]:
-        """Who on this node may be stopped for `rec`: lower tiers, or (for a job within its own quota) another
-        tenant's borrowed work; never a reservation hold, never a protected job. Read from the victim index's entries
-        for the node (the jobs its view holds, holds aside), so other work is passed over without a look-up."""
-        r = rec.request
-        rank = TIER_RANK[r.tier]
+    def _victims_on(self, view: node_view.NodeView, search: Search, key=None) -> list[Victim]:
+        """Who on this node may be stopped for the search's job: work whose claim is below the job's (claims.py:
+        the one order for tier preemption and reclaim); never a reservation hold, never a protected job, never
+        one already stopping. Read from the victim index's entries for the node (the jobs its view holds, holds
+        aside), so other work is passed over without a look-up. `key`: the job's claim (default: on this node's
+        cards)."""
+        key = key or search.node_key(view)
         out: list[Victim] = []
         self.victim_index.sync(self.nodes, self.jobs)
-        for j, (o_rank, tenant, borrowed) in self.victim_index.held.get(view.node, {}).items():
-            if o_rank > rank:
-                rule = "tier"
-            elif within_quota and borrowed and tenant != r.tenant:
-                rule = "reclaim"
-            else:
-                continue
+        for j in self.victim_index.held.get(view.node, {}):
             other = self.jobs[j]
             if other.state not in ("placed", "running") or other.placement is None:
                 continue
             if other.preempted_at and protected(other.preempted_at, self.now_ms, self.preemption):
                 continue
+            rule = search.rule(other, key)
+            if rule is None:
+                continue
             since = max(other.started_ms, other.checkpoint_ms) if other.state == "running" else self.now_ms
-            out.append(Victim(j, view.node, o_rank, borrowed, max(0, self.now_ms - since), rule))
+            borrowed = rule == "reclaim" or not search.victim_claim(other, search.mine)[0]
+            out.append(Victim(j, view.node, TIER_RANK[other.request.tier], borrowed,
+                              max(0, self.now_ms - since), rule))
         return out
 
-    def _preempt_for(self, out: list[Envelope], cause: Envelope, rec: JobRecord, within_quota: bool) -> bool:
+    def _preempt_for(self, out: list[Envelope], cause: Envelope, rec: JobRecord) -> bool:
         """True when the job waits on preemptions (already under way, or started now)."""
         if rec.nominated is not None:
             if any(self.jobs[v].state == "stopping" for v in rec.nominated[1]):
@@ -683,26 +695,28 @@ class Scheduler:
                 message=f"waiting for {len(waiting[1])} job(s) already stopping on {waiting[0]}",
                 data={"victims": ",".join(waiting[1])}),))
             return True
-        if not self._anyone_to_stop(rec, within_quota):
-            return False
+        search = Search(self.h, self.ledger, rec)
         r = rec.request
+        keys = [search.key(m) for m in self.index.models if not r.constraints.models or m in r.constraints.models]
+        strongest, weakest = max(keys, default=search.key()), min(keys, default=search.key())
+        if not search.groups(strongest):
+            return False  # nobody's claim is below its own, on any card model: no search over the nodes
         too_big = {m: cards_needed(r.compute_milli, r.gpu_memory_mib, m) > n for m, n in self.index.models.items()}
         plan = None
         if not all(too_big.values()):  # else no node has cards enough, whoever stops: only a multi-node gang plan
-            plan = plan_over(r, ((self.nodes[name], self._victims_on(self.nodes[name], rec, within_quota))
-                                 for name in self._victim_nodes(rec, within_quota)), self.preemption.candidate_nodes)
+            def pairs():
+                for name in self._victim_nodes(search, strongest):
+                    view = self.nodes[name]
+                    key = search.node_key(view)  # its claim on this node's cards
+                    yield view, self._victims_on(view, search, key), (lambda chosen, v, key=key:
+                                                                     search.valid(chosen, v, key))
+            plan = plan_over(r, pairs(), self.preemption.candidate_nodes)
         if plan is None and r.gang and any(too_big.values()):
             plan = plan_gang(rec.request, self.nodes, self.index, allowed_models(self.index, rec.request),
-                             self._victims(rec, within_quota))
+                             self._victims(search, weakest), lambda chosen, v: search.valid(chosen, v, weakest))
         if plan is None:
             return False
-        for v in plan.victims:
-            self._command(out, PreemptJob(command_id=self._command_id(), job_id=v.job_id, node=v.node, reasons=(
-                Reason(code="PreemptedFor", plugin="Preemption", message=f"{v.rule}: {r.job_id} ({r.tier.value})",
-                       data={"for_job": r.job_id, "rule": v.rule, "progress_lost_ms": v.progress_lost_ms}),),
-                attempt=self.jobs[v.job_id].attempt), cause)
-            self.jobs[v.job_id].state = "stopping"
-            self.stopping.add(v.job_id)
+        self._stop_for(out, cause, rec, plan.victims)
         self._nominate(rec, (plan.node, tuple(v.job_id for v in plan.victims)),
                        tuple(sorted({plan.node} | {v.node for v in plan.victims})))
         where = tuple(sorted({v.node for v in plan.victims}))
@@ -711,6 +725,114 @@ class Scheduler:
             message=f"waiting for {len(plan.victims)} job(s) to checkpoint and stop on {', '.join(where)}",
             data={"victims": ",".join(rec.nominated[1])}),))
         return True
+
+    def _quiet(self, rec: JobRecord) -> Reason | None:
+        """Why a recently stopped victim may not preempt now (None: it may): it was stopped for another job less
+        than `victim_quiet_ms` of log time ago, and takes free capacity only until then -- so a victim's requeue
+        starts no chain of preemptions its preemptor was not allowed."""
+        if not rec.preempted_at:
+            return None
+        until = quiet_until(rec.preempted_at, self.preemption)
+        if self.now_ms >= until:
+            return None
+        return Reason(code="RecentlyPreempted", plugin="Preemption", data={"until_ms": until},
+                      message=f"stopped for another job at {rec.preempted_at[-1]} ms: it preempts nothing until "
+                              f"{until} ms, and takes free capacity meanwhile")
+
+    def _stop_for(self, out: list[Envelope], cause: Envelope, rec: JobRecord, victims) -> None:
+        r = rec.request
+        for v in victims:
+            self._command(out, PreemptJob(command_id=self._command_id(), job_id=v.job_id, node=v.node, reasons=(
+                Reason(code="PreemptedFor", plugin="Preemption", message=f"{v.rule}: {r.job_id} ({r.tier.value})",
+                       data={"for_job": r.job_id, "rule": v.rule, "progress_lost_ms": v.progress_lost_ms}),),
+                attempt=self.jobs[v.job_id].attempt), cause)
+
+    def _preempt_for_quota(self, out: list[Envelope], cause: Envelope, rec: JobRecord, quota: Admission,
+                           holding: tuple[int, int] | None = None) -> bool:
+        """A job its own account's quota keeps waiting (QuotaExceeded, ProjectQuotaExceeded: beyond the cap) stops
+        that account's weaker work (claims.py: its own borrowed or lower-tier jobs) until the quota admits it --
+        the same claim order as everywhere, inside one tenant: a tenant's inference service displaces its own
+        training. True when it waits on such stops (under way, or started now)."""
+        if rec.nominated is not None and any(self.jobs[v].state == "stopping" for v in rec.nominated[1]):
+            return True
+        codes = {q.code for q in quota.reasons}
+        if not codes & {"QuotaExceeded", "ProjectQuotaExceeded"}:
+            return False
+        r = rec.request
+        sums = self.h.sums.get((r.tenant, None))
+        if sums is None or not any(sums.milli[:rec.group]) and not self._beyond_quota(r.tenant):
+            return False  # its account holds nothing weaker: same-tenant work of its group or above never is
+        project = "ProjectQuotaExceeded" in codes
+        search = Search(self.h, self.ledger, rec)
+        key = search.key()
+        need, mem = holding if holding else (None, None)
+        cands = []
+        for o in (self.jobs[j] for j in self._account_holders(r.tenant)):
+            if o is rec or o.state not in ("placed", "running") or o.placement is None or o.hold is not None:
+                continue
+            if project and o.request.project != r.project:
+                continue
+            if o.preempted_at and protected(o.preempted_at, self.now_ms, self.preemption):
+                continue
+            rule = search.rule(o, key)
+            if rule is None:
+                continue
+            since = max(o.started_ms, o.checkpoint_ms) if o.state == "running" else self.now_ms
+            cands.append(Victim(o.request.job_id, o.node, TIER_RANK[o.request.tier],
+                                rule == "reclaim" or not search.victim_claim(o, search.mine)[0],
+                                max(0, self.now_ms - since), rule))
+        chosen: list[Victim] = []
+        freed: dict[tuple[str, str | None], list[int]] = {}
+
+        def count(v: Victim, sign: int) -> None:
+            o = self.jobs[v.job_id]
+            for k in ((r.tenant, None), (r.tenant, o.request.project)):
+                f = freed.setdefault(k, [0, 0])
+                f[0] += sign * o.held_milli
+                f[1] += sign * o.held_memory_mib
+
+        def admitted() -> bool:
+            return not self.ledger.admit(r, self.index.capacity_milli, need, mem, freed=freed).blocked
+
+        for v in sorted(cands, key=disruption_order):
+            if v.rule == "reclaim" and not search.valid(chosen, v, key):
+                continue
+            chosen.append(v)
+            count(v, 1)
+            if admitted():
+                break
+        else:
+            return False
+        for extra in reversed(chosen):  # as many as it needs: drop, most disruptive first, what it does without
+            count(extra, -1)
+            if admitted():
+                chosen = [c for c in chosen if c is not extra]
+            else:
+                count(extra, 1)
+        self._stop_for(out, cause, rec, chosen)
+        self._nominate(rec, (chosen[0].node, tuple(v.job_id for v in chosen)), tuple(sorted({v.node for v in chosen})))
+        self._pending(out, cause, rec, (Reason(
+            code="Preempting", plugin="Preemption", nodes=tuple(sorted({v.node for v in chosen})),
+            message=f"waiting for {len(chosen)} job(s) of its own account to stop: its quota is held by weaker work",
+            data={"victims": ",".join(v.job_id for v in chosen), "quota": 1}),) + quota.reasons)
+        return True
+
+    def _account_holders(self, tenant: str) -> list[str]:
+        """Jobs of this tenant holding capacity (holds aside), in node order then job order (the victim index)."""
+        vi = self.victim_index
+        vi.sync(self.nodes, self.jobs)
+        nodes = vi.in_order(self.nodes, [ns for (t, _g), ns in vi.by_group.items() if t == tenant and ns])
+        out: dict[str, None] = {}
+        for name in nodes:
+            for j, (_g, t) in vi.held.get(name, {}).items():
+                if t == tenant:
+                    out[j] = None
+        return list(out)
+
+    def _beyond_quota(self, tenant: str) -> bool:
+        a = self.ledger.accounts.get((tenant, None))
+        q = self.ledger.tenant_quota(tenant)
+        return a is not None and q is not None and a.used_milli > q.gpu_milli
 
     def _nominate(self, rec: JobRecord, nominated, claim: tuple[str, ...] = ()) -> None:
         rec.nominated, rec.claim = nominated, claim if nominated is not None else ()
@@ -723,8 +845,8 @@ class Scheduler:
         """Nodes `rec` may not take from: claimed by a nominated job ahead of it in the queue."""
         if not self.nominations:
             return frozenset()
-        mine = _queue_key(rec)
-        return frozenset(n for o in self.nominations.values() if o is not rec and _queue_key(o) < mine
+        mine = self._queue_key(rec)
+        return frozenset(n for o in self.nominations.values() if o is not rec and self._queue_key(o) < mine
                          for n in o.claim)
 
     def _freed_by_stops(self, rec: JobRecord) -> tuple[str, tuple[str, ...]] | None:
@@ -763,25 +885,39 @@ class Scheduler:
             self._emit(out, JobPending(job_id=rec.request.job_id, reasons=reasons), cause)
 
     def card_model(self, node: str, gpu_uuid: str) -> str:
-        inv = self.nodes[node].inventory
-        return next((g.model for g in inv.gpus if g.uuid == gpu_uuid), "unknown") if inv else "unknown"
-
-
-def _queue_key(r: JobRecord) -> tuple:
-    return (0 if r.nominated else 1, TIER_RANK[r.request.tier], 0 if r.preemptions or r.interruptions else 1,
-            r.arrival)
+        return self.h.card_model(node, gpu_uuid)
 
 
 _NO_CONSTRAINTS = JobRequested.model_fields["constraints"].default
 _SAME_EPOCH = frozenset({"job.requested", "job.started", "job.checkpointed", "scheduler.tick"})
 
 
-def replay(inputs: list[Envelope], log_times: list[int] | None = None, **config) -> tuple[Scheduler, list[Envelope]]:
-    """Run the scheduler (configured as `config` says: the same configuration decides the same) over a recorded
-    input stream, each record at its log time when known; returns its final state and every output."""
-    s = Scheduler(**config)
-    outs: list[Envelope] = []
-    for i, env in enumerate(inputs):
-        outs.extend(s.step(env, None if log_times is None else log_times[i]))
-    return s, outs
+def live_config() -> dict:
+    """The live scheduler agent's configuration: the autoscaler component, the product's ledger (a tenant without a
+    quota gets 0). The audit replays with it, and any replay of the live log must: the same configuration decides
+    the same."""
+    return {"elastic": ElasticConfig()}
 
+
+def replay(records, log_times: list[int] | None = None, *, scheduler: Scheduler | None = None, on_outputs=None,
+           **config) -> tuple[Scheduler, list[Envelope]]:
+    """The one replay: run the scheduler over recorded input -- the agent's rebuild, the audit and the benches all
+    call this. `records`: envelopes, or record values as read from the log (bytes: decoded; one that does not decode
+    is skipped, as the live scheduler skips it: the folds dead-lettered it), each at its log time when known.
+    `scheduler`: go on from this state (a rebuild read in batches), else a new one configured as `config` says.
+    `on_outputs(i, outputs)`: called per input record instead of collecting the outputs (a rebuild keeps none, the
+    audit tags them with their input's offset). Returns the final state and the outputs collected."""
+    s = scheduler if scheduler is not None else Scheduler(**config)
+    outs: list[Envelope] = []
+    for i, rec in enumerate(records):
+        if not isinstance(rec, Envelope):
+            try:
+                rec = decode(rec)
+            except DecodeError:
+                continue
+        got = s.step(rec, None if log_times is None else log_times[i])
+        if on_outputs is not None:
+            on_outputs(i, got)
+        else:
+            outs.extend(got)
+    return s, outs

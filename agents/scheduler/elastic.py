@@ -1,37 +1,42 @@
-"""Elastic inference and training/inference co-location: the autoscaler inside the scheduler (issue #7).
+"""Elastic inference and training/inference co-location: the autoscaler, a component of the scheduler (issue #7).
 
-`ElasticScheduler` is the ordinary `Scheduler` plus inference services. It reads `service.declared`,
-`service.removed` and `inference.load`; everything else goes to `Scheduler.step` unchanged. Replicas are ordinary
-inference-tier jobs: each is a `job.requested` (source "autoscaler", its own seq counter, time = now) fed through
-`Scheduler.step`, so placement, preemption of lower tiers, quota and billing are the ordinary ones, and a replay of
-the input reproduces every decision. The synthesized requests (and cancellations) are returned among the outputs:
-the live agent publishes them; when they come back through the scheduler input, the per-source seq dedupe drops
-them. Every autoscaler action is a `service.scaled` event with its trigger and, once done, how long it took.
+`Autoscaler` reads `service.declared`, `service.removed` and `inference.load` (handed to it by the scheduler) and,
+after the scheduler's own handling of every other input, what that input means for the services. It holds the
+services (replicas, samples, boosts, batches, the learned curve) and the training share's history; it never writes
+the scheduler's state. What it decides it *yields* as actions, which the scheduler carries out one by one
+(`Scheduler._act`), each on the state the last one left:
 
-The rules are in docs/elastic.md; the pure policy (signals, curve, share meter, trial placement) in autoscaler.py.
+- `Emit(service.scaled)`: a decision, emitted as it is;
+- `Request(job.requested | job.cancelled)`: a replica's request or a cancellation, with source "autoscaler" and
+  its own sequence numbers, emitted and fed through the scheduler's ordinary input path, so placement, preemption,
+  quota and billing are the ordinary ones. The live agent publishes it; when it comes back through the scheduler
+  input, the per-source seq dedupe drops it, and a replay of the input reproduces every decision;
+- `Resize` (a vertical boost or its revert: `cmd.resize`), `Charge` (a boost's extra compute held in or given back to
+  the quota ledger), `Backfill` (a cycle now).
+
+Every autoscaler action is a `service.scaled` event with its trigger and, once done, how long it took. The rules are
+in docs/elastic.md; the pure policy (signals, curve, share meter, trial placement) in autoscaler.py.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from agents.scheduler.autoscaler import (
-    PLUGIN, DailyCurve, Sample, ShareMeter, Signal, assess, capacity_milli, ceil_div, clamp, permille, replicas_for,
-    share_ok, trial_placements,
+    PLUGIN, DailyCurve, Sample, ShareMeter, Signal, assess, ceil_div, clamp, permille, replicas_for, share_ok,
+    trial_placements,
 )
-from agents.scheduler.core import JobRecord, Scheduler
+from agents.scheduler.holdings import JobRecord
 from agents.scheduler.preemption import Victim, plan_for, protected
 from agents.scheduler.quota import held
-from schemas.envelope import Envelope, envelope
+from schemas.envelope import Envelope
 from schemas.events import (
-    TIER_RANK, Assignment, GpuHealth, InferenceLoad, JobCancelled, JobCompleted, JobFailed, JobRequested,
-    JobStarted, JobStopped, NodeCordon, NodeInventory, NodeLiveness, NodeRemoved, PlaceJob, Reason, ReleaseJob, ResizeJob,
-    SchedulerTick, ServiceDeclared, ServiceRemoved, ServiceScaled, Tier,
+    TIER_RANK, Assignment, InferenceLoad, JobCancelled, JobCompleted, JobFailed, JobRequested, JobStarted, JobStopped,
+    Reason, SchedulerTick, ServiceDeclared, ServiceRemoved, ServiceScaled, Tier,
 )
 from schemas.gpu_models import model, share_for
 
 SOURCE = "autoscaler"
 SERVICE_KINDS = frozenset({"service.declared", "service.removed", "inference.load"})
-_NODE_KINDS = (NodeInventory, NodeCordon, NodeLiveness, GpuHealth, NodeRemoved)
 
 
 @dataclass(frozen=True)
@@ -109,47 +114,91 @@ class Service:
         return [j for j, role in self.replicas.items() if role == "warm"]
 
 
-class ElasticScheduler(Scheduler):
-    def __init__(self, elastic: ElasticConfig = ElasticConfig(), **kw):
-        super().__init__(**kw)
-        self.elastic = elastic
+@dataclass(frozen=True)
+class Emit:
+    """A decision the scheduler emits as it is (service.scaled)."""
+    payload: object
+
+
+@dataclass(frozen=True)
+class Request:
+    """A request of the autoscaler's own (a replica's job.requested, a job.cancelled): the scheduler emits it (source
+    "autoscaler") and feeds it through its ordinary input path, as if it had come from the log."""
+    payload: object
+
+
+@dataclass(frozen=True)
+class Resize:
+    """Change a running replica's share on its own card (cmd.resize): usage up to now billed at the old size."""
+    job_id: str
+    assignments: tuple[Assignment, ...]
+    why: Reason
+
+
+@dataclass(frozen=True)
+class Charge:
+    """Hold (sign 1) or give back (-1) a boost's extra compute in the quota ledger."""
+    hold: JobRequested
+    sign: int
+
+
+@dataclass(frozen=True)
+class Backfill:
+    """Run a cycle now (the freed share is backfilled at once, not at the next tick)."""
+
+
+class Autoscaler:
+    """The elastic layer as a component of the scheduler: it reads the scheduler's state (never writes it) and
+    yields actions -- decisions to emit, requests to feed through the ordinary input path, resizes, ledger charges,
+    a backfill -- which the scheduler carries out one at a time (`Scheduler._act`), so the next one is decided on
+    the state the last one left. Its own state is the services, their replicas, samples, boosts and batches, and
+    the training share's history (the tally itself is the holdings'). The scheduler hands it the service kinds
+    (`on_input`) and, after its own handling, every other input (`after`)."""
+
+    def __init__(self, cfg: ElasticConfig, sched):
+        self.cfg = cfg
+        self.s = sched
         self.services: dict[str, Service] = {}
         self.replica_of: dict[str, str] = {}  # replica job id -> service id
         self.replica_counter: dict[str, int] = {}  # per service id; survives removal so ids never repeat
-        self.autoscaler_seq = 0
+        self.seq = 0  # the autoscaler source's sequence numbers
         self.training_waited_ms = -(1 << 62)  # the last time non-inference work was seen waiting
         self.share = ShareMeter()
-        self._held: dict[tuple[str, str], tuple[bool, int]] = {}  # (job, node) -> (non-inference?, milli-GPU)
-        self._train_milli = 0
-        self._cap: dict[str, int] = {}
-        self._cap_milli = 0
+
+    # the scheduler's state, read through
+    jobs = property(lambda self: self.s.jobs)
+    nodes = property(lambda self: self.s.nodes)
+    pending = property(lambda self: self.s.pending)
+    now_ms = property(lambda self: self.s.now_ms)
+    ledger = property(lambda self: self.s.ledger)
+    index = property(lambda self: self.s.index)
+    fleet = property(lambda self: self.s.fleet)
+    h = property(lambda self: self.s.h)
+    workload = property(lambda self: self.s.workload)
+    candidates = property(lambda self: self.s.candidates)
+    preemption = property(lambda self: self.s.preemption)
+
+    def card_model(self, node: str, gpu_uuid: str) -> str:
+        return self.s.card_model(node, gpu_uuid)
+
+    def pending_order(self):
+        return self.s.pending_order()
 
     # ---------------------------------------------------------------- input
 
-    def step(self, env: Envelope, log_ms: int | None = None) -> list[Envelope]:
-        if env.seq <= self.applied.get(env.source, -1):
-            return []
+    def on_input(self, env: Envelope):
+        """A service kind: service.declared, service.removed, inference.load."""
         p = env.payload
-        if p.kind not in SERVICE_KINDS:
-            out = super().step(env, log_ms)
-            if isinstance(p, _NODE_KINDS):
-                self._node_capacity(p.node)
-            self._after(env, out)
-        else:
-            self.applied[env.source] = env.seq
-            self.now_ms = max(self.now_ms, env.event_time_ms if log_ms is None else log_ms)
-            out = []
-            match p:
-                case ServiceDeclared():
-                    self._declare(out, env, p)
-                case ServiceRemoved():
-                    self._remove(out, env, p)
-                case InferenceLoad():
-                    self._load(out, env, p)
-        self._record_share()
-        return out
+        match p:
+            case ServiceDeclared():
+                yield from self._declare(p)
+            case ServiceRemoved():
+                yield from self._remove(p)
+            case InferenceLoad():
+                yield from self._load(p)
 
-    def _after(self, env: Envelope, out: list[Envelope]) -> None:
+    def after(self, env: Envelope):
+        """What the scheduler's handling of any other input means for the services."""
         p = env.payload
         if not self.services:
             return
@@ -158,68 +207,68 @@ class ElasticScheduler(Scheduler):
         if sid in self.services:
             svc = self.services[sid]
             if isinstance(p, (JobCompleted, JobFailed, JobCancelled, JobStopped)):
-                self._housekeep(out, env, svc)
+                yield from self._housekeep(svc)
             if isinstance(p, JobStarted):
-                self._check_ready(out, env, svc)
+                yield from self._check_ready(svc)
         if isinstance(p, SchedulerTick):
             for sid in sorted(self.services):
-                self._maintain(out, env, self.services[sid])
-            self._yield_to_training(out, env)
+                yield from self._maintain(self.services[sid])
+            yield from self._yield_to_training()
         elif isinstance(p, JobRequested) and p.tier != Tier.INFERENCE:
-            self._yield_to_training(out, env)
+            yield from self._yield_to_training()
 
     # ---------------------------------------------------------------- services
 
-    def _declare(self, out: list[Envelope], env: Envelope, p: ServiceDeclared) -> None:
+    def _declare(self, p: ServiceDeclared):
         svc = self.services.get(p.service_id)
         if svc is None:
-            cfg = self.elastic
+            cfg = self.cfg
             svc = self.services[p.service_id] = Service(spec=p, curve=DailyCurve(cfg.bucket_ms, 86_400_000 //
                                                                                    cfg.bucket_ms, cfg.curve_alpha_den))
         else:
             svc.spec = p  # a new spec applies to replicas created from now on
-        self._maintain(out, env, svc)
+        yield from self._maintain(svc)
 
-    def _remove(self, out: list[Envelope], env: Envelope, p: ServiceRemoved) -> None:
+    def _remove(self, p: ServiceRemoved):
         svc = self.services.get(p.service_id)
         if svc is None:
             return
         jobs = tuple(svc.replicas)
-        self._scaled(out, env, svc, "scale_in", jobs, (Reason(code="ServiceRemoved", plugin=PLUGIN),), replicas=0)
+        yield from self._scaled(svc, "scale_in", jobs, (Reason(code="ServiceRemoved", plugin=PLUGIN),), replicas=0)
         for j in jobs:
-            self._cancel(out, env, j, "ServiceRemoved")
-        self._housekeep(out, env, svc)
+            yield from self._cancel(j, "ServiceRemoved")
+        yield from self._housekeep(svc)
         del self.services[p.service_id]
 
-    def _load(self, out: list[Envelope], env: Envelope, p: InferenceLoad) -> None:
+    def _load(self, p: InferenceLoad):
         svc = self.services.get(p.service_id)
         if svc is None:
             return
         if p.replica:
             svc.replica_util[p.replica] = p.util_pct  # per-replica samples only order the vertical boosts
             return
-        cfg = self.elastic
+        cfg = self.cfg
         svc.samples.append(Sample(self.now_ms, p.qps, p.p99_ms, p.queue_depth, p.util_pct))
         del svc.samples[:-max(cfg.growth_samples, cfg.util_samples, 2)]
         if cfg.mode == "clock":
             svc.curve.observe(self.now_ms, p.qps)
-        self._housekeep(out, env, svc)
+        yield from self._housekeep(svc)
         sig = assess(svc.samples, svc.spec.latency_target_ms, cfg.growth_samples, cfg.util_high_pct, cfg.util_samples)
         if sig.hot:
             svc.low_since = svc.calm_since = None
-            self._scale_up(out, env, svc, sig)
+            yield from self._scale_up(svc, sig)
         else:
             svc.denied.discard("signal")
             if svc.calm_since is None:
                 svc.calm_since = self.now_ms
-            self._scale_down(out, env, svc)
-        self._maintain(out, env, svc)
-        self._yield_to_training(out, env)
+            yield from self._scale_down(svc)
+        yield from self._maintain(svc)
+        yield from self._yield_to_training()
 
     # ---------------------------------------------------------------- scale up
 
-    def _scale_up(self, out: list[Envelope], env: Envelope, svc: Service, sig: Signal) -> None:
-        cfg, spec, now = self.elastic, svc.spec, self.now_ms
+    def _scale_up(self, svc: Service, sig: Signal):
+        cfg, spec, now = self.cfg, svc.spec, self.now_ms
         live = len(svc.serving())
         need = clamp(replicas_for(sig.demand_qps, spec.replica_qps, cfg.headroom_pct), spec.min_replicas,
                      spec.max_replicas)
@@ -237,12 +286,12 @@ class ElasticScheduler(Scheduler):
             "qps": svc.samples[-1].qps, "demand_qps": sig.demand_qps, "replica_qps": spec.replica_qps,
             "serving": live, "target": target, "critical": critical})
         if rest > 0 or at_max:
-            self._boost(out, env, svc, sig.reasons + (demand,))
+            yield from self._boost(svc, sig.reasons + (demand,))
         if add > 0:
-            self._grow(out, env, svc, add, critical - live, sig.reasons + (demand,), "signal")
+            yield from self._grow(svc, add, critical - live, sig.reasons + (demand,), "signal")
 
-    def _grow(self, out: list[Envelope], env: Envelope, svc: Service, add: int, protected_n: int,
-              reasons: tuple[Reason, ...], trigger: str) -> None:
+    def _grow(self, svc: Service, add: int, protected_n: int,
+              reasons: tuple[Reason, ...], trigger: str):
         """Add `add` serving replicas: warm ones first (ready ones before starting ones), then new ones, of which
         those beyond `protected_n` are subject to the training-share guarantee. Ready promoted replicas take traffic
         at once; the others form a batch that shifts traffic when all are ready."""
@@ -250,7 +299,7 @@ class ElasticScheduler(Scheduler):
         warm = svc.warm()
         warm.sort(key=lambda j: 0 if self.jobs[j].state == "running" else 1)  # ready ones first (stable sort)
         promote = tuple(warm[:add])
-        new_jobs, refused = self._add_replicas(out, env, svc, add - len(promote), max(0, protected_n - len(promote)))
+        new_jobs, refused = self._add_replicas(svc, add - len(promote), max(0, protected_n - len(promote)))
         jobs = promote + new_jobs
         if promote:
             reasons += (Reason(code="WarmPool", plugin=PLUGIN, message="warm replicas promoted",
@@ -260,7 +309,7 @@ class ElasticScheduler(Scheduler):
         if not jobs:
             if refused is not None and trigger not in svc.denied:
                 svc.denied.add(trigger)  # said once, until it no longer holds
-                self._scaled(out, env, svc, "horizontal_up", (), reasons)
+                yield from self._scaled(svc, "horizontal_up", (), reasons)
             return
         if refused is None:
             svc.denied.discard(trigger)
@@ -268,11 +317,11 @@ class ElasticScheduler(Scheduler):
             svc.denied.add(trigger)
         for j in promote:
             svc.replicas[j] = "serving"
-        self._scaled(out, env, svc, "horizontal_up", jobs, reasons, pre=new_jobs)
+        yield from self._scaled(svc, "horizontal_up", jobs, reasons, pre=new_jobs)
         svc.last_up_ms = now
         ready = tuple(j for j in promote if self.jobs[j].state == "running")
         if ready:
-            self._scaled(out, env, svc, "traffic_shift", ready, (Reason(
+            yield from self._scaled(svc, "traffic_shift", ready, (Reason(
                 code="ReplicasReady", plugin=PLUGIN, message="warm replicas were ready",
                 data={"decided_ms": now, "took_ms": 0}),), took_ms=0)
             svc.last_ready_ms = now
@@ -280,9 +329,9 @@ class ElasticScheduler(Scheduler):
         if starting:
             svc.batches.append(Batch(now, starting))
         elif ready and not svc.batches:
-            self._revert_boosts(out, env, svc, "vertical_revert", "AfterTrafficShift")
+            yield from self._revert_boosts(svc, "vertical_revert", "AfterTrafficShift")
 
-    def _add_replicas(self, out: list[Envelope], env: Envelope, svc: Service, n: int, protected_n: int,
+    def _add_replicas(self, svc: Service, n: int, protected_n: int,
                       role: str = "serving") -> tuple[tuple[str, ...], Reason | None]:
         """Request up to `n` new replicas. The first `protected_n` (the min / SLO-critical need) are requested
         whatever they displace. The rest are requested only while they fit free capacity or the preemption they need
@@ -290,7 +339,7 @@ class ElasticScheduler(Scheduler):
         rest and its reason is returned. Returns the ids requested (the requests are emitted later, by `_scaled`)."""
         if n <= 0:
             return (), None
-        cfg, spec = self.elastic, svc.spec
+        cfg, spec = self.cfg, svc.spec
         first = self.replica_counter.get(spec.service_id, 0) + 1
         reqs = [self._replica_request(spec, f"{spec.service_id}/r{first + i}") for i in range(n)]
         never = self.fleet.never_fits(reqs[0]) if self.fleet.settled(self.now_ms) else None
@@ -301,9 +350,8 @@ class ElasticScheduler(Scheduler):
             trial: list[int | None] = [0] * n  # all of the critical need: no trial needed
         else:
             held: dict[str, int] = {}
-            for (j, _), (train, m) in self._held.items():
-                if train:
-                    held[j] = held.get(j, 0) + m
+            for (j, _), m in self.h.train_held.items():
+                held[j] = held.get(j, 0) + m
             trial = self._trial(reqs, self._training_victims(), held)
         chosen: list[str] = []
         displaced = 0
@@ -316,7 +364,7 @@ class ElasticScheduler(Scheduler):
                     break
                 if d > 0 and cfg.training_share_pct > 0:
                     t, c = self.share.projected(self.now_ms, cfg.window_ms, cfg.share_horizon_ms,
-                                                self._train_milli - displaced - d, self._cap_milli)
+                                                self.h.train_milli - displaced - d, self.h.cap_milli)
                     if not share_ok(t, c, cfg.training_share_pct + cfg.share_readmit_pct):
                         refused = Reason(
                             code="TrainingShareGuarantee", plugin=PLUGIN,
@@ -403,12 +451,12 @@ class ElasticScheduler(Scheduler):
         card_model = lambda uuid: self.card_model(node, uuid)  # noqa: E731
         return held((a.model_copy(update={"milli": new_milli}),), card_model)[0] - held((a,), card_model)[0]
 
-    def _boost(self, out: list[Envelope], env: Envelope, svc: Service, reasons: tuple[Reason, ...]) -> None:
+    def _boost(self, svc: Service, reasons: tuple[Reason, ...]):
         todo = self._boostable(svc)
         if not todo:
             return
         spec = svc.spec
-        self._scaled(out, env, svc, "vertical_up", tuple(j for j, *_ in todo), reasons + (Reason(
+        yield from self._scaled(svc, "vertical_up", tuple(j for j, *_ in todo), reasons + (Reason(
             code="VerticalBoost", plugin=PLUGIN, message="grow replicas on their own cards while new ones start",
             data={"boost_compute_milli": spec.boost_compute_milli}),))
         for j, rec, a, new in todo:
@@ -417,40 +465,31 @@ class ElasticScheduler(Scheduler):
             hold = JobRequested(job_id=j, tenant=spec.tenant, project=spec.project, tier=Tier.INFERENCE,
                                 compute_milli=self._extra_cu(pl.node, a, new), gpu_memory_mib=1, cpu_milli=0,
                                 memory_mib=0)
-            self._resize(out, env, rec, boosted, Reason(code="VerticalBoost", plugin=PLUGIN,
+            yield from self._resize(rec, boosted, Reason(code="VerticalBoost", plugin=PLUGIN,
                                                         data={"from_milli": a.milli, "to_milli": new}))
-            for ev in self.ledger.hold(hold, False, memory=0):
-                self._emit(out, ev, env)
+            yield Charge(hold, 1)
             svc.boosts[j] = Boost(pl.command_id, pl.node, pl.assignments, hold)
 
-    def _resize(self, out: list[Envelope], env: Envelope, rec: JobRecord, assignments: tuple[Assignment, ...],
-                why: Reason) -> None:
-        """Change a running replica's share on its own card; usage up to now is billed at the old size."""
-        pl = rec.placement
-        self._accrue(out, env, rec)
-        self._emit(out, ResizeJob(command_id=self._command_id(), job_id=pl.job_id, node=pl.node,
-                                  assignments=assignments, reasons=(why,), attempt=rec.attempt), env)
-        rec.placement = pl.model_copy(update={"assignments": assignments})
-        rec.parts = (rec.placement,) + tuple(rec.parts[1:])
+    def _resize(self, rec: JobRecord, assignments: tuple[Assignment, ...], why: Reason):
+        yield Resize(rec.request.job_id, assignments, why)
 
-    def _revert_boosts(self, out: list[Envelope], env: Envelope, svc: Service, action: str, code: str,
-                       data: dict | None = None) -> None:
+    def _revert_boosts(self, svc: Service, action: str, code: str,
+                       data: dict | None = None):
         if not svc.boosts:
             return
         jobs = tuple(svc.boosts)
-        self._scaled(out, env, svc, action, jobs, (Reason(code=code, plugin=PLUGIN, data=data or {}),))
+        yield from self._scaled(svc, action, jobs, (Reason(code=code, plugin=PLUGIN, data=data or {}),))
         for j in jobs:
             b = svc.boosts.pop(j)
             rec = self.jobs.get(j)
             if rec and rec.state == "running" and rec.placement and rec.placement.command_id == b.command_id:
-                self._resize(out, env, rec, b.base, Reason(code=code, plugin=PLUGIN))
-            for ev in self.ledger.release(b.hold, False, memory=0):
-                self._emit(out, ev, env)
-        self._cycle(out, env)  # the freed share is backfilled now, not at the next tick
+                yield from self._resize(rec, b.base, Reason(code=code, plugin=PLUGIN))
+            yield Charge(b.hold, -1)
+        yield Backfill()  # the freed share is backfilled now, not at the next tick
 
     # ---------------------------------------------------------------- ready, housekeeping
 
-    def _check_ready(self, out: list[Envelope], env: Envelope, svc: Service) -> None:
+    def _check_ready(self, svc: Service):
         shifted = False
         for b in list(svc.batches):
             alive = tuple(j for j in b.jobs if j in svc.replicas)
@@ -460,15 +499,15 @@ class ElasticScheduler(Scheduler):
             if all(self.jobs[j].state == "running" for j in alive):
                 svc.batches.remove(b)
                 took = self.now_ms - b.decided_ms
-                self._scaled(out, env, svc, "traffic_shift", alive, (Reason(
+                yield from self._scaled(svc, "traffic_shift", alive, (Reason(
                     code="ReplicasReady", plugin=PLUGIN, message=f"ready {took} ms after the decision",
                     data={"decided_ms": b.decided_ms, "took_ms": took}),), took_ms=took)
                 svc.last_ready_ms = self.now_ms
                 shifted = True
         if shifted and not svc.batches:
-            self._revert_boosts(out, env, svc, "vertical_revert", "AfterTrafficShift")
+            yield from self._revert_boosts(svc, "vertical_revert", "AfterTrafficShift")
 
-    def _housekeep(self, out: list[Envelope], env: Envelope, svc: Service) -> None:
+    def _housekeep(self, svc: Service):
         """Forget replicas that ended (completed, failed, cancelled); release boost holds whose placement is gone."""
         for j in [j for j in svc.replicas if self.jobs.get(j) is None or self.jobs[j].state == "done"]:
             del svc.replicas[j]
@@ -476,21 +515,20 @@ class ElasticScheduler(Scheduler):
         for j in list(svc.boosts):
             rec = self.jobs.get(j)
             if rec is None or rec.placement is None or rec.placement.command_id != svc.boosts[j].command_id:
-                for ev in self.ledger.release(svc.boosts.pop(j).hold, False, memory=0):
-                    self._emit(out, ev, env)
+                yield Charge(svc.boosts.pop(j).hold, -1)
         if svc.batches:
-            self._check_ready(out, env, svc)
+            yield from self._check_ready(svc)
 
     # ---------------------------------------------------------------- scale down
 
     def _scale_in_windows(self, spec: ServiceDeclared) -> tuple[int, int]:
         """(stable, cooldown) in ms: the service's own windows where it declared them, else the pool's."""
-        cfg = self.elastic
+        cfg = self.cfg
         return (cfg.scale_in_stable_ms if spec.scale_in_stable_s is None else spec.scale_in_stable_s * 1000,
                 cfg.scale_in_cooldown_ms if spec.scale_in_cooldown_s is None else spec.scale_in_cooldown_s * 1000)
 
-    def _scale_down(self, out: list[Envelope], env: Envelope, svc: Service) -> None:
-        cfg, spec, now = self.elastic, svc.spec, self.now_ms
+    def _scale_down(self, svc: Service):
+        cfg, spec, now = self.cfg, svc.spec, self.now_ms
         qps = svc.samples[-1].qps
         floor = self._prescale_target(svc)
         keep = clamp(max(replicas_for(qps, spec.replica_qps, cfg.headroom_pct + cfg.scale_in_hysteresis_pct),
@@ -517,45 +555,45 @@ class ElasticScheduler(Scheduler):
             if kept:
                 reasons += (Reason(code="KeptWarm", plugin=PLUGIN, message="moved to the warm pool",
                                    data={"jobs": ",".join(kept)}),)
-            self._scaled(out, env, svc, "scale_in", tuple(victims), reasons, replicas=keep)
+            yield from self._scaled(svc, "scale_in", tuple(victims), reasons, replicas=keep)
             for j in victims:
                 if j in kept:
                     svc.replicas[j] = "warm"
                 else:
-                    self._cancel(out, env, j, "ScaleIn")
-            self._housekeep(out, env, svc)
+                    yield from self._cancel(j, "ScaleIn")
+            yield from self._housekeep(svc)
             svc.last_in_ms, svc.low_since = now, None
             return
         svc.low_since = None
         if svc.boosts and not svc.batches and svc.calm_since is not None and now - svc.calm_since >= \
                 self._scale_in_windows(spec)[0]:
-            self._revert_boosts(out, env, svc, "shrink", "LoadLow", {"qps": qps, "calm_for_ms": now - svc.calm_since})
+            yield from self._revert_boosts(svc, "shrink", "LoadLow", {"qps": qps, "calm_for_ms": now - svc.calm_since})
 
     # ---------------------------------------------------------------- maintenance: min, clock, warm pool
 
     def _prescale_target(self, svc: Service) -> tuple[int, int, int] | None:
         """Clock mode: (replicas for the predicted peak, predicted qps, the peak bucket's start) within lead_ms."""
-        if self.elastic.mode != "clock":
+        if self.cfg.mode != "clock":
             return None
-        pred = svc.curve.predict(self.now_ms, self.elastic.lead_ms)
+        pred = svc.curve.predict(self.now_ms, self.cfg.lead_ms)
         if pred is None:
             return None
         spec = svc.spec
-        n = clamp(replicas_for(pred[0], spec.replica_qps, self.elastic.headroom_pct), spec.min_replicas,
+        n = clamp(replicas_for(pred[0], spec.replica_qps, self.cfg.headroom_pct), spec.min_replicas,
                   spec.max_replicas)
         return n, pred[0], pred[1]
 
-    def _maintain(self, out: list[Envelope], env: Envelope, svc: Service) -> None:
-        spec, cfg = svc.spec, self.elastic
+    def _maintain(self, svc: Service):
+        spec, cfg = svc.spec, self.cfg
         live = len(svc.serving())
         if live < spec.min_replicas:
-            self._grow(out, env, svc, spec.min_replicas - live, spec.min_replicas - live, (Reason(
+            yield from self._grow(svc, spec.min_replicas - live, spec.min_replicas - live, (Reason(
                 code="MinReplicas", plugin=PLUGIN, data={"min_replicas": spec.min_replicas, "serving": live}),),
                 "min")
             live = len(svc.serving())
         pre = self._prescale_target(svc)
         if pre and pre[0] > live and not svc.batches:
-            self._grow(out, env, svc, pre[0] - live, 0, (Reason(
+            yield from self._grow(svc, pre[0] - live, 0, (Reason(
                 code="ClockPrescale", plugin=PLUGIN, message=f"learned peak of {pre[1]} qps from {pre[2]} ms",
                 data={"predicted_qps": pre[1], "peak_at_ms": pre[2], "target": pre[0], "serving": live}),),
                 "clock")
@@ -572,21 +610,21 @@ class ElasticScheduler(Scheduler):
             fits = self._trial(reqs, {}, {})
             n = next((i for i, d in enumerate(fits) if d != 0), len(fits))
             if n:
-                jobs, _ = self._add_replicas(out, env, svc, n, n, role="warm")
-                self._scaled(out, env, svc, "horizontal_up", jobs, (Reason(
+                jobs, _ = self._add_replicas(svc, n, n, role="warm")
+                yield from self._scaled(svc, "horizontal_up", jobs, (Reason(
                     code="WarmPool", plugin=PLUGIN, message="warm replicas from free capacity",
                     data={"warm_pool": cfg.warm_pool, "warm": len(svc.warm())}),), pre=jobs)
 
-    def _yield_to_training(self, out: list[Envelope], env: Envelope) -> None:
+    def _yield_to_training(self):
         """Warm replicas always give way to waiting non-inference work they would make fit; serving replicas beyond
         the critical need give way too while the projected training share is below training_share_pct."""
-        cfg = self.elastic
+        cfg = self.cfg
         if not self._training_waits():
             return
         cands: dict[str, list[Victim]] = {}
         owner: dict[str, str] = {}
-        t, c = self.share.projected(self.now_ms, cfg.window_ms, cfg.share_horizon_ms, self._train_milli,
-                                    self._cap_milli)
+        t, c = self.share.projected(self.now_ms, cfg.window_ms, cfg.share_horizon_ms, self.h.train_milli,
+                                    self.h.cap_milli)
         share_low = cfg.training_share_pct > 0 and not share_ok(t, c, cfg.training_share_pct)
         for sid in sorted(self.services):
             svc = self.services[sid]
@@ -637,10 +675,10 @@ class ElasticScheduler(Scheduler):
                                        data={"projected_share_permille": permille(t, c),
                                              "share_pct": cfg.training_share_pct, "for_job": rec.request.job_id}),)
                 serving_after = len([j for j in svc.serving() if j not in jobs])
-                self._scaled(out, env, svc, "scale_in", tuple(jobs), reasons, replicas=serving_after)
+                yield from self._scaled(svc, "scale_in", tuple(jobs), reasons, replicas=serving_after)
                 for j in jobs:
-                    self._cancel(out, env, j, "YieldToTraining")
-                self._housekeep(out, env, svc)
+                    yield from self._cancel(j, "YieldToTraining")
+                yield from self._housekeep(svc)
 
     def _training_waits(self) -> bool:
         waits = any(self.jobs[j].request.tier != Tier.INFERENCE for j in self.pending)
@@ -650,71 +688,37 @@ class ElasticScheduler(Scheduler):
 
     # ---------------------------------------------------------------- emitting
 
-    def _synth(self, out: list[Envelope], cause: Envelope, payload) -> None:
-        """Feed a request of the autoscaler's own through the ordinary scheduler path, and return it as an output."""
-        self.autoscaler_seq += 1
-        env = envelope(payload, source=SOURCE, seq=self.autoscaler_seq, time_ms=self.now_ms,
-                       causation_id=cause.event_id, correlation_id=getattr(payload, "job_id", None))
-        out.append(env)
-        out.extend(Scheduler.step(self, env))
-
-    def _cancel(self, out: list[Envelope], cause: Envelope, job_id: str, why: str) -> None:
+    def _cancel(self, job_id: str, why: str):
         rec = self.jobs.get(job_id)
         if rec is not None and rec.state != "done":
-            self._synth(out, cause, JobCancelled(job_id=job_id, reason=why))
+            yield Request(JobCancelled(job_id=job_id, reason=why))
 
-    def _scaled(self, out: list[Envelope], env: Envelope, svc: Service, action: str, jobs: tuple[str, ...],
+    def _scaled(self, svc: Service, action: str, jobs: tuple[str, ...],
                 reasons: tuple[Reason, ...], *, replicas: int | None = None, took_ms: int = 0,
-                pre: tuple[str, ...] = ()) -> None:
+                pre: tuple[str, ...] = ()):
         """One service.scaled event; `pre` names new replicas whose requests follow it (in that order)."""
         if replicas is None:
             replicas = len(svc.serving())
-        self._emit(out, ServiceScaled(service_id=svc.spec.service_id, action=action, replicas=replicas, jobs=jobs,
-                                      took_ms=took_ms, reasons=reasons), env)
+        yield Emit(ServiceScaled(service_id=svc.spec.service_id, action=action, replicas=replicas, jobs=jobs,
+                                 took_ms=took_ms, reasons=reasons))
         if pre:
             for j in pre:
-                self._synth(out, env, self._replica_request(svc.spec, j))
+                yield Request(self._replica_request(svc.spec, j))
 
     # ---------------------------------------------------------------- the training-share meter
 
-    def _emit(self, out: list[Envelope], payload, cause: Envelope) -> None:
-        super()._emit(out, payload, cause)
-        if out[-1].is_command:
-            self._track(out[-1].payload)
-
-    def _track(self, p) -> None:
-        if isinstance(p, (PlaceJob, ResizeJob)):
-            rec = self.jobs.get(p.job_id)
-            if rec is None:
-                return
-            key = (p.job_id, p.node)
-            before = self._held.get(key)
-            if before is not None and before[0]:
-                self._train_milli -= before[1]
-            train = rec.request.tier != Tier.INFERENCE
-            milli = sum(a.milli for a in p.assignments)
-            self._held[key] = (train, milli)
-            if train:
-                self._train_milli += milli
-        elif isinstance(p, ReleaseJob):
-            rec = self.jobs.get(p.job_id)
-            if p.attempt and rec is not None and rec.attempt > p.attempt and any(
-                    part.node == p.node for part in rec.parts):
-                return  # the release of a superseded run: the job's newer run holds the node (node_view does alike)
-            before = self._held.pop((p.job_id, p.node), None)
-            if before is not None and before[0]:
-                self._train_milli -= before[1]
-
-    def _node_capacity(self, node: str) -> None:
-        view = self.nodes.get(node)
-        cap = capacity_milli(view) if view is not None else 0
-        self._cap_milli += cap - self._cap.get(node, 0)
-        self._cap[node] = cap
-
-    def _record_share(self) -> None:
-        self.share.record(self.now_ms, self._train_milli, self._cap_milli)
-        self.share.prune(self.now_ms - self.elastic.window_ms)
+    def record_share(self) -> None:
+        """After each input: the training share's history (the tally is the holdings')."""
+        self.share.record(self.now_ms, self.h.train_milli, self.h.cap_milli)
+        self.share.prune(self.now_ms - self.cfg.window_ms)
 
     def training_share(self) -> tuple[int, int]:
         """(non-inference milli-GPU x ms, pool milli-GPU x ms) over the last window_ms."""
-        return self.share.integral(self.now_ms - self.elastic.window_ms, self.now_ms)
+        return self.share.integral(self.now_ms - self.cfg.window_ms, self.now_ms)
+
+
+def ElasticScheduler(elastic: ElasticConfig = ElasticConfig(), **kw):  # noqa: N802 - the name callers know
+    """The scheduler with the autoscaler component (what the live agent runs): `Scheduler(elastic=..., **kw)`."""
+    from agents.scheduler.core import Scheduler
+
+    return Scheduler(elastic=elastic, **kw)

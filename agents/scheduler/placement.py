@@ -206,13 +206,14 @@ def fit_cards(v: NodeView, job: JobRequested, order: list[str] | None = None) ->
     if not cards:
         return "NoAllowedHealthyGPU"
     rank = {m: i for i, m in enumerate(order or ())}
+    iso = job.isolation_asked
     # (rank, leftover milli, leftover memory, card, then what the assignment will hold): assignments are built for
     # the chosen card only -- this loop runs for every card of every node looked at
     share_fits: list[tuple] = []
     for c in cards:
         m = model(c.model)
         if c.mig:
-            if not job.constraints.mig_allowed:
+            if not job.constraints.mig_allowed or iso == "exclusive":
                 continue
             for inst in sorted(c.free_instances, key=lambda i: (i.size, i.start)):
                 p = mig_profile(c.model, inst.profile)
@@ -221,12 +222,14 @@ def fit_cards(v: NodeView, job: JobRequested, order: list[str] | None = None) ->
                                        mig_share_milli(p), p.memory_mib, p.name, inst.uuid))
                     break
             continue
-        if job.compute_milli <= m.cu_milli and job.gpu_memory_mib <= m.memory_mib:
-            need = share_for(job.compute_milli, m)
-            if c.milli >= need and c.memory_mib >= job.gpu_memory_mib:
+        if iso != "mig" and job.compute_milli <= m.cu_milli and job.gpu_memory_mib <= m.memory_mib:
+            # "exclusive": the whole card (all its compute and memory), "shared": a software share of it
+            need, mem = (1000, m.memory_mib) if iso == "exclusive" else (share_for(job.compute_milli, m),
+                                                                          job.gpu_memory_mib)
+            if c.milli >= need and c.memory_mib >= mem:
                 # best fit: the card left with the least free compute after this job
-                share_fits.append((rank.get(c.model, 0), c.milli - need, c.memory_mib - job.gpu_memory_mib, c.uuid,
-                                   need, job.gpu_memory_mib, None, None))
+                share_fits.append((rank.get(c.model, 0), c.milli - need, c.memory_mib - mem, c.uuid,
+                                   need, mem, None, None))
     if share_fits:
         best = min(share_fits, key=lambda t: t[:4])
         return (Assignment(gpu_uuid=best[3], milli=best[4], memory_mib=best[5], mig_profile=best[6],
@@ -255,7 +258,7 @@ def _instance_holds(m, p, job: JobRequested) -> bool:
 def mig_plan(v: NodeView, job: JobRequested, order: list[str]) -> MigPlan | None:
     """The smallest MIG profile that fits `job`, carved out of memory slices no instance covers, on a healthy
     MIG-enabled card with no reconfigure under way. Existing instances are never touched (busy or not)."""
-    if not job.constraints.mig_allowed:
+    if not job.constraints.mig_allowed or job.isolation_asked == "exclusive":
         return None
     best: tuple | None = None
     for c in v.cards():
@@ -332,7 +335,7 @@ def _mig_could_hold(job: JobRequested, models: list[str]) -> bool:
     """Whether one MIG instance of an allowed model could hold the job (an existing one or a carved one): when none
     could, the MIG nodes have nothing for it and are not walked. A model without a profile table (instances known
     only by name) always could."""
-    if not job.constraints.mig_allowed:
+    if not job.constraints.mig_allowed or job.isolation_asked == "exclusive":
         return False
     for name in models:
         m = MODELS.get(name)
@@ -363,7 +366,8 @@ def place(index: NodeIndex, views: dict[str, NodeView], job: JobRequested, workl
     fits: list[tuple[int, int, int, str, tuple[Assignment, ...]]] = []
     seen: set[str] = set()
     version = workload.version()
-    shape = (job.compute_milli, job.gpu_memory_mib, job.cpu_milli, job.memory_mib, job.gang) \
+    iso = job.isolation_asked
+    shape = (job.compute_milli, job.gpu_memory_mib, job.cpu_milli, job.memory_mib, job.gang, iso) \
         if job.constraints == _NO_CONSTRAINTS else None
 
     def consider(name: str, rank: int, order: list[str], order_key: str | None) -> None:
@@ -400,7 +404,10 @@ def place(index: NodeIndex, views: dict[str, NodeView], job: JobRequested, workl
         if fits and fits[0][0] == -1:
             break
         n = cards_needed(job.compute_milli, job.gpu_memory_mib, m)
-        nodes = index.share_nodes(m, share_for(job.compute_milli, model(m)), job.gpu_memory_mib) if n == 1 else (
+        if n == 1 and iso == "mig":
+            continue  # a hardware slice only: the MIG nodes below
+        nodes = (index.whole_nodes(m, 1) if iso == "exclusive" else index.share_nodes(
+            m, share_for(job.compute_milli, model(m)), job.gpu_memory_mib)) if n == 1 else (
             index.whole_nodes(m, n) if job.gang else ())
         for name in nodes:
             if len(fits) >= k:
@@ -420,8 +427,10 @@ def place(index: NodeIndex, views: dict[str, NodeView], job: JobRequested, workl
         parts = (Part(name, fit, job.cpu_milli, job.memory_mib),)
         reasons = [Reason(code="Placed", plugin="GpuFit", nodes=(name,),
                           message=f"{_shape(fit)}; best of {len(fits)} fitting node(s) scored: "
-                                  f"fragmentation +{delta // w} milli-GPU",
-                          data={"candidates": len(fits), "frag_delta_milli": delta // w})]
+                                  f"fragmentation +{delta // w} milli-GPU; isolation {isolation_given(views[name], fit)}"
+                                  + (f" ({iso} asked)" if isolation_given(views[name], fit) != iso else ""),
+                          data={"candidates": len(fits), "frag_delta_milli": delta // w,
+                                "isolation": isolation_given(views[name], fit), "isolation_asked": iso})]
         if len(fit) > 1:
             reasons.append(_topology_reason(index, views, parts, fit_model(views[name], fit)))
         return Placement(parts, tuple(reasons))
@@ -439,6 +448,14 @@ def place(index: NodeIndex, views: dict[str, NodeView], job: JobRequested, workl
                 if plan is not None:
                     return plan
     return Unschedulable(explain=lambda: _unschedulable(index, views, job, rejected, seen).reasons)
+
+
+def isolation_given(v: NodeView, fit: tuple[Assignment, ...]) -> str:
+    """The isolation a placement gives: "mig" on a MIG instance, "exclusive" when it holds whole cards (all their
+    compute), "shared" a software share of a card."""
+    if any(a.mig_profile for a in fit):
+        return "mig"
+    return "exclusive" if all(a.milli >= 1000 for a in fit) else "shared"
 
 
 def fit_model(v: NodeView, fit: tuple[Assignment, ...]) -> str:
@@ -531,8 +548,10 @@ def _gang(index: NodeIndex, views: dict[str, NodeView], job: JobRequested, model
                                                       per_card_mem), cpu_per * c, mem_per * c) for name, c in best)
                 return Placement(parts, (
                     Reason(code="Placed", plugin="Gang", nodes=tuple(p.node for p in parts),
-                           message=f"{n} whole {m} card(s) in {len(parts)} part(s), all or nothing",
-                           data={"cards": n, "parts": len(parts)}),
+                           message=f"{n} whole {m} card(s) in {len(parts)} part(s), all or nothing; "
+                                   "isolation exclusive",
+                           data={"cards": n, "parts": len(parts), "isolation": "exclusive",
+                                 "isolation_asked": job.isolation_asked}),
                     _topology_reason(index, views, parts, m)))
     return None
 
@@ -606,6 +625,7 @@ def _mixed_gang(index: NodeIndex, views: dict[str, NodeView], job: JobRequested,
                                + " + ".join(f"{c} {m}" for m, c in sorted(mix.items()))
                                + f" in {len(parts_t)} part(s), all or nothing",
                        data={"cards": sum(mix.values()), "parts": len(parts_t), "mixed_models": len(mix),
+                             "isolation": "exclusive", "isolation_asked": job.isolation_asked,
                              **{f"cards_{m}": c for m, c in sorted(mix.items())}}),
                 _topology_reason(index, views, parts_t, best[0][1])))
     return None

@@ -7,10 +7,9 @@ say, and the tests hold it to that); on a node with MIG cards it runs on a scrat
 statement), discarded (rollback) whatever the outcome. Only the chosen plan becomes commands. Pure: no I/O, no clock;
 time comes in as `now_ms`.
 
-Who may be stopped for whom:
-- tier: work of a lower tier than the waiting job (inference > online training > offline);
-- reclaim: work that runs on *borrowed* quota of another tenant, when the waiting job is within its own tenant's
-  quota (borrowed capacity goes back to its owner first).
+Who may be stopped for whom is the claim order's (claims.py): work whose claim is strictly below the waiting job's --
+rule "tier" when it is below whatever its standing, "reclaim" when only because it stands beyond its account's quota
+(a plan may then not take so much of one account that the rest would stand within it again: the `valid` check).
 A job preempted `max_preemptions` times within `window_ms` is protected for `protect_ms`.
 """
 from __future__ import annotations
@@ -33,6 +32,15 @@ class PreemptionConfig:
     window_ms: int = 3600_000
     protect_ms: int = 1800_000
     candidate_nodes: int = 16  # nodes with a workable plan compared before choosing (the cheapest wins)
+    # A job stopped to make room for another (a preemption victim) preempts and reclaims nothing for this long after
+    # its stop, in log time: it takes free capacity only, so a victim's requeue triggers no preemption its
+    # preemptor's request was not allowed (no chains; Armada: evicted jobs do not evict).
+    victim_quiet_ms: int = 600_000
+
+
+def quiet_until(preempted_at: tuple[int, ...], cfg: PreemptionConfig) -> int:
+    """Until when (log time) a job stopped for others at these times may not preempt: its last stop + the quiet."""
+    return preempted_at[-1] + cfg.victim_quiet_ms if preempted_at else -1
 
 
 @dataclass(frozen=True)
@@ -42,7 +50,7 @@ class Victim:
     tier_rank: int
     borrowed: bool
     progress_lost_ms: int  # work since its last checkpoint (or start)
-    rule: str  # "tier" | "reclaim"
+    rule: str  # "tier" | "reclaim" (claims.Search.rule) | "yield" (the autoscaler's warm and extra replicas)
 
 
 @dataclass(frozen=True)
@@ -58,8 +66,9 @@ class Plan:
 
 
 def disruption_order(v: Victim) -> tuple:
-    """Least disruptive first: lowest tier, borrowed capacity, least progress lost."""
-    return (-v.tier_rank, 0 if v.borrowed else 1, v.progress_lost_ms, v.job_id)
+    """Least disruptive first, the claim order's weakest first: beyond quota, lowest tier; then least progress
+    lost."""
+    return (0 if v.borrowed else 1, -v.tier_rank, v.progress_lost_ms, v.job_id)
 
 
 def protected(preempted_at: tuple[int, ...], now_ms: int, cfg: PreemptionConfig) -> bool:
@@ -89,12 +98,15 @@ def plan_for(job: JobRequested, nodes: list[node_view.NodeView], candidates: dic
 
 
 def plan_over(job: JobRequested, pairs, limit: int | None = None) -> Plan | None:
-    """The cheapest plan over (node view, its candidate victims) pairs, looking at no more than `limit` nodes that
-    can yield a plan (kube-scheduler likewise stops after a number of candidate nodes); pairs may be lazy."""
+    """The cheapest plan over (node view, its candidate victims[, valid]) pairs, looking at no more than `limit`
+    nodes that can yield a plan (kube-scheduler likewise stops after a number of candidate nodes); pairs may be lazy.
+    `valid(chosen, v)`: whether a "reclaim" victim may join those chosen (claims.Search.valid)."""
     best: Plan | None = None
     found = 0
     shape = Shape(job)
-    for view, victims in pairs:
+    for pair in pairs:
+        view, victims = pair[0], pair[1]
+        valid = pair[2] if len(pair) > 2 else None
         if not victims:
             continue
         if any(f(view, job) for f in NODE_FILTERS):
@@ -106,6 +118,8 @@ def plan_over(job: JobRequested, pairs, limit: int | None = None) -> Plan | None
         room.start()
         chosen: list[Victim] = []
         for v in sorted(victims, key=disruption_order):
+            if valid is not None and v.rule == "reclaim" and not valid(chosen, v):
+                continue  # taking it too would bring its account back within quota
             chosen.append(v)
             room.add(v.job_id)
             if room.ok():
@@ -147,8 +161,11 @@ class Shape:
         got = self.per_model.get(name)
         if got is None:
             job, m = self.job, model(name)
+            iso = job.isolation_asked
             if job.compute_milli <= m.cu_milli and job.gpu_memory_mib <= m.memory_mib:
-                got = (share_for(job.compute_milli, m), None)
+                # "mig": no software share will do (MIG cards are left to the trial); "exclusive": one whole card
+                got = (None, None) if iso == "mig" else (None, (1, m.memory_mib)) if iso == "exclusive" else (
+                    share_for(job.compute_milli, m), None)
             elif job.gang:
                 got = (None, (cards_needed(job.compute_milli, job.gpu_memory_mib, name), m.memory_mib))
             else:
@@ -295,7 +312,7 @@ def fits(view: node_view.NodeView, job: JobRequested) -> bool:
 
 
 def plan_gang(job: JobRequested, views: dict[str, node_view.NodeView], index: NodeIndex, models: list[str],
-              candidates: Mapping[str, list[Victim]]) -> Plan | None:
+              candidates: Mapping[str, list[Victim]], valid=None) -> Plan | None:
     """Preemption for a gang that spans nodes: the tightest level (rack, data center, anywhere, within the job's
     max_spread) where free cards plus what lower-tier work holds add up; free cards are used first, and on each node
     only as many victims are stopped as its part needs (least disruptive first, then pruned). A node's room once its
@@ -328,7 +345,7 @@ def plan_gang(job: JobRequested, views: dict[str, node_view.NodeView], index: No
                 return None
             best: Plan | None = None
             for members in group_by(level, rooms, views):
-                plan = _gang_plan(job, views, m, n, cpu_per, mem_per, members, rooms, candidates)
+                plan = _gang_plan(job, views, m, n, cpu_per, mem_per, members, rooms, candidates, valid)
                 if plan is not None and (best is None or plan.cost < best.cost):
                     best = plan
             if best is not None:
@@ -336,7 +353,7 @@ def plan_gang(job: JobRequested, views: dict[str, node_view.NodeView], index: No
     return None
 
 
-def _gang_plan(job, views, m, n, cpu_per, mem_per, members, rooms, candidates) -> Plan | None:
+def _gang_plan(job, views, m, n, cpu_per, mem_per, members, rooms, candidates, valid=None) -> Plan | None:
     total, victims, first = 0, [], None
     for name in sorted(members, key=lambda x: (-rooms[x][0], -rooms[x][1], x)):
         now, most = rooms[name]
@@ -348,10 +365,14 @@ def _gang_plan(job, views, m, n, cpu_per, mem_per, members, rooms, candidates) -
             tally = GangTally(views[name], job, m, cpu_per, mem_per)
             chosen: list[Victim] = []
             for v in sorted(candidates.get(name, ()), key=disruption_order):
+                if valid is not None and v.rule == "reclaim" and not valid(victims + chosen, v):
+                    continue
                 chosen.append(v)
                 tally.add(v.job_id)
                 if tally.room() >= take:
                     break
+            if tally.room() < take:
+                return None  # the victims its account may lose do not free this part
             # drop, most disruptive first, every victim the part has room without (`chosen` is in disruption order)
             for extra in reversed(chosen):
                 tally.add(extra.job_id, -1)

@@ -127,13 +127,19 @@ class Ledger:
         return why
 
     def admit(self, r: JobRequested, capacity_milli: int = 0, need: int | None = None,
-              mem: int | None = None) -> Admission:
+              mem: int | None = None, freed: dict | None = None) -> Admission:
         """Own quota, borrowing up to the (possibly lowered) cap, or blocked. `capacity_milli`: the pool's
         schedulable compute, for lowering the cap near full (0: never lowered). `need`, `mem`: what the placement
-        would hold (`held`); the request's compute and memory by default (a lower bound: a holding is never less)."""
+        would hold (`held`); the request's compute and memory by default (a lower bound: a holding is never less).
+        `freed`: (tenant, project or None) -> (milli, MiB) counted as no longer used (work about to stop)."""
         need = r.compute_milli if need is None else need
         mem = r.gpu_memory_mib if mem is None else mem
+        freed = freed or {}
         proj = self.accounts.get((r.tenant, r.project))
+        if proj and freed.get((r.tenant, r.project)):
+            f = freed[(r.tenant, r.project)]
+            proj = Account(proj.quota, proj.used_milli - f[0], proj.borrowed_milli, proj.reserved_milli,
+                           proj.used_memory_mib - f[1])
         if proj and proj.quota:
             cap = proj.quota.gpu_milli * proj.quota.overcommit_pct // 100
             if proj.used_milli + need > cap:
@@ -151,12 +157,17 @@ class Ledger:
         if q is None:
             return Admission(False, False, (Reason(code="NoQuotaConfigured", plugin="Quota"),))
         t = self.accounts.get((r.tenant, None)) or Account()
+        pool_used = self.pool_used_milli
+        if freed.get((r.tenant, None)):
+            f = freed[(r.tenant, None)]
+            t = Account(t.quota, t.used_milli - f[0], t.borrowed_milli, t.reserved_milli, t.used_memory_mib - f[1])
+            pool_used -= f[0]
         if q.gpu_milli == 0 and (t.quota is None):
             return Admission(True, False, (Reason(
                 code="NoQuota", plugin="Quota", message=f"tenant {r.tenant} has no quota: an operator gives it one "
                 f"(quota.set; `gpupool quota set {r.tenant} --compute N`)", data={"request_milli": need}),))
         quota = q.gpu_milli
-        pct = effective_cap_pct(q.overcommit_pct, self.pool_used_milli, capacity_milli, self.near_full_pct)
+        pct = effective_cap_pct(q.overcommit_pct, pool_used, capacity_milli, self.near_full_pct)
         cap = quota * pct // 100
         data = {"used_milli": t.used_milli, "request_milli": need, "quota_milli": quota, "cap_milli": cap}
         if need != r.compute_milli:
@@ -165,7 +176,7 @@ class Ledger:
             data["default_quota"] = 1
         if pct < q.overcommit_pct:
             data = {**data, "cap_pct": pct, "configured_cap_pct": q.overcommit_pct,
-                    "pool_used_milli": self.pool_used_milli, "pool_capacity_milli": capacity_milli}
+                    "pool_used_milli": pool_used, "pool_capacity_milli": capacity_milli}
         within = t.used_milli + need <= quota
         fits_cap = t.used_milli + need <= cap
         q_mem = q.gpu_memory_mib

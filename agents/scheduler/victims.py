@@ -1,18 +1,18 @@
 """Which nodes hold work that could be stopped for a waiting job, kept current as node views change.
 
 A preemption search used to ask every node, for every waiting job, who on it may be stopped (a walk over every
-allocation of 5,000 nodes). The index keeps, per node, the tier rank, tenant and borrowed flag of each job it holds
-(reservation holds aside: never victims), and across nodes which nodes hold work of each tier rank and borrowed
-work of each tenant. A search then visits only the nodes that hold lower-tier work or (for a job within its own
-quota) another tenant's borrowed work, in the scheduler's node order, so the plans and their tie-breaks are the ones
-the walk over every node gave. Who exactly may be stopped (state, protection) is still decided per node by the caller:
-the index is a superset, never a guess.
+allocation of 5,000 nodes). The index keeps, per node, the claim group (tier, on its reservation: holdings.group) and
+tenant of each job it holds (reservation holds aside: never victims), and across nodes which nodes hold work of each
+(tenant, claim group). A search (claims.Search.groups) picks the tables whose work may be weaker than the waiting
+job's claim -- lower groups, or groups of an account beyond its quota -- and visits only the nodes they name, in the
+scheduler's node order, so the plans and their tie-breaks are the ones the walk over every node gave. Who exactly may
+be stopped (state, protection, standing) is still decided per job by the caller: the index is a superset, never a
+guess.
 
-It is kept as the scheduler's own commands change the views: a placement adds its job to the node (its tier and
-tenant, and the borrowed flag the command carries), a release takes it off. A node's entry is thus a function of the
-jobs its view holds and of facts fixed while they hold it, and `rebuilt` (read afresh from every view) must give the
-same index; the tests hold the two equal. Views that never went through the scheduler's fold (set by hand) are read
-in full on the next search.
+It is kept by the holdings' fold of the scheduler's own commands (holdings.py): a placement adds its job to the
+node, a release takes it off. A node's entry is thus a function of the jobs its view holds and of facts fixed while
+they hold it, and `rebuilt` (read afresh from every view) must give the same index; the tests hold the two equal.
+Views that never went through the scheduler's fold (set by hand) are read in full on the next search.
 """
 from __future__ import annotations
 
@@ -20,9 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
-from schemas.events import TIER_RANK
-
-Entry = tuple[int, str, bool]  # (tier rank, tenant, borrowed)
+Entry = tuple[int, str]  # (claim group, tenant)
 
 
 def entries(view, jobs) -> dict[str, Entry]:
@@ -32,9 +30,7 @@ def entries(view, jobs) -> dict[str, Entry]:
         rec = jobs.get(j)
         if rec is None or rec.hold is not None:
             continue
-        r = rec.request
-        # A placement not on record yet counts as borrowed: a superset, the caller decides exactly.
-        out[j] = (TIER_RANK[r.tier], r.tenant, rec.placement.borrowed if rec.placement is not None else True)
+        out[j] = (rec.group, rec.request.tenant)
     return out
 
 
@@ -42,8 +38,7 @@ def entries(view, jobs) -> dict[str, Entry]:
 class VictimIndex:
     pos: dict[str, int] = field(default_factory=dict)  # node -> place in the scheduler's node order
     held: dict[str, dict[str, Entry]] = field(default_factory=dict)  # node -> job -> entry
-    by_rank: dict[int, dict[str, int]] = field(default_factory=dict)  # tier rank -> node -> jobs of that rank there
-    by_borrowed: dict[str, dict[str, int]] = field(default_factory=dict)  # tenant -> node -> its borrowed jobs there
+    by_group: dict[tuple[str, int], dict[str, int]] = field(default_factory=dict)  # (tenant, group) -> node -> jobs
     stale: bool = False  # the fold met a node it had not seen arrive: read every view on the next sync
 
     def fold(self, node: str, payload, view, jobs: dict, views: dict) -> None:
@@ -61,9 +56,7 @@ class VictimIndex:
         rec = jobs.get(job)
         new = None
         if job in view.allocations and rec is not None and rec.hold is None:
-            r = rec.request
-            borrowed = payload.borrowed if kind == "cmd.place" else (old[2] if old else True)
-            new = (TIER_RANK[r.tier], r.tenant, borrowed)
+            new = (rec.group, rec.request.tenant)
         if new == old:
             return
         if old is not None:
@@ -88,26 +81,18 @@ class VictimIndex:
 
     def _add(self, node: str, job: str, e: Entry) -> None:
         self.held.setdefault(node, {})[job] = e
-        _inc(self.by_rank, e[0], node)
-        if e[2]:
-            _inc(self.by_borrowed, e[1], node)
+        _inc(self.by_group, (e[1], e[0]), node)
 
     def _drop(self, node: str, job: str, e: Entry) -> None:
         held = self.held[node]
         del held[job]
         if not held:
             del self.held[node]
-        _dec(self.by_rank, e[0], node)
-        if e[2]:
-            _dec(self.by_borrowed, e[1], node)
+        _dec(self.by_group, (e[1], e[0]), node)
 
-    def nodes_for(self, rank: int, tenant: str, within_quota: bool) -> list[dict[str, int]]:
-        """The node tables to look in: work of a lower tier than `rank`, or (within quota) another tenant's borrowed
-        work. A node is a candidate when any of them names it."""
-        out = [ns for r, ns in self.by_rank.items() if r > rank and ns]
-        if within_quota:
-            out += [ns for t, ns in self.by_borrowed.items() if t != tenant and ns]
-        return out
+    def nodes_for(self, groups) -> list[dict[str, int]]:
+        """The node tables of these (tenant, claim group) keys: a node is a candidate when any of them names it."""
+        return [ns for k in groups if (ns := self.by_group.get(k))]
 
     def in_order(self, views: dict, tables: list[dict[str, int]]) -> Iterator[str]:
         """The nodes any of `tables` names, in the scheduler's node order (the order of `views`): lazily, walking the
@@ -124,8 +109,7 @@ class VictimIndex:
 
     def state(self) -> tuple:
         """Everything a rebuild must reproduce (for the tests)."""
-        return (self.held, {r: dict(ns) for r, ns in self.by_rank.items() if ns},
-                {t: dict(ns) for t, ns in self.by_borrowed.items() if ns})
+        return (self.held, {k: dict(ns) for k, ns in self.by_group.items() if ns})
 
 
 class LazyVictims(Mapping):

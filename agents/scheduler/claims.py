@@ -1,0 +1,218 @@
+"""One claim order for tier preemption, quota reclaim and borrowing (docs/scheduler.md, "The claim order").
+
+A job's claim is `(standing, tier, reserved)`, compared field by field, the larger the stronger:
+
+- standing: 1 when it stands within quota, 0 when it borrows. A job's standing is worked out from the claim order
+  itself, not from the order jobs were admitted in: in its account (tenant, and project where the project has a
+  quota) the holders of its claim group and of every stronger one, plus the job, fit the quota (compute, and GPU
+  memory where limited). So a tenant's quota goes to its strongest work first: its inference stands within quota
+  before its training does, and what a tenant holds beyond its quota is its weakest work. A tenant without a limit
+  (open pool) always stands within; a job on its reservation, and a reservation's hold, always do (the booking was
+  the admission);
+- tier: inference 2, online training 1, offline 0;
+- reserved: 1 for a job on its own reservation.
+
+Then a stable tie-break orders equals: the pending queue by arrival (work that was stopped before newer work), the
+victims by the work they lose. `may_stop(a, b)` -- A may stop B -- when B's claim is strictly below A's.
+
+Both claims are taken in the same state: A's as if it were admitted (what it would hold on the node's cards added
+to its account), B's as if it came back now, after the plan: its own holding and every other victim of the plan
+gone from its account, A's holding added to it. Amounts are what the quota charges: what A would hold on that
+node's cards, and, for B coming back, what it asked for (a lower bound of any holding: a share is rounded up, a card
+holds all its compute). So the relation is antisymmetric in every reachable state: after A stops B, B's claim can
+only be lower than it was (its account holds at least A now, and what it would hold is at least what it asked) and
+A's, should B try to stop it, only higher (its account lost the plan's victims, and A counts with what it asked) --
+if A may stop B, B may not stop A until something else changes (a job ends, a quota changes, a node goes).
+tests/test_claims.py holds the code to this.
+"""
+from __future__ import annotations
+
+from agents.scheduler.holdings import GROUPS, Holdings, JobRecord, group
+from agents.scheduler.node_index import cards_needed
+from agents.scheduler.quota import Ledger
+from schemas.events import TIER_RANK, JobRequested, Tier
+from schemas.gpu_models import model, share_for
+
+Claim = tuple[int, int, int]  # (standing, tier, reserved)
+
+
+def claim(within: bool, tier: Tier, reserved: bool) -> Claim:
+    """The claim: the one order tier preemption, quota reclaim and borrowing are decided by."""
+    return (1 if within else 0, 2 - TIER_RANK[tier], 1 if reserved else 0)
+
+
+def may_stop(a: Claim, b: Claim) -> bool:
+    """Whether work of claim `a` may stop work of claim `b`: b is strictly weaker."""
+    return b < a
+
+
+def claim_of_group(within: bool, g: int) -> Claim:
+    return (1 if within else 0, g // 2, g % 2)
+
+
+def holding_on(r: JobRequested, model_name: str) -> tuple[int, int]:
+    """What `r` would hold on cards of this model, in the quota's units (quota.held): a share of one card its
+    milli-GPU times the model's compute units (rounded up) and the memory asked, whole cards all their compute and
+    memory."""
+    m = model(model_name)
+    if r.compute_milli <= m.cu_milli and r.gpu_memory_mib <= m.memory_mib and r.isolation_asked != "exclusive":
+        share = share_for(r.compute_milli, m)
+        if share < 1000:
+            return -(-share * m.cu_milli // 1000), r.gpu_memory_mib
+        return m.cu_milli, m.memory_mib
+    n = cards_needed(r.compute_milli, r.gpu_memory_mib, model_name)
+    return n * m.cu_milli, n * m.memory_mib
+
+
+def _quotas(ledger: Ledger, r: JobRequested):
+    """The quotas that bound r's standing: (account key, QuotaSet) for its tenant (unless unlimited) and its project
+    (when the project has a quota)."""
+    out = []
+    q = ledger.tenant_quota(r.tenant)
+    if q is not None:
+        out.append(((r.tenant, None), q))
+    pa = ledger.accounts.get((r.tenant, r.project))
+    if pa is not None and pa.quota is not None:
+        out.append(((r.tenant, r.project), pa.quota))
+    return out
+
+
+def within(h: Holdings, ledger: Ledger, r: JobRequested, g: int, milli: int, memory: int, adjust=()) -> bool:
+    """Whether a job of claim group `g` that would hold (milli, memory) stands within quota: the holders of its
+    account in groups g and stronger, plus it, fit. `adjust`: (tenant, project, group, milli, memory) added to the
+    holders (negative: taken away) -- the state after a plan."""
+    for key, q in _quotas(ledger, r):
+        s = h.sums.get(key)
+        m, mem = s.at_least(g) if s is not None else (0, 0)
+        for tenant, project, gg, am, amem in adjust:
+            if gg >= g and tenant == key[0] and (key[1] is None or key[1] == project):
+                m += am
+                mem += amem
+        if m + milli > q.gpu_milli or (q.gpu_memory_mib is not None and mem + memory > q.gpu_memory_mib):
+            return False
+    return True
+
+
+def standing_now(h: Holdings, ledger: Ledger, rec: JobRecord) -> bool:
+    """A pending job's standing with what it asked for (the queue's order; a lower bound of any holding's)."""
+    if rec.reserved or rec.hold is not None:
+        return True
+    r = rec.request
+    return within(h, ledger, r, rec.group, r.compute_milli, r.gpu_memory_mib)
+
+
+class Search:
+    """The claim order as one preemptor's search sees it: its claim on each card model (what it would hold there),
+    who may be stopped for it, and whether a plan's victims still stand beyond quota once the plan is done."""
+
+    def __init__(self, h: Holdings, ledger: Ledger, rec: JobRecord):
+        self.h, self.ledger, self.rec = h, ledger, rec
+        self.r = rec.request
+        self.g = rec.group
+        self.sure = rec.reserved or rec.hold is not None  # within, whatever it holds
+        self._keys: dict[str, Claim] = {}
+        self._over: dict[tuple[str, int], bool] = {}
+
+    def key(self, model_name: str | None = None) -> Claim:
+        """The preemptor's claim as if admitted with what it would hold on this model's cards (None: what it asked)."""
+        k = self._keys.get(model_name or "")
+        if k is None:
+            r = self.r
+            amount = holding_on(r, model_name) if model_name else (r.compute_milli, r.gpu_memory_mib)
+            ok = self.sure or within(self.h, self.ledger, r, self.g, *amount)
+            k = self._keys[model_name or ""] = claim(ok, r.tier, self.sure)
+        return k
+
+    def node_key(self, view) -> Claim:
+        """Its claim on this node: with the most it could hold on any of the node's card models (the weakest)."""
+        models = {g.model for g in view.cards()}
+        if not models:
+            return self.key()
+        return min(self.key(m) for m in models)
+
+    @property
+    def mine(self) -> tuple:
+        """The preemptor in its account after the plan, counted with what it asked for (a lower bound of what it will
+        hold): the victims' claims are taken no weaker than they will be."""
+        r = self.r
+        return ((r.tenant, r.project, self.g, r.compute_milli, r.gpu_memory_mib),)
+
+    def victim_claim(self, other: JobRecord, mine: tuple = (), others: tuple = ()) -> Claim:
+        """`other`'s claim if it came back now, after the plan: its holding and the other victims' gone from its
+        account, the preemptor's added (`mine`), counted with what it asked for."""
+        o = other.request
+        if other.reserved:
+            return claim(True, o.tier, True)
+        g = other.group
+        adjust = ((o.tenant, o.project, g, -other.held_milli, -other.held_memory_mib),) + mine + others
+        return claim(within(self.h, self.ledger, o, g, o.compute_milli, o.gpu_memory_mib, adjust), o.tier, False)
+
+    def rule(self, other: JobRecord, key: Claim) -> str | None:
+        """Whether `other` may be stopped for the preemptor of claim `key`, judged on its own (the plan's other
+        victims aside): "tier" (its claim is below the preemptor's whatever its standing), "reclaim" (only while it
+        stands beyond quota: `valid` checks that holds for the whole plan), or None."""
+        o = other.request
+        if not may_stop(key, self.victim_claim(other, self.mine)):
+            return None
+        weakest_within = claim(True, o.tier, other.reserved)
+        return "tier" if may_stop(key, weakest_within) else "reclaim"
+
+    def groups(self, key: Claim) -> list[tuple[str, int]]:
+        """The (tenant, claim group) tables of the victim index that may hold a victim: groups whose weakest claim
+        (borrowed) is below the preemptor's and, unless even their within-quota claim is, whose account holds more
+        than its quota at that group (a superset: each job is judged on its own)."""
+        out = []
+        for (tenant, g), nodes in self.h.victims.by_group.items():
+            if not nodes:
+                continue
+            if may_stop(key, claim_of_group(True, g)):
+                out.append((tenant, g))
+            elif may_stop(key, claim_of_group(False, g)) and self._group_over(tenant, g):
+                out.append((tenant, g))
+        return out
+
+    def _group_over(self, tenant: str, g: int) -> bool:
+        """Whether some job of (tenant, group g) could stand beyond quota: what its account holds at g and above
+        (the preemptor's holding added when it is of the same tenant and at least as strong) is over a quota."""
+        k = (tenant, g)
+        got = self._over.get(k)
+        if got is None:
+            r = self.r
+            extra = (r.compute_milli, r.gpu_memory_mib) if tenant == r.tenant and self.g >= g else (0, 0)
+            got = False
+            for (t, project), s in self.h.sums.items():
+                if t != tenant:
+                    continue
+                q = self.ledger.tenant_quota(tenant) if project is None else (
+                    self.ledger.accounts[(t, project)].quota if (t, project) in self.ledger.accounts else None)
+                if q is None:
+                    continue
+                m, mem = s.at_least(g)
+                if m + extra[0] > q.gpu_milli or (q.gpu_memory_mib is not None and mem + extra[1] > q.gpu_memory_mib):
+                    got = True
+                    break
+            self._over[k] = got
+        return got
+
+    def valid(self, chosen, v, key: Claim) -> bool:
+        """Whether victim `v` (rule "reclaim") and the "reclaim" victims already `chosen` of its tenant all still
+        stand beyond quota once every victim of the plan is gone: stopping more of one account's work brings it
+        back within its quota, and a victim that would then stand within it may not be stopped."""
+        jobs = self.h.jobs
+        mine = self.mine
+        rec = jobs[v.job_id]
+        tenant = rec.request.tenant
+        same = [jobs[c.job_id] for c in chosen if jobs[c.job_id].request.tenant == tenant] + [rec]
+        gone = tuple((o.request.tenant, o.request.project, o.group, -o.held_milli, -o.held_memory_mib)
+                     for o in same)
+        for i, o in enumerate(same):
+            c = chosen[[x.job_id for x in chosen].index(o.request.job_id)] if o is not rec else v
+            if c.rule != "reclaim":
+                continue
+            others = gone[:i] + gone[i + 1:]
+            if not may_stop(key, self.victim_claim(o, mine, others)):
+                return False
+        return True
+
+
+__all__ = ["Claim", "GROUPS", "Search", "claim", "group", "holding_on", "may_stop", "standing_now", "within"]

@@ -1,0 +1,316 @@
+"""Who holds what: the scheduler's state behind one write path.
+
+`Holdings.apply(envelope)` is the only place holdings change. It takes what the scheduler folds -- its own commands
+(`cmd.place`, `cmd.release`, `cmd.preempt`, `cmd.resize`, `cmd.migrate`, `cmd.mig_reconfigure`, and the placements of
+reservation holds, which are never sent), the node facts (inventory, cordon, liveness, card health, removal) and the
+job facts that change a run (`job.started`) -- and keeps every index derived from the node views and the job records
+there, nowhere else:
+
+- the node views (`streams/node_view.evolve`, the fold the Faust table and the audit run too) and the node index
+  (which nodes can take what: `node_index.py`);
+- the victim index (which nodes hold work of which claim: `victims.py`);
+- per tier, how many jobs hold capacity; per tenant and project, what the holders of each claim group hold (the
+  claim order's standings, `claims.py`);
+- which jobs are pending, placed, running, stopping (`set_state` is the one writer of a record's state: `apply`
+  moves a job to placed, running and stopping, the scheduler's policy moves it back to pending or to done);
+- the training share's tally: milli-GPU held by non-inference work and the pool's milli-GPU (docs/elastic.md).
+
+The scheduler's policy (core.py) decides and emits; what it emits is applied here, so a decision and the state it
+leaves cannot drift apart, and `rebuilt` (every index read afresh from the views and the records) must equal the
+incrementally kept one (tests/test_holdings.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from agents.scheduler.node_index import NodeIndex
+from agents.scheduler.quota import held
+from agents.scheduler.victims import VictimIndex
+from schemas.envelope import Envelope
+from schemas.events import (
+    TIER_RANK, GpuHealth, JobRequested, JobStarted, MigrateJob, MigReconfigure, NodeCordon, NodeInventory,
+    NodeLiveness, NodeRemoved, PlaceJob, PreemptJob, ReleaseJob, ResizeJob, Tier,
+)
+from streams import node_view
+
+HOLDING = ("placed", "running", "stopping", "migrating")  # states in which a job holds capacity on its nodes
+GROUPS = 6  # claim groups: (tier, reserved), weakest first -- see claims.group
+
+
+def group(tier: Tier, reserved: bool) -> int:
+    """A job's claim group: 0 (offline) .. 5 (inference on its own reservation); higher is stronger."""
+    return (2 - TIER_RANK[tier]) * 2 + (1 if reserved else 0)
+
+
+@dataclass
+class JobRecord:
+    request: JobRequested
+    arrival: int
+    state: str = "pending"  # pending | placed | running | stopping | migrating | done (set_state writes it)
+    node: str = ""
+    placement: PlaceJob | None = None  # the first part (the only one unless a gang spans nodes)
+    parts: tuple[PlaceJob, ...] = ()
+    started_ms: int = -1  # event time of the current run's start; -1 while it has not started
+    preemptions: int = 0
+    preempted_at: tuple[int, ...] = ()
+    checkpoint: str = ""
+    checkpoint_ms: int = 0
+    pending_codes: tuple[str, ...] = ()
+    nominated: tuple[str, tuple[str, ...]] | None = None  # (node, victims) while its preemptions take effect
+    claim: tuple[str, ...] = ()  # nodes whose freed capacity is kept for it while nominated
+    mig_wait: tuple[str, str] | None = None  # (node, card) whose MIG reconfigure it waits for
+    hold: object | None = None  # a reservation's hold (reservations.Booking): placed without a command, never a victim
+    attempt: int = 0  # placements made so far: the number of the current one while it holds capacity
+    accrued_ms: int = -1  # the current run is billed up to here (usage.accrued, on ticks and at its end)
+    held_milli: int = 0  # what the quota ledger charged for the current placement (quota.held)
+    held_memory_mib: int = 0
+    interruptions: int = 0  # runs ended by a node loss, a card fault, a drain, a removal, an agent's own stop
+    stop_cause: str = ""  # why a "stopping" job was told to stop: "" (preempted for another job), Drain, NodeRemoved
+    reserved: bool = False  # placed on its own reservation's capacity: reserved in-quota, never borrowed
+    migrations: int = 0  # runs moved by defragmentation (cmd.migrate)
+    migrated_at: tuple[int, ...] = ()
+    migration: MigrateJob | None = None  # the move under way: the run stops on from_node, resumes on to_node
+
+    @property
+    def group(self) -> int:
+        return group(self.request.tier, self.reserved or self.hold is not None)
+
+
+def pool_milli(view: node_view.NodeView) -> int:
+    """The pool capacity a node contributes: 1000 milli-GPU per healthy card while it is schedulable, else 0."""
+    if not view.schedulable:
+        return 0
+    bad = view.unhealthy
+    return 1000 * sum(1 for g in view.cards() if g.uuid not in bad)
+
+
+@dataclass
+class Sums:
+    """What the holders of each claim group hold in one account (tenant, or tenant and project), in the quota's
+    units (milli-CU, GPU memory MiB): the claim order's standings are suffix sums of these."""
+    milli: list[int] = field(default_factory=lambda: [0] * GROUPS)
+    memory: list[int] = field(default_factory=lambda: [0] * GROUPS)
+
+    def at_least(self, g: int) -> tuple[int, int]:
+        """What the holders of group g and stronger hold."""
+        return sum(self.milli[g:]), sum(self.memory[g:])
+
+
+class Holdings:
+    """The scheduler's node views and job records, and everything derived from them; `apply` is the only write."""
+
+    def __init__(self) -> None:
+        self.nodes: dict[str, node_view.NodeView] = {}
+        self.jobs: dict[str, JobRecord] = {}
+        self.index = NodeIndex()
+        self.victims = VictimIndex()
+        self.held_by_tier: dict[int, int] = {}  # tier rank -> jobs holding capacity (holds aside)
+        self.pending: set[str] = set()  # jobs in state "pending": the cycle's queue
+        self.stopping: set[str] = set()  # jobs told to checkpoint and stop (or move), not yet stopped
+        self.running: dict[str, None] = {}  # jobs whose run is billed (started, holding), in order
+        self.sums: dict[tuple[str, str | None], Sums] = {}  # (tenant, project or None) -> holders' sums per group
+        self.train_held: dict[tuple[str, str], int] = {}  # (job, node) -> milli-GPU a non-inference job holds
+        self.train_milli = 0
+        self.cap: dict[str, int] = {}  # node -> milli-GPU it gives the pool (pool_milli)
+        self.cap_milli = 0
+
+    # ---------------------------------------------------------------- the write path
+
+    def add_job(self, rec: JobRecord) -> None:
+        """A new job record (a request, or a reservation's hold when its window opens): pending."""
+        self.jobs[rec.request.job_id] = rec
+        rec.state = "pending"
+        self.pending.add(rec.request.job_id)
+
+    def set_state(self, rec: JobRecord, state: str) -> None:
+        """The one writer of a record's state; keeps the pending and stopping sets."""
+        j = rec.request.job_id
+        rec.state = state
+        if state == "pending":
+            self.pending.add(j)
+        else:
+            self.pending.discard(j)
+        if state in ("stopping", "migrating"):
+            self.stopping.add(j)
+        else:
+            self.stopping.discard(j)
+
+    def apply(self, env: Envelope, fact_ms: int | None = None) -> None:
+        """Fold one command, node fact or job fact into the holdings and every index. `fact_ms`: a job fact's time
+        as the scheduler takes it (the node's own time, never later than the log's)."""
+        p = env.payload
+        match p:
+            case NodeInventory() | NodeCordon() | NodeLiveness() | GpuHealth() | NodeRemoved():
+                view = self._fold(p.node, env)
+                cap = pool_milli(view)
+                self.cap_milli += cap - self.cap.get(p.node, 0)
+                self.cap[p.node] = cap
+            case PlaceJob():
+                self._place(env, p)
+            case ReleaseJob():
+                self._release(env, p)
+            case PreemptJob():
+                self._fold(p.node, env)
+                rec = self.jobs.get(p.job_id)
+                if rec is not None and self._current(rec, p.attempt) and rec.state in ("placed", "running"):
+                    code = p.reasons[0].code if p.reasons else ""
+                    rec.stop_cause = "" if code == "PreemptedFor" else code
+                    self.set_state(rec, "stopping")
+            case ResizeJob():
+                self._fold(p.node, env)
+                rec = self.jobs.get(p.job_id)
+                if rec is not None and self._current(rec, p.attempt) and rec.placement is not None:
+                    rec.parts = tuple(part.model_copy(update={"assignments": p.assignments})
+                                      if part.node == p.node else part for part in rec.parts)
+                    rec.placement = rec.parts[0]
+                    self._train(rec, p.node, sum(a.milli for a in p.assignments))
+            case MigrateJob():
+                self._fold(p.to_node, env)  # the target holds the job's cards from now on (streams/node_view.py)
+                rec = self.jobs.get(p.job_id)
+                if rec is not None and self._current(rec, p.attempt) and rec.state in ("placed", "running"):
+                    rec.migration, rec.stop_cause = p, "Migrate"
+                    self.set_state(rec, "migrating")
+            case MigReconfigure():
+                self._fold(p.node, env)
+            case JobStarted():
+                rec = self.jobs[p.job_id]
+                rec.started_ms = rec.accrued_ms = env.event_time_ms if fact_ms is None else fact_ms
+                if rec.state == "placed":
+                    self.set_state(rec, "running")
+                self.running[p.job_id] = None
+
+    def _current(self, rec: JobRecord, attempt: int) -> bool:
+        return not attempt or attempt == rec.attempt
+
+    def _fold(self, name: str, env: Envelope) -> node_view.NodeView:
+        view = self.nodes[name] = node_view.evolve(self.nodes.get(name), env)
+        self.index.update(view)
+        self.victims.fold(name, env.payload, view, self.jobs, self.nodes)
+        return view
+
+    def _place(self, env: Envelope, p: PlaceJob) -> None:
+        rec = self.jobs[p.job_id]
+        first = p.gang_index == 0
+        if first and rec.placement is not None:
+            self._drop(rec)  # a hold placed again elsewhere: nothing of the old placement stays counted
+        self._fold(p.node, env)
+        models = {g.uuid: g.model for g in self.nodes[p.node].cards()}
+        cu, mem = held(p.assignments, models.__getitem__)
+        if first:
+            rec.parts, rec.held_milli, rec.held_memory_mib = (), 0, 0
+        rec.parts += (p,)
+        rec.placement, rec.node = rec.parts[0], rec.parts[0].node
+        rec.held_milli += cu
+        rec.held_memory_mib += mem
+        self._sum(rec, cu, mem, 1)
+        if first:
+            if rec.hold is None:
+                rank = TIER_RANK[rec.request.tier]
+                self.held_by_tier[rank] = self.held_by_tier.get(rank, 0) + 1
+            rec.pending_codes = ()
+            self.set_state(rec, "placed")
+        if rec.hold is None:
+            self._train(rec, p.node, sum(a.milli for a in p.assignments))
+
+    def _release(self, env: Envelope, p: ReleaseJob) -> None:
+        self._fold(p.node, env)
+        rec = self.jobs.get(p.job_id)
+        if rec is None or rec.placement is None or not self._current(rec, p.attempt):
+            return  # the release of a superseded run: the job's newer run (if any) is untouched (node_view alike)
+        mine = [part for part in rec.parts if part.node == p.node]
+        if not mine:
+            return
+        if rec.migration is not None and rec.migration.to_node == p.node:
+            rec.migration = None  # the target's hold of a move that is called off
+        models = {g.uuid: g.model for g in self.nodes[p.node].cards()}
+        for part in mine:
+            cu, mem = held(part.assignments, models.__getitem__)
+            self._sum(rec, cu, mem, -1)
+        if rec.hold is None:
+            self._train(rec, p.node, 0)
+        rest = tuple(part for part in rec.parts if part.node != p.node)
+        if rest:
+            rec.parts, rec.placement, rec.node = rest, rest[0], rest[0].node
+            return
+        self._ended(rec)
+
+    def _ended(self, rec: JobRecord) -> None:
+        """The run holds nothing any more: off every index (the state the policy gives it next)."""
+        j = rec.request.job_id
+        if rec.hold is None:
+            self.held_by_tier[TIER_RANK[rec.request.tier]] -= 1
+        self.running.pop(j, None)
+        self.stopping.discard(j)
+        rec.placement, rec.parts, rec.node = None, (), ""
+        rec.started_ms = -1
+        rec.held_milli = rec.held_memory_mib = 0
+
+    def _drop(self, rec: JobRecord) -> None:
+        self._sum(rec, rec.held_milli, rec.held_memory_mib, -1)
+        self._ended(rec)
+
+    def _sum(self, rec: JobRecord, milli: int, memory: int, sign: int) -> None:
+        r, g = rec.request, rec.group
+        for key in ((r.tenant, None), (r.tenant, r.project)):
+            s = self.sums.get(key)
+            if s is None:
+                s = self.sums[key] = Sums()
+            s.milli[g] += sign * milli
+            s.memory[g] += sign * memory
+
+    def _train(self, rec: JobRecord, node: str, milli: int) -> None:
+        """The training share's tally: milli-GPU held by non-inference work on each node."""
+        if rec.request.tier == Tier.INFERENCE:
+            return
+        key = (rec.request.job_id, node)
+        self.train_milli += milli - self.train_held.pop(key, 0)
+        if milli:
+            self.train_held[key] = milli
+
+    # ---------------------------------------------------------------- reading
+
+    def holding(self, rec: JobRecord) -> bool:
+        return rec.state in HOLDING and rec.placement is not None
+
+    def card_model(self, node: str, gpu_uuid: str) -> str:
+        inv = self.nodes[node].inventory
+        return next((g.model for g in inv.gpus if g.uuid == gpu_uuid), "unknown") if inv else "unknown"
+
+    def state(self) -> tuple:
+        """Everything `rebuilt` must reproduce (for the tests)."""
+        return (self.victims.state(), {k: v for k, v in self.held_by_tier.items() if v}, set(self.pending),
+                set(self.stopping), set(self.running),
+                {k: (s.milli, s.memory) for k, s in self.sums.items() if any(s.milli) or any(s.memory)},
+                self.train_milli, dict(self.train_held), self.cap_milli, self.index.capacity_milli,
+                {k: dict(v) for k, v in self.index.buckets.items() if v})
+
+
+def rebuilt(nodes: dict[str, node_view.NodeView], jobs: dict[str, JobRecord]) -> Holdings:
+    """The derived state read afresh from the node views and the job records (what `apply` must have kept)."""
+    h = Holdings()
+    h.nodes, h.jobs = dict(nodes), jobs
+    for name, view in nodes.items():
+        h.index.update(view)
+        cap = pool_milli(view)
+        h.cap[name] = cap
+        h.cap_milli += cap
+    h.victims.sync(h.nodes, jobs)
+    for j, rec in jobs.items():
+        if rec.state == "pending":
+            h.pending.add(j)
+        if rec.state in ("stopping", "migrating"):
+            h.stopping.add(j)
+        if rec.placement is None:
+            continue
+        if rec.hold is None:
+            rank = TIER_RANK[rec.request.tier]
+            h.held_by_tier[rank] = h.held_by_tier.get(rank, 0) + 1
+        if rec.state in ("running", "stopping", "migrating") and rec.started_ms >= 0:
+            h.running[j] = None
+        for part in rec.parts:
+            models = {g.uuid: g.model for g in nodes[part.node].cards()}
+            cu, mem = held(part.assignments, models.__getitem__)
+            h._sum(rec, cu, mem, 1)
+            if rec.hold is None:
+                h._train(rec, part.node, sum(a.milli for a in part.assignments))
+    return h
