@@ -41,9 +41,9 @@ PRINCIPALS = (("ops", "operator", None), ("alice", "tenant", "acme"), ("bob", "t
 QUOTAS = (QuotaSet(tenant="acme", gpu_milli=8_000, overcommit_pct=150),
           QuotaSet(tenant="acme", project="llm-train", gpu_milli=6_000, overcommit_pct=150),
           QuotaSet(tenant="acme", project="research", gpu_milli=2_000, overcommit_pct=300),
-          QuotaSet(tenant="globex", gpu_milli=6_000),
-          QuotaSet(tenant="globex", project="chat-serving", gpu_milli=2_000),
-          QuotaSet(tenant="globex", project="batch", gpu_milli=4_000))
+          QuotaSet(tenant="globex", gpu_milli=10_000),
+          QuotaSet(tenant="globex", project="chat-serving", gpu_milli=4_000),
+          QuotaSet(tenant="globex", project="batch", gpu_milli=6_000))
 
 
 class StepFailed(Exception):
@@ -163,8 +163,8 @@ class Demo:
 
         ops.send(list(QUOTAS))
         ops.send(price_rows(resources.files("infra").joinpath("prices.yaml").read_text()))
-        self.say(1, "operator `ops` sets two-level quotas (acme 8 CU: llm-train 6, research 2; globex 6 CU: "
-                    "chat-serving 2, batch 4) and loads the price book")
+        self.say(1, "operator `ops` sets two-level quotas (acme 8 CU: llm-train 6, research 2; globex 10 CU: "
+                    "chat-serving 4, batch 6) and loads the price book")
         alice.send([
             JobRequested(job_id="train-6", tenant="acme", project="llm-train", tier=Tier.ONLINE_TRAINING,
                          compute_milli=6000, gpu_memory_mib=6 * 80 * GIB, cpu_milli=8000, memory_mib=64 * GIB,
@@ -172,14 +172,13 @@ class Demo:
             JobRequested(job_id="tune-a10", tenant="acme", project="research", tier=Tier.OFFLINE,
                          compute_milli=400, gpu_memory_mib=20 * GIB, constraints={"models": ["A10"]},
                          duration_s=3600, checkpoint_interval_s=3)])
-        mig = {"isolation": "mig"} if "isolation" in JobRequested.model_fields else {}
         bob.send([
             ServiceDeclared(service_id="chat", tenant="globex", project="chat-serving", replica_compute_milli=200,
                             replica_memory_mib=8 * GIB, boost_compute_milli=150, replica_qps=100, min_replicas=1,
                             max_replicas=3, latency_target_ms=200, constraints={"models": ["A10"]},
                             scale_in_stable_s=15, scale_in_cooldown_s=15),
             JobRequested(job_id="embed-mig", tenant="globex", project="chat-serving", tier=Tier.INFERENCE,
-                         compute_milli=140, gpu_memory_mib=9 * GIB, duration_s=3600, **mig),
+                         compute_milli=140, gpu_memory_mib=9 * GIB, duration_s=3600, isolation="mig"),
             JobRequested(job_id="embed-t4", tenant="globex", project="batch", tier=Tier.OFFLINE,
                          compute_milli=208, gpu_memory_mib=10 * GIB, constraints={"models": ["T4"]},
                          duration_s=3600, checkpoint_interval_s=2)])
@@ -306,8 +305,39 @@ class Demo:
         self.note("CHECK OK: the lost node's job resumed elsewhere from its checkpoint (billing checked in step 6)")
 
     def step5(self) -> None:
-        self.say(5, "a waiting 4-GPU inference gang fits the free A100s in total but on no one node")
-        raise StepFailed("defragmentation (cmd.migrate) is not built yet")
+        alice, bob = self.stack.client("alice"), self.stack.client("bob")
+        alice.send([JobCancelled(job_id="sweep", reason="the sweep found its answer")])
+        self.wait(lambda: not self.running("acme/sweep") and self.states().get("acme/sweep") != "placed", 60,
+                  "the sweep ended")
+        evals = [JobRequested(job_id=f"eval-{i}", tenant="acme", project="research", tier=Tier.OFFLINE,
+                              compute_milli=1000, gpu_memory_mib=80 * GIB, checkpoint_interval_s=2,
+                              duration_s=12 if i < 2 else 3600) for i in range(4)]
+        alice.send(evals)
+        self.say(5, "alice runs four 1-GPU evaluations; two finish and leave the free A100s spread over two nodes")
+        self.wait(lambda: all(self.states().get(f"acme/eval-{i}") == "completed" for i in range(2)), 90,
+                  "two evaluations done")
+        free = self.stack.client().api("/cluster/")
+        self.note(f"{self.at()}  fragmentation now {free.get('fragmentation', '?')}; bob asks for a 4-GPU "
+                  f"inference gang on one node")
+        bob.send([JobRequested(job_id="serve-4", tenant="globex", project="chat-serving", tier=Tier.INFERENCE,
+                               compute_milli=4000, gpu_memory_mib=4 * 80 * GIB, isolation="exclusive",
+                               constraints={"max_spread": "node", "models": ["A100-80GB"]}, duration_s=3600)])
+        moves = self.wait(lambda: self.events(("cmd.migrate",)), 90, "a migration plan")
+        self.mark("defragmentation")
+        self.wait(lambda: self.running("globex/serve-4"), 90, "the gang placed")
+        place = self.placements("globex/serve-4")
+        for m in moves:
+            p = orjson.loads(m["payload"])
+            why = p["reasons"][0] if p["reasons"] else {"message": ""}
+            self.note(f"cmd.migrate {p['job_id']}: {p['from_node']} -> {p['to_node']}  {why['message'][:110]}")
+        moved = {orjson.loads(m["payload"])["job_id"] for m in moves}
+        preempted = [r["job_id"] for r in self.events(("cmd.preempt",)) if int(r["event_time_ms"]) >=
+                     int(moves[0]["event_time_ms"])]
+        if len({p["node"] for p in place}) != 1 or not all(self.running(j) for j in moved) or preempted:
+            raise StepFailed(f"the gang should run on one node, the moved work go on, nothing preempted: {place}, "
+                             f"{moved}, preempted {preempted}")
+        self.note(f"CHECK OK: {len(moved)} job(s) moved with their checkpoints, none stopped for good; serve-4 runs "
+                  f"on {place[0]['node']}")
 
     def stop_all(self) -> None:
         """The tenants cancel what still runs, so the bill is final."""
@@ -382,7 +412,7 @@ def timeline_png(demo: Demo, path: Path) -> Path:
 
     rows = demo.stack.query("SELECT kind, job_id, event_time_ms, payload FROM gpupool.events FINAL WHERE kind IN "
                             "('job.requested', 'cmd.place', 'cmd.release', 'cmd.resize', 'inference.load', "
-                            "'service.scaled') ORDER BY event_time_ms, topic, partition, offset")
+                            "'service.scaled', 'job.completed', 'job.cancelled', 'job.rejected', 'job.failed', 'cmd.preempt', 'job.interrupted') ORDER BY event_time_ms, topic, partition, offset")
     if not rows:
         raise StepFailed("no events to draw")
     t0 = int(rows[0]["event_time_ms"])
@@ -404,8 +434,10 @@ def timeline_png(demo: Demo, path: Path) -> Path:
             waiting.discard(job)
         elif kind == "cmd.release":
             held.pop(f"{job}@{p['node']}", None)
-            if p.get("requeue") or p.get("reason") in ("preempted", "interrupted"):
-                waiting.add(job)
+        elif kind in ("cmd.preempt", "job.interrupted"):
+            waiting.add(job)  # requeued (a cancel's stop is followed by its job.cancelled)
+        elif kind in ("job.completed", "job.cancelled", "job.rejected", "job.failed"):
+            waiting.discard(job)
         elif kind == "inference.load" and not p.get("replica"):
             qps.append((t, p["qps"]))
             p99.append((t, p["p99_ms"]))
