@@ -61,9 +61,9 @@ def encode(env: Envelope) -> bytes:
     return orjson.dumps(env.model_dump(mode="json", exclude_defaults=False))
 
 
-def decode(raw: bytes | bytearray | memoryview | None) -> Envelope:
-    from schemas.upcasters import upcast  # late: upcasters import this module's constants
-
+def json_object(raw: bytes | bytearray | memoryview | None) -> dict:
+    """A record's value as a JSON object, or the DecodeError that says why it is not one (empty, too large, not
+    JSON, not an object): the checks every reader of records makes before it looks inside."""
     if raw is None:
         raise DecodeError("empty", "record has no value")
     if len(raw) > MAX_RECORD_BYTES:
@@ -74,6 +74,13 @@ def decode(raw: bytes | bytearray | memoryview | None) -> Envelope:
         raise DecodeError("malformed_json", str(exc)) from None
     if not isinstance(doc, dict):
         raise DecodeError("not_an_object", type(doc).__name__)
+    return doc
+
+
+def decode(raw: bytes | bytearray | memoryview | None) -> Envelope:
+    from schemas.upcasters import upcast  # late: upcasters import this module's constants
+
+    doc = json_object(raw)
     version = doc.get("schema_version", 1)
     if not isinstance(version, int) or version < 1:
         raise DecodeError("invalid", f"schema_version {version!r}")

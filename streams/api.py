@@ -450,6 +450,16 @@ def _plain(rows: list[list]) -> list[list]:
     return [[v if isinstance(v, (int, float, str, bool, type(None))) else str(v) for v in r] for r in rows]
 
 
+def _asked_job(principal, params: dict) -> tuple[str, str | None]:
+    """(the job asked about, the caller's tenant scope): a tenant asking about another tenant's job is told there
+    is no such job of its own, as for a job that does not exist."""
+    job = params.get("job") or ""
+    scope = tenant_scope(principal, None)
+    if scope is not None and owner_of(job) != scope:
+        raise ApiError(404, f"no job {job!r} of tenant {scope!r}")
+    return job, scope
+
+
 async def answer(path: str, principal: Principal, params: dict, body: bytes, runner: QueryRunner,
                  extra: dict | None = None) -> dict:
     """The document one authorized request gets. `extra`: path -> a function of the worker's memory (cluster, stats,
@@ -462,10 +472,7 @@ async def answer(path: str, principal: Principal, params: dict, body: bytes, run
         cols, rows = await runner.ours(sql, qp)
         return {"columns": cols, "rows": _plain(rows)}
     if path == "/api/history":
-        job = params.get("job") or ""
-        scope = tenant_scope(principal, None)
-        if scope is not None and owner_of(job) != scope:
-            raise ApiError(404, f"no job {job!r} of tenant {scope!r}")
+        job, scope = _asked_job(principal, params)
         cols, rows = await runner.ours(HISTORY_SQL, {"job": job})
         out = []
         for at, kind, node, command_id, actor, payload, reasons in rows:
@@ -482,10 +489,7 @@ async def answer(path: str, principal: Principal, params: dict, body: bytes, run
         cols, rows = await runner.ours(PRICES_SQL)
         return {"columns": cols, "rows": _plain(rows)}
     if path == "/api/explain":
-        job = params.get("job") or ""
-        scope = tenant_scope(principal, None)
-        if scope is not None and owner_of(job) != scope:
-            raise ApiError(404, f"no job {job!r} of tenant {scope!r}")
+        job, scope = _asked_job(principal, params)
         cols, rows = await runner.ours(EXPLAIN_SQL, {"job": job})
         out = []
         for at, kind, node, reasons, actor in rows:

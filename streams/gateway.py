@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import orjson
 from pydantic import ValidationError
 
 from schemas.envelope import DecodeError, Envelope, envelope
@@ -81,19 +80,10 @@ def _request_doc(raw: bytes | None) -> tuple[dict, dict]:
     """(what the client claimed about itself, the payload) of what it sent: a whole envelope (any supported
     version, upcast) or just the payload (`{"kind": ...}`). Only the payload is validated, by admit(): the
     envelope's fields are the client's claims, kept as data when they have the right type."""
-    from schemas.envelope import MAX_RECORD_BYTES, SCHEMA_VERSION
+    from schemas.envelope import SCHEMA_VERSION, json_object
     from schemas.upcasters import upcast
 
-    if raw is None:
-        raise DecodeError("empty", "record has no value")
-    if len(raw) > MAX_RECORD_BYTES:
-        raise DecodeError("oversized", f"{len(raw)} bytes > {MAX_RECORD_BYTES}")
-    try:
-        doc = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise DecodeError("malformed_json", str(exc)) from None
-    if not isinstance(doc, dict):
-        raise DecodeError("not_an_object", type(doc).__name__)
+    doc = json_object(raw)
     if "payload" not in doc:
         return {}, doc
     version = doc.get("schema_version", 1)

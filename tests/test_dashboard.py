@@ -119,11 +119,12 @@ def test_a_node_agent_serves_its_cards_on_loopback(pool):
 
 
 def test_telemetry_history_reaches_clickhouse_split_by_workload_and_tenant(pool):
-    # the first full minute of log time closes within two minutes of the fleet's start
-    rows = wait_for(lambda: pool.query("SELECT workload, tenant, sum(util_permille) AS u FROM gpupool.telemetry_by_job "
-                                       "GROUP BY workload, tenant ORDER BY workload, tenant"), 150,
-                    "a closed minute of telemetry", pool)
-    assert {r["tenant"] for r in rows} >= {"acme", "globex"}
+    # the first full minutes of log time close within a few minutes of the fleet's start: on a loaded machine a
+    # tenant's jobs may start (or be requeued) after the first minute has closed, so wait for both tenants' use
+    rows = wait_for(lambda: (rs := pool.query("SELECT workload, tenant, sum(util_permille) AS u FROM "
+                                              "gpupool.telemetry_by_job GROUP BY workload, tenant ORDER BY workload, "
+                                              "tenant")) and {r["tenant"] for r in rs} >= {"acme", "globex"} and rs,
+                    240, "closed minutes of telemetry of both tenants' jobs", pool)
     assert {r["workload"] for r in rows} >= {"training"}
     assert all(r["u"] > 0 for r in rows)
     # every card, idle ones included (each node's minute closes on that node's next batch)
@@ -213,10 +214,11 @@ def test_static_files_hold_no_data_and_stay_inside(pool):
     assert _get(f"{base}/ui/vendor/uplot/uPlot.iife.min.js")[0] == 200
 
 
-@pytest.mark.skipif(not os.environ.get("GPUPOOL_SCREENSHOTS"), reason="set GPUPOOL_SCREENSHOTS=DIR to write them")
-def test_screenshots(pool, browser):
-    shots = screenshots(browser, pool, Path(os.environ["GPUPOOL_SCREENSHOTS"]))
-    assert all(p.stat().st_size > 10_000 for p in shots)
+def test_screenshots(pool, browser, tmp_path):
+    """Every page renders to a real picture (GPUPOOL_SCREENSHOTS=DIR keeps them; docs/ has those of
+    `python -m tests.ui_scenario docs`)."""
+    shots = screenshots(browser, pool, Path(os.environ.get("GPUPOOL_SCREENSHOTS") or tmp_path))
+    assert len(shots) >= 7 and all(p.stat().st_size > 10_000 for p in shots)
 
 
 # ---------------------------------------------------------------- explanations on the live stack

@@ -60,7 +60,9 @@ def test_up_waits_restarts_refuses_twice_and_down_stops_only_its_own(home):
     env = _env(home)
     up = _gpupool(env, "up", "--simulate", "demo:2")
     assert up.returncode == 0, up.stdout + up.stderr
-    assert "waiting for the worker" in up.stdout and "waiting for the simulated fleet's 2 node(s)" in up.stdout
+    # what it waits for is progress, on stderr (infra/progress.py); the result is on stdout
+    assert "waiting for the worker" in up.stderr and "waiting for the simulated fleet's 2 node(s)" in up.stderr
+    assert "gpupool up: kafka" in up.stdout
     again = _gpupool(env, "up")
     assert again.returncode == 0 and "already up" in again.stdout
     nodes = _gpupool(env, "node", "list")

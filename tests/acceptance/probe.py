@@ -72,3 +72,12 @@ def payloads(pool, kind: str, job: str) -> list[dict]:
 
 def settle(seconds: float = 1.5) -> None:
     time.sleep(seconds)
+
+
+def cancel(pool, *jobs: str, user: str = "alice") -> None:
+    """The tenant cancels its jobs and waits until each has ended (a finished one stays as it ended)."""
+    from schemas.events import JobCancelled
+
+    pool.client(user).send([JobCancelled(job_id=j) for j in jobs])
+    for j in jobs:
+        wait_state(pool, j, "cancelled", "completed", "failed")

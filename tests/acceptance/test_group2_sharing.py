@@ -5,7 +5,7 @@ from __future__ import annotations
 from schemas.envelope import decode
 from schemas.events import JobCancelled
 from tests.acceptance.conftest import answers
-from tests.acceptance.probe import nodes, placements, submit, timeline, wait_state
+from tests.acceptance.probe import cancel, nodes, placements, submit, timeline, wait_state
 from tests.live import job_states, read_topic, wait_for
 
 GROUP = 2
@@ -40,9 +40,7 @@ def test_several_jobs_share_one_card_with_the_agreed_units(pool, evidence):
     assert sorted(card["holders"]) == sorted(jobs)
     evidence.table("share-a10 with three software shares", ["node", "unit", "model", "free milli", "free MiB",
                                                              "held by"], _card_rows(pool, "share-a10"))
-    pool.client("alice").send([JobCancelled(job_id=j) for j in jobs])
-    for j in jobs:
-        wait_state(pool, j, "cancelled")
+    cancel(pool, *jobs)
 
 
 @answers(GROUP, "硬件切分单元（MIG）是否各自独立交付？ Are MIG instances delivered as separate units, each job in its "
@@ -58,9 +56,7 @@ def test_mig_instances_are_separate_units(pool, evidence):
     evidence.table("share-mig: each job in its own MIG instance", ["node", "unit", "model", "free milli", "free MiB",
                                                                    "held by"], _card_rows(pool, "share-mig"))
     evidence.events("the placements", timeline(pool, jobs))
-    pool.client("alice").send([JobCancelled(job_id=j) for j in jobs])
-    for j in jobs:
-        wait_state(pool, j, "cancelled")
+    cancel(pool, *jobs)
 
 
 @answers(GROUP, "资源不足和超额申请时平台如何表现？ What happens when there is too little capacity now, and when a "
@@ -120,9 +116,7 @@ def test_the_platform_matches_what_the_agents_run_and_jobs_see_only_their_device
                    ["job", "given (placement)", "reported (node agent telemetry)"], rows)
     evidence.table("share-mig now", ["node", "unit", "model", "free milli", "free MiB", "held by"],
                    _card_rows(pool, "share-mig"))
-    pool.client("alice").send([JobCancelled(job_id=j) for j in jobs])
-    for j in jobs:
-        wait_state(pool, j, "cancelled")
+    cancel(pool, *jobs)
 
 
 @answers(GROUP, "持续运行的任务是否一直保有其单元并按实际占用计费？ Does a long-running job keep its unit for its whole run, "

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import time
 
-from schemas.events import GpuHealth, InferenceLoad, JobCancelled, ServiceDeclared, ServiceRemoved
+from schemas.events import GpuHealth, InferenceLoad, ServiceDeclared, ServiceRemoved
 from tests.acceptance.conftest import answers, inject
-from tests.acceptance.probe import nodes, placements, submit, timeline, wait_state
+from tests.acceptance.probe import cancel, nodes, placements, submit, timeline, wait_state
 from tests.live import job_states, wait_for
 
 GROUP = 3
@@ -21,9 +21,7 @@ def _free_cards(pool) -> dict[str, int]:
 
 
 def _cancel(pool, *jobs: str) -> None:
-    pool.client("alice").send([JobCancelled(job_id=j) for j in jobs])
-    for j in jobs:
-        wait_state(pool, j, "cancelled", "completed", "failed")
+    cancel(pool, *jobs)
     wait_for(lambda: _free_cards(pool) == {"fault-1": 2, "fault-2": 2}, 60, "the fault pool free again", pool)
 
 
