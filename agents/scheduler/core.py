@@ -72,6 +72,7 @@ class Scheduler:
         # full_cycle_ms. A request arriving when nothing moved tries only itself: everything else failed against
         # the same or a larger free capacity.
         self.epoch = 0
+        self.node_epoch = 0
         self._full_epoch = -1
         self._full_ms = -1 << 62
         # Usage accrues while jobs run: on the first tick usage_tick_ms of log time after the last accrual, every
@@ -176,6 +177,7 @@ class Scheduler:
             self.epoch += 1
         match p:
             case NodeInventory() | NodeCordon() | NodeLiveness() | GpuHealth() | NodeRemoved():
+                self.node_epoch += 1  # a node's facts changed: waiting jobs are explained afresh
                 before = self.nodes.get(p.node)
                 self.h.apply(env)
                 self._node_changed(out, env, before, self.nodes[p.node])
@@ -508,7 +510,7 @@ class Scheduler:
             if dominated is not None:
                 # It asks for at least as much as a job of the same kind (tier, account, standing: the same claim,
                 # the same preemption candidates) that just failed, and nothing was freed since: it fails too.
-                self._pending(out, cause, rec, dominated)
+                self._unplaced(out, cause, rec, dominated, None)
                 continue
             result = place(self.index, self.nodes, r, self.workload, self.candidates,
                            prefer=rec.nominated[0] if rec.nominated else None, exclude=self._claimed_from(rec))
@@ -517,10 +519,9 @@ class Scheduler:
                 continue
             if not isinstance(result, Placement):
                 if quiet is not None or not self._preempt_for(out, cause, rec):
-                    why = result.reasons + ((quiet,) if quiet is not None else ())
-                    self._pending(out, cause, rec, why)
+                    self._unplaced(out, cause, rec, result, quiet)
                     if kind:
-                        failed.append((kind, need, why))
+                        failed.append((kind, need, (result, quiet)))
                 continue
             holding = self._holding(result)
             if holding != (r.compute_milli, r.gpu_memory_mib):
@@ -809,6 +810,8 @@ class Scheduler:
                 chosen = [c for c in chosen if c is not extra]
             else:
                 count(extra, 1)
+        if holding is None and not self._fits_after(rec, chosen):
+            return False  # its quota would admit it, but no node would hold it: stopping its own work gains nothing
         self._stop_for(out, cause, rec, chosen)
         self._nominate(rec, (chosen[0].node, tuple(v.job_id for v in chosen)), tuple(sorted({v.node for v in chosen})))
         self._pending(out, cause, rec, (Reason(
@@ -816,6 +819,17 @@ class Scheduler:
             message=f"waiting for {len(chosen)} job(s) of its own account to stop: its quota is held by weaker work",
             data={"victims": ",".join(v.job_id for v in chosen), "quota": 1}),) + quota.reasons)
         return True
+
+    def _fits_after(self, rec: JobRecord, chosen) -> bool:
+        """Whether `rec` would be placed once these victims are gone: on free capacity now, or on a node of theirs
+        with their holdings released there (a scratch view, as any preemption plan is tried)."""
+        if isinstance(place(self.index, self.nodes, rec.request, self.workload, self.candidates,
+                            exclude=self._claimed_from(rec)), Placement):
+            return True
+        on: dict[str, list[str]] = {}
+        for v in chosen:
+            on.setdefault(v.node, []).append(v.job_id)
+        return any(fits(released(self.nodes[n], ids), rec.request) for n, ids in sorted(on.items()))
 
     def _account_holders(self, tenant: str) -> list[str]:
         """Jobs of this tenant holding capacity (holds aside), in node order then job order (the victim index)."""
@@ -878,7 +892,22 @@ class Scheduler:
                 return node, tuple(stopping[node])
         return None
 
+    def _unplaced(self, out: list[Envelope], cause: Envelope, rec: JobRecord, result, quiet) -> None:
+        """A job no node took (`result`: place's Unschedulable, or a (result, quiet) pair of the job of its kind it
+        is dominated by). It is explained -- every rejecting node and code, the capacity expected to free -- only
+        when what its attempt saw changed since its last one (the nodes it looked at and why each refused, the
+        fleet, the down nodes, any node's facts, its protection): otherwise its reasons are the ones it was told, and
+        a waiting queue retried as capacity moves costs no explaining."""
+        if isinstance(result, tuple):
+            result, quiet = result
+        seen = (result.seen, self.node_epoch, quiet.code if quiet is not None else None)
+        if rec.pending_codes and rec.pending_seen == seen:
+            return
+        self._pending(out, cause, rec, result.reasons + ((quiet,) if quiet is not None else ()))
+        rec.pending_seen = seen
+
     def _pending(self, out: list[Envelope], cause: Envelope, rec: JobRecord, reasons: tuple[Reason, ...]) -> None:
+        rec.pending_seen = None  # told something else than an unplaced attempt's reasons (_unplaced)
         codes = tuple(f"{r.plugin}:{r.code}" for r in reasons)
         if codes != rec.pending_codes:  # say it once per change, not every cycle
             rec.pending_codes = codes

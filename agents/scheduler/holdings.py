@@ -56,6 +56,7 @@ class JobRecord:
     checkpoint: str = ""
     checkpoint_ms: int = 0
     pending_codes: tuple[str, ...] = ()
+    pending_seen: tuple | None = None  # what its last failed attempt saw (core.Scheduler._unplaced)
     nominated: tuple[str, tuple[str, ...]] | None = None  # (node, victims) while its preemptions take effect
     claim: tuple[str, ...] = ()  # nodes whose freed capacity is kept for it while nominated
     mig_wait: tuple[str, str] | None = None  # (node, card) whose MIG reconfigure it waits for
@@ -90,10 +91,21 @@ class Sums:
     units (milli-CU, GPU memory MiB): the claim order's standings are suffix sums of these."""
     milli: list[int] = field(default_factory=lambda: [0] * GROUPS)
     memory: list[int] = field(default_factory=lambda: [0] * GROUPS)
+    # per group, each holder's (milli, MiB) by its arrival: the tie-break inside a group (earlier work first)
+    by_arrival: list[dict[int, list[int]]] = field(default_factory=lambda: [{} for _ in range(GROUPS)])
 
     def at_least(self, g: int) -> tuple[int, int]:
         """What the holders of group g and stronger hold."""
         return sum(self.milli[g:]), sum(self.memory[g:])
+
+    def ahead_of(self, g: int, arrival: int) -> tuple[int, int]:
+        """What the holders ahead of a job of group g that arrived `arrival`-th hold: every stronger group's, and
+        those of its own group that arrived before it (the claim order's tie-break)."""
+        m, mem = self.at_least(g + 1) if g + 1 < GROUPS else (0, 0)
+        for a, (am, amem) in self.by_arrival[g].items():
+            if a < arrival:
+                m, mem = m + am, mem + amem
+        return m, mem
 
 
 class Holdings:
@@ -207,7 +219,7 @@ class Holdings:
             if rec.hold is None:
                 rank = TIER_RANK[rec.request.tier]
                 self.held_by_tier[rank] = self.held_by_tier.get(rank, 0) + 1
-            rec.pending_codes = ()
+            rec.pending_codes, rec.pending_seen = (), None
             self.set_state(rec, "placed")
         if rec.hold is None:
             self._train(rec, p.node, sum(a.milli for a in p.assignments))
@@ -257,6 +269,11 @@ class Holdings:
                 s = self.sums[key] = Sums()
             s.milli[g] += sign * milli
             s.memory[g] += sign * memory
+            got = s.by_arrival[g].setdefault(rec.arrival, [0, 0])
+            got[0] += sign * milli
+            got[1] += sign * memory
+            if got == [0, 0]:
+                del s.by_arrival[g][rec.arrival]
 
     def _train(self, rec: JobRecord, node: str, milli: int) -> None:
         """The training share's tally: milli-GPU held by non-inference work on each node."""
