@@ -113,8 +113,12 @@ class Search:
         self.r = rec.request
         self.g = rec.group
         self.sure = rec.reserved or rec.hold is not None  # within, whatever it holds
+        r = self.r
+        self._mine = ((r.tenant, r.project, self.g, rec.arrival, r.compute_milli, r.gpu_memory_mib),)
         self._keys: dict[str, Claim] = {}
         self._over: dict[tuple[str, int], bool] = {}
+        self._bounded: dict[tuple[str, str], bool] = {}  # (tenant, project) -> whether any quota bounds it
+        self._back: dict[str, Claim] = {}  # job -> its claim coming back after the preemptor alone (victim_claim)
 
     def key(self, model_name: str | None = None) -> Claim:
         """The preemptor's claim as if admitted with what it would hold on this model's cards (None: what it asked)."""
@@ -137,8 +141,7 @@ class Search:
     def mine(self) -> tuple:
         """The preemptor in its account after the plan, counted with what it asked for (a lower bound of what it will
         hold): the victims' claims are taken no weaker than they will be."""
-        r = self.r
-        return ((r.tenant, r.project, self.g, self.rec.arrival, r.compute_milli, r.gpu_memory_mib),)
+        return self._mine
 
     def victim_claim(self, other: JobRecord, mine: tuple = (), others: tuple = ()) -> Claim:
         """`other`'s claim if it came back now, after the plan: its holding and the other victims' gone from its
@@ -146,6 +149,18 @@ class Search:
         o = other.request
         if other.reserved:
             return claim(True, o.tier, True)
+        b = self._bounded.get((o.tenant, o.project))
+        if b is None:
+            b = self._bounded[(o.tenant, o.project)] = bool(_quotas(self.ledger, o))
+        if not b:
+            return claim(True, o.tier, False)  # no quota bounds its account: it always stands within
+        if mine is self._mine and not others:
+            got = self._back.get(o.job_id)
+            if got is None:
+                got = self._back[o.job_id] = claim(within(
+                    self.h, self.ledger, o, other.group, o.compute_milli, o.gpu_memory_mib, mine, other.arrival),
+                    o.tier, False)
+            return got
         # its own holding is not ahead of it (within its group, only earlier arrivals are)
         return claim(within(self.h, self.ledger, o, other.group, o.compute_milli, o.gpu_memory_mib, mine + others,
                             other.arrival), o.tier, False)
