@@ -9,14 +9,14 @@ REPO = Path(__file__).resolve().parent.parent
 SCHEMAS = sorted((REPO / "schemas").glob("*.py"))
 CORE = [REPO / p for p in ("streams/node_view.py", "agents/scheduler/preemption.py", "streams/cluster_metrics.py", "streams/job_view.py", "streams/rows.py", "streams/telemetry_history.py",
                            "agents/scheduler/core.py", "agents/scheduler/placement.py", "agents/scheduler/quota.py",
-                           "agents/scheduler/fgd_measure.py", "agents/scheduler/victims.py", "agents/scheduler/admission.py", "agents/scheduler/claims.py", "agents/scheduler/holdings.py",
+                           "agents/scheduler/fgd_measure.py", "agents/scheduler/victims.py", "agents/scheduler/admission.py", "agents/scheduler/claims.py", "agents/scheduler/holdings.py", "agents/scheduler/defrag.py",
                            "agents/node/fencing.py")]
 SIM_PURE = [REPO / "agents/sim/packing.py"]  # offline only: pure like the core, but no core module imports it
 CORE_MODULES = {"streams.node_view", "agents.scheduler.preemption", "streams.cluster_metrics", "streams.job_view", "streams.rows", "streams.telemetry_history", "agents.scheduler.core",
                 "agents.scheduler.placement", "agents.scheduler.quota", "agents.scheduler.fgd_measure",
                 "agents.scheduler.node_index", "agents.scheduler.scoring", "agents.scheduler.topology",
                 "agents.scheduler.reservations", "agents.scheduler.autoscaler", "agents.scheduler.elastic",
-                "agents.scheduler.victims", "agents.scheduler.admission", "agents.scheduler.holdings", "agents.scheduler.claims"}
+                "agents.scheduler.victims", "agents.scheduler.admission", "agents.scheduler.holdings", "agents.scheduler.claims", "agents.scheduler.defrag"}
 PACKAGES = {"streams", "agents", "agents.scheduler", "agents.node", "schemas", "infra"}
 FORBIDDEN = {"faust", "aiokafka", "clickhouse_connect", "chdb", "asyncio", "time", "random", "datetime", "socket",
              "subprocess", "os", "infra", "pynvml", "requests", "urllib"}

@@ -119,6 +119,7 @@ class Holdings:
         self.held_by_tier: dict[int, int] = {}  # tier rank -> jobs holding capacity (holds aside)
         self.pending: set[str] = set()  # jobs in state "pending": the cycle's queue
         self.stopping: set[str] = set()  # jobs told to checkpoint and stop (or move), not yet stopped
+        self.migrated: dict[str, list[int]] = {}  # tenant -> when its jobs were told to move (the disruption budget)
         self.running: dict[str, None] = {}  # jobs whose run is billed (started, holding), in order
         self.sums: dict[tuple[str, str | None], Sums] = {}  # (tenant, project or None) -> holders' sums per group
         self.train_held: dict[tuple[str, str], int] = {}  # (job, node) -> milli-GPU a non-inference job holds
@@ -181,6 +182,9 @@ class Holdings:
                 rec = self.jobs.get(p.job_id)
                 if rec is not None and self._current(rec, p.attempt) and rec.state in ("placed", "running"):
                     rec.migration, rec.stop_cause = p, "Migrate"
+                    rec.migrations += 1
+                    rec.migrated_at += (env.event_time_ms,)
+                    self.migrated.setdefault(rec.request.tenant, []).append(env.event_time_ms)
                     self.set_state(rec, "migrating")
             case MigReconfigure():
                 self._fold(p.node, env)
