@@ -296,6 +296,7 @@ def test_migrate_checkpoints_and_stops_on_the_node_it_leaves_fenced_by_attempt()
     assert not rec.payloads(JobCompleted)
     ck, st = rec.payloads(JobCheckpointed, JobStopped)
     assert ck.command_id == st.command_id == "m1" and st.checkpoint == f"ckpt:j:{st.progress_ms}"
+    assert st.reason == "migrated"  # the job view counts a move, not a preemption
 
 
 def test_release_and_resize():

@@ -153,7 +153,8 @@ class Executor:
                                             attempt=p.attempt))
             case MigrateJob():
                 # checkpoint (SIGTERM, the job's own handler) and stop; the scheduler resumes it on the planned node
-                self._background(self._stop(env, p.job_id, p.command_id, 30.0, report=True, attempt=p.attempt))
+                self._background(self._stop(env, p.job_id, p.command_id, 30.0, report=True, attempt=p.attempt,
+                                            reason="migrated"))
             case ReleaseJob():
                 self._background(self._stop(env, p.job_id, p.command_id, RELEASE_GRACE_S, report=False,
                                             attempt=p.attempt))

@@ -309,7 +309,9 @@ class SimFleetAgent:
                 await self.publish(JobCheckpointed(job_id=p.job_id, node=node_name, progress_ms=progress,
                                                    checkpoint=ckpt, command_id=p.command_id), src, now, p.command_id)
                 await self.publish(JobStopped(job_id=p.job_id, node=node_name, command_id=p.command_id,
-                                              progress_ms=progress, checkpoint=ckpt), src, now, p.command_id)
+                                              progress_ms=progress, checkpoint=ckpt,
+                                              reason="migrated" if isinstance(p, MigrateJob) else ""),
+                                   src, now, p.command_id)
             case ReleaseJob():
                 r = node.running.get(p.job_id)
                 if node.fence.stops(p.job_id, p.attempt, r.attempt if r else None):
