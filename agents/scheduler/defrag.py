@@ -19,6 +19,7 @@ from agents.scheduler.node_index import cards_needed
 from agents.scheduler.placement import Placement, allowed_models, place
 from agents.scheduler.preemption import fits, protected, released
 from schemas.events import TIER_RANK, Assignment, Tier
+from schemas.gpu_models import model
 
 HOUR_MS = 3600_000
 
@@ -56,8 +57,6 @@ def _whole_free(view, model_name: str) -> int:
         if c.model != model_name or c.mig or not c.healthy:
             continue
         if full is None:
-            from schemas.gpu_models import model
-
             full = model(model_name).memory_mib
         if c.milli == 1000 and c.memory_mib == full:
             n += 1
