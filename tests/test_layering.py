@@ -66,7 +66,7 @@ def test_scheduler_and_streams_never_import_the_simulator():
 # is allowed here -- the standard library's pure modules named, pydantic, numpy, orjson (the codec), the schemas and
 # other core modules -- so a new import must be allowed on purpose.
 SCHEDULER_EDGES = {"agent.py"}
-ALLOWED_TOPS = {"__future__", "dataclasses", "typing", "collections", "enum", "bisect", "functools", "itertools",
+ALLOWED_TOPS = {"__future__", "array", "dataclasses", "typing", "collections", "enum", "bisect", "functools", "itertools",
                 "heapq", "math", "abc", "numpy", "pydantic", "orjson", "schemas"}
 
 

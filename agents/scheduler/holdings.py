@@ -21,6 +21,7 @@ incrementally kept one (tests/test_holdings.py).
 """
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, field
 
 from agents.scheduler.node_index import NodeIndex
@@ -91,8 +92,10 @@ class Sums:
     units (milli-CU, GPU memory MiB): the claim order's standings are suffix sums of these."""
     milli: list[int] = field(default_factory=lambda: [0] * GROUPS)
     memory: list[int] = field(default_factory=lambda: [0] * GROUPS)
-    # per group, each holder's (milli, MiB) by its arrival: the tie-break inside a group (earlier work first)
+    # per group, each holder's (milli, MiB) by its arrival: the tie-break inside a group (earlier work first); and
+    # per group a Fenwick tree over arrivals of the same, so "what the earlier arrivals hold" is a log-time sum
     by_arrival: list[dict[int, list[int]]] = field(default_factory=lambda: [{} for _ in range(GROUPS)])
+    _trees: list = field(default_factory=lambda: [None] * GROUPS)
 
     def at_least(self, g: int) -> tuple[int, int]:
         """What the holders of group g and stronger hold."""
@@ -102,10 +105,44 @@ class Sums:
         """What the holders ahead of a job of group g that arrived `arrival`-th hold: every stronger group's, and
         those of its own group that arrived before it (the claim order's tie-break)."""
         m, mem = self.at_least(g + 1) if g + 1 < GROUPS else (0, 0)
-        for a, (am, amem) in self.by_arrival[g].items():
-            if a < arrival:
-                m, mem = m + am, mem + amem
+        t = self._trees[g]
+        if t is not None:
+            tm, tmem = t
+            i = min(arrival, len(tm) - 1)  # arrival a sits at a + 1: the sum over arrivals < `arrival`
+            while i > 0:
+                m, mem = m + tm[i], mem + tmem[i]
+                i -= i & -i
         return m, mem
+
+    def add(self, g: int, arrival: int, milli: int, memory: int) -> None:
+        """Count a holder's change (holdings._sum, the one writer)."""
+        self.milli[g] += milli
+        self.memory[g] += memory
+        got = self.by_arrival[g].setdefault(arrival, [0, 0])
+        got[0] += milli
+        got[1] += memory
+        if got == [0, 0]:
+            del self.by_arrival[g][arrival]
+        t = self._trees[g]
+        if t is None or arrival + 1 >= len(t[0]):
+            self._trees[g] = self._tree(g, max(1024, 2 * arrival + 2))  # grown: rebuilt from the holders
+            return
+        tm, tmem = t
+        i = arrival + 1
+        while i < len(tm):
+            tm[i] += milli
+            tmem[i] += memory
+            i += i & -i
+
+    def _tree(self, g: int, size: int):
+        tm, tmem = array("q", bytes(8 * size)), array("q", bytes(8 * size))
+        for a, (am, amem) in self.by_arrival[g].items():
+            i = a + 1
+            while i < size:
+                tm[i] += am
+                tmem[i] += amem
+                i += i & -i
+        return tm, tmem
 
 
 class Holdings:
@@ -271,13 +308,7 @@ class Holdings:
             s = self.sums.get(key)
             if s is None:
                 s = self.sums[key] = Sums()
-            s.milli[g] += sign * milli
-            s.memory[g] += sign * memory
-            got = s.by_arrival[g].setdefault(rec.arrival, [0, 0])
-            got[0] += sign * milli
-            got[1] += sign * memory
-            if got == [0, 0]:
-                del s.by_arrival[g][rec.arrival]
+            s.add(g, rec.arrival, sign * milli, sign * memory)
 
     def _train(self, rec: JobRecord, node: str, milli: int) -> None:
         """The training share's tally: milli-GPU held by non-inference work on each node."""
