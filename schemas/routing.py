@@ -44,7 +44,8 @@ def at_home(env: Envelope, topic: str) -> bool:
 def key_of(env: Envelope, spec: TopicSpec) -> bytes:
     p = env.payload
     if spec in (INVENTORY, TELEMETRY, COMMANDS, NODE_CONTROL, TELEMETRY_MINUTES):
-        key = getattr(p, "node", None) or getattr(p, "to_node", None) or getattr(p, "worker", "")
+        # a move (cmd.migrate) goes to the node it leaves: that agent checkpoints and stops the run there
+        key = getattr(p, "node", None) or getattr(p, "from_node", None) or getattr(p, "worker", "")
     elif spec in (JOB_REQUESTS, JOB_EVENTS, DECISIONS):
         key = (getattr(p, "job_id", None) or getattr(p, "reservation_id", None) or getattr(p, "service_id", None)
                or getattr(p, "subject", None) or getattr(p, "request_id", ""))

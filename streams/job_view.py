@@ -24,6 +24,7 @@ class JobView:
     progress_ms: int = 0
     checkpoint: str = ""
     preemptions: int = 0
+    migrations: int = 0  # runs moved by defragmentation (job.stopped reason "migrated"): not preemptions
     interruptions: int = 0  # runs ended by a node loss or a card fault (job.interrupted)
     superseded: tuple[str, ...] = ()  # placement command ids of interrupted runs: their nodes' reports are stale
     reasons: tuple[Reason, ...] = ()
@@ -74,6 +75,9 @@ def evolve(view: JobView | None, env: Envelope) -> JobView:
         case JobFailed() if not finished:
             return _mark(view, env, state="failed", ended_ms=env.event_time_ms,
                          reasons=(Reason(code="failed", message=p.reason),))
+        case JobStopped() if not finished and p.reason == "migrated":
+            return _mark(view, env, state="pending", node="", migrations=view.migrations + 1,
+                         progress_ms=max(view.progress_ms, p.progress_ms), checkpoint=p.checkpoint)
         case JobStopped() if not finished:
             return _mark(view, env, state="pending", node="", preemptions=view.preemptions + 1,
                          progress_ms=max(view.progress_ms, p.progress_ms), checkpoint=p.checkpoint)

@@ -8,7 +8,8 @@ ElasticScheduler and enables the steps `declare` (ServiceDeclared fields; tenant
 
 A scenario describes an open pool unless it says otherwise: tenants without a quota are unlimited
 (`default_quota: null`); `default_quota: N` gives them N milli-CU (0: the product's default, nothing runs without a
-quota). `usage_tick_ms` sets the scheduler's usage tick (default: the product's, 60 s).
+quota). `usage_tick_ms` sets the scheduler's usage tick (default: the product's, 60 s); `preemption:` sets
+PreemptionConfig fields (e.g. `migrations_per_hour`, the defragmentation budget).
 
 Lifecycle steps: `node_down: NODE` or `{node, heartbeat_ago_ms}` (node.liveness alive=false, last heartbeat that long
 ago), `node_up: NODE` (the node reports its inventory again), `drain`, `uncordon`, `remove`, `readd` (node.removed),
@@ -26,6 +27,7 @@ import yaml
 from agents.node.fleet import make_node
 from agents.scheduler.core import Scheduler
 from agents.scheduler.elastic import ElasticConfig, ElasticScheduler
+from agents.scheduler.preemption import PreemptionConfig
 from agents.scheduler.quota import Ledger
 from schemas.events import (
     Constraints, GpuHealth, ReservationCancelled, ReservationRequested, JobCancelled, JobCheckpointed, JobCompleted,
@@ -64,6 +66,8 @@ def run(path: Path) -> None:
     clock = Clock()
     kw = dict(ledger=Ledger(default_quota_milli=doc.get("default_quota")),
               usage_tick_ms=doc.get("usage_tick_ms", Scheduler.usage_tick_ms))
+    if "preemption" in doc:  # PreemptionConfig fields (e.g. migrations_per_hour)
+        kw["preemption"] = PreemptionConfig(**doc["preemption"])
     s = ElasticScheduler(ElasticConfig(**doc.get("elastic", {})), **kw) if doc.get("scheduler") == "elastic" \
         else Scheduler(**kw)
     placed: dict[str, object] = {}

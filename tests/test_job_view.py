@@ -45,3 +45,14 @@ def test_reports_of_an_interrupted_run_do_not_change_the_job():
     v = evolve(v, envelope(JobStarted(job_id="j", node="n2", command_id="c9"), source="n2/job/j", seq=1, time_ms=5))
     v = evolve(v, envelope(JobCompleted(job_id="j", node="n2", command_id="c9"), source="n2/job/j", seq=2, time_ms=6))
     assert (v.state, v.node) == ("completed", "n2")
+
+
+def test_a_moved_job_counts_a_migration_not_a_preemption_and_resumes():
+    c = Clock()
+    v = evolve(None, c.env(job("j1"), "cli"))
+    v = evolve(v, c.env(JobStarted(job_id="j1", node="n1", command_id="c1"), "n1/job/j1"))
+    v = evolve(v, c.env(JobStopped(job_id="j1", node="n1", command_id="m2", progress_ms=700, checkpoint="k",
+                                   reason="migrated"), "n1/job/j1"))
+    assert (v.state, v.preemptions, v.migrations, v.checkpoint) == ("pending", 0, 1, "k")
+    v = evolve(v, c.env(JobStarted(job_id="j1", node="n2", command_id="c3"), "n2/job/j1"))
+    assert (v.state, v.node, v.progress_ms) == ("running", "n2", 700)

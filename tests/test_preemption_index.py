@@ -15,10 +15,11 @@ from schemas.events import TIER_RANK
 from tests.test_scheduler_invariants import SchedulerMachine
 
 
-def _reference_within(s, r, g, milli, memory, gone=(), plus=()):
+def _reference_within(s, r, g, milli, memory, gone=(), plus=(), arrival=1 << 62):
     """A job's standing by the claim order, from a walk over every job record (not the holdings' sums): what its
-    account's holders of group g and stronger hold -- less the jobs `gone`, plus (request, group) `plus` counted
-    with what they asked -- and it, fit every quota of its account."""
+    account's holders ahead of it hold (stronger groups, and its own group's earlier arrivals) -- less the jobs
+    `gone`, plus (request, group, arrival) `plus` counted with what they asked -- and it, fit every quota of its
+    account."""
     quotas = []
     q = s.ledger.tenant_quota(r.tenant)
     if q is not None:
@@ -33,10 +34,11 @@ def _reference_within(s, r, g, milli, memory, gone=(), plus=()):
                 continue
             if project is not None and o.request.project != project:
                 continue
-            if o.group >= g:
+            if o.group > g or o.group == g and o.arrival < arrival:
                 m, mem = m + o.held_milli, mem + o.held_memory_mib
-        for req, gg in plus:
-            if req.tenant == r.tenant and (project is None or req.project == project) and gg >= g:
+        for req, gg, aa in plus:
+            if req.tenant == r.tenant and (project is None or req.project == project) and (
+                    gg > g or gg == g and aa < arrival):
                 m, mem = m + req.compute_milli, mem + req.gpu_memory_mib
         if m + milli > q.gpu_milli or (q.gpu_memory_mib is not None and mem + memory > q.gpu_memory_mib):
             return False
@@ -61,7 +63,8 @@ def victims_by_walk(s, view, rec, key):
             theirs = claim(True, o.tier, True)
         else:
             theirs = claim(_reference_within(s, o, other.group, o.compute_milli, o.gpu_memory_mib, gone={j},
-                                             plus=((rec.request, rec.group),)), o.tier, False)
+                                             plus=((rec.request, rec.group, rec.arrival),),
+                                             arrival=other.arrival), o.tier, False)
         if not may_stop(key, theirs):
             continue
         rule = "tier" if may_stop(key, claim(True, o.tier, other.reserved)) else "reclaim"
@@ -93,8 +96,8 @@ class VictimIndexMachine(SchedulerMachine):
             for key in sorted(keys):
                 # the preemptor's claim by the reference walk agrees with the search's (on what it asked)
                 if key == search.key() and not (rec.reserved or rec.hold is not None):
-                    assert key == claim(_reference_within(s, r, rec.group, r.compute_milli, r.gpu_memory_mib),
-                                        r.tier, False)
+                    assert key == claim(_reference_within(s, r, rec.group, r.compute_milli, r.gpu_memory_mib,
+                                                          arrival=rec.arrival), r.tier, False)
                 named = list(s._victim_nodes(search, key))
                 assert named == [n for n in order if n in set(named)]
                 for n in order:

@@ -11,7 +11,7 @@ from agents.node.sim_agent import SimFleetAgent
 from schemas.envelope import decode
 from schemas.events import (
     Assignment, GpuHealth, JobCheckpointed, JobCompleted, JobFailed, JobStarted, JobStopped, MigInstance,
-    MigReconfigure, NodeInventory, PlaceJob, PreemptJob, ReleaseJob, ResizeJob,
+    MigrateJob, MigReconfigure, NodeInventory, PlaceJob, PreemptJob, ReleaseJob, ResizeJob,
 )
 from schemas.topics import INVENTORY, JOB_EVENTS, TELEMETRY
 from streams.node_view import evolve
@@ -276,6 +276,27 @@ def test_preempt_checkpoints_and_stops_then_resume_runs_only_the_rest():
     assert (s2.payload.command_id, done.payload.command_id) == ("c2", "c2")
     assert done.event_time_ms - s2.event_time_ms == 10000 - st.progress_ms
     check_lifecycle_causes(rec)
+
+
+def test_migrate_checkpoints_and_stops_on_the_node_it_leaves_fenced_by_attempt():
+    """cmd.migrate (defragmentation) is carried out by the node the job leaves: checkpoint and stop, answered with
+    the move's command id; a move naming an older attempt leaves the newer run alone; another node ignores it."""
+    async def go():
+        ag, rec = agent()
+        await ag.execute(cmd(place("j", "c1", duration=10)))
+        await asyncio.sleep(1.5 / SPEEDUP)
+        await ag.execute(cmd(MigrateJob(command_id="m0", job_id="j", from_node="n9", to_node="n1", assignments=(),
+                                        attempt=1)))  # not the node it leaves: not ours
+        await ag.execute(cmd(MigrateJob(command_id="m1", job_id="j", from_node="n1", to_node="n2", assignments=(),
+                                        attempt=1)))
+        await asyncio.sleep(11 / SPEEDUP)
+        return rec
+
+    rec = run(go())
+    assert not rec.payloads(JobCompleted)
+    ck, st = rec.payloads(JobCheckpointed, JobStopped)
+    assert ck.command_id == st.command_id == "m1" and st.checkpoint == f"ckpt:j:{st.progress_ms}"
+    assert st.reason == "migrated"  # the job view counts a move, not a preemption
 
 
 def test_release_and_resize():

@@ -38,7 +38,7 @@ from infra.security import NODE, kafka_conn
 from schemas.envelope import Envelope, encode, envelope
 from schemas.events import (
     Assignment, GpuHealth, GpuSample, GpuTelemetry, JobCheckpointed, JobCompleted, JobFailed, JobStarted, JobStopped,
-    MigReconfigure, NodeInventory, PlaceJob, PreemptJob, ReleaseJob, ResizeJob,
+    MigrateJob, MigReconfigure, NodeInventory, PlaceJob, PreemptJob, ReleaseJob, ResizeJob,
 )
 from schemas.routing import route
 
@@ -141,7 +141,8 @@ class Executor:
 
     async def execute(self, env: Envelope) -> None:
         p = env.payload
-        if not env.is_command or getattr(p, "node", None) != self.node or p.command_id in self.seen:
+        node = getattr(p, "node", None) or getattr(p, "from_node", None)  # a move is the leaving node's to carry out
+        if not env.is_command or node != self.node or p.command_id in self.seen:
             return  # not ours, or a redelivery: each command id is carried out once
         self.seen.add(p.command_id)
         match p:
@@ -150,6 +151,10 @@ class Executor:
             case PreemptJob():
                 self._background(self._stop(env, p.job_id, p.command_id, float(p.grace_s), report=True,
                                             attempt=p.attempt))
+            case MigrateJob():
+                # checkpoint (SIGTERM, the job's own handler) and stop; the scheduler resumes it on the planned node
+                self._background(self._stop(env, p.job_id, p.command_id, 30.0, report=True, attempt=p.attempt,
+                                            reason="migrated"))
             case ReleaseJob():
                 self._background(self._stop(env, p.job_id, p.command_id, RELEASE_GRACE_S, report=False,
                                             attempt=p.attempt))

@@ -45,7 +45,7 @@ from infra.config import Config
 from schemas.envelope import Envelope, encode, envelope
 from schemas.events import (
     Assignment, GpuSample, GpuTelemetry, JobCheckpointed, JobCompleted, JobFailed, JobStarted, JobStopped,
-    MigReconfigure, NodeInventory, PlaceJob, PreemptJob, ReleaseJob, ResizeJob,
+    MigrateJob, MigReconfigure, NodeInventory, PlaceJob, PreemptJob, ReleaseJob, ResizeJob,
 )
 from schemas.gpu_models import mig_profile
 from schemas.routing import route
@@ -266,7 +266,7 @@ class SimFleetAgent:
     async def execute(self, env: Envelope) -> None:
         p = env.payload
         self.metrics.commands.labels(env.kind).inc()
-        node_name = getattr(p, "node", None)
+        node_name = getattr(p, "node", None) or getattr(p, "from_node", None)  # a move is the leaving node's
         node = self.nodes.get(node_name)
         if node is None or node.lost or p.command_id in self.seen_commands:
             return  # not ours, a node that is gone, or a duplicate delivery: each command id is carried out once
@@ -294,7 +294,9 @@ class SimFleetAgent:
                 await self.publish(JobStarted(job_id=p.job_id, node=node_name, command_id=p.command_id),
                                    f"{node_name}/job/{p.job_id}", now, cause=p.command_id)
                 r.task = self._spawn(self._run_job(node_name, p.job_id, r))
-            case PreemptJob():
+            case PreemptJob() | MigrateJob():
+                # a move (defragmentation) is carried out here as a stop with a checkpoint: the scheduler then
+                # places the job on the planned node, resuming from that checkpoint (fenced by attempt alike)
                 r = node.running.get(p.job_id)
                 if not node.fence.stops(p.job_id, p.attempt, r.attempt if r else None):
                     return  # not running here (finished, never placed, already stopped), or a newer run is
@@ -307,7 +309,9 @@ class SimFleetAgent:
                 await self.publish(JobCheckpointed(job_id=p.job_id, node=node_name, progress_ms=progress,
                                                    checkpoint=ckpt, command_id=p.command_id), src, now, p.command_id)
                 await self.publish(JobStopped(job_id=p.job_id, node=node_name, command_id=p.command_id,
-                                              progress_ms=progress, checkpoint=ckpt), src, now, p.command_id)
+                                              progress_ms=progress, checkpoint=ckpt,
+                                              reason="migrated" if isinstance(p, MigrateJob) else ""),
+                                   src, now, p.command_id)
             case ReleaseJob():
                 r = node.running.get(p.job_id)
                 if node.fence.stops(p.job_id, p.attempt, r.attempt if r else None):

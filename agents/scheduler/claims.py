@@ -4,8 +4,9 @@ A job's claim is `(standing, tier, reserved)`, compared field by field, the larg
 
 - standing: 1 when it stands within quota, 0 when it borrows. A job's standing is worked out from the claim order
   itself, not from the order jobs were admitted in: in its account (tenant, and project where the project has a
-  quota) the holders of its claim group and of every stronger one, plus the job, fit the quota (compute, and GPU
-  memory where limited). So a tenant's quota goes to its strongest work first: its inference stands within quota
+  quota) the holders ahead of it -- every stronger claim group's, and those of its own group that arrived before
+  it (the tie-break) -- plus the job, fit the quota (compute, and GPU memory where limited). A later arrival of
+  its own group thus never changes a job's standing. So a tenant's quota goes to its strongest work first: its inference stands within quota
   before its training does, and what a tenant holds beyond its quota is its weakest work. A tenant without a limit
   (open pool) always stands within; a job on its reservation, and a reservation's hold, always do (the booking was
   the admission);
@@ -77,15 +78,17 @@ def _quotas(ledger: Ledger, r: JobRequested):
     return out
 
 
-def within(h: Holdings, ledger: Ledger, r: JobRequested, g: int, milli: int, memory: int, adjust=()) -> bool:
-    """Whether a job of claim group `g` that would hold (milli, memory) stands within quota: the holders of its
-    account in groups g and stronger, plus it, fit. `adjust`: (tenant, project, group, milli, memory) added to the
-    holders (negative: taken away) -- the state after a plan."""
+def within(h: Holdings, ledger: Ledger, r: JobRequested, g: int, milli: int, memory: int, adjust=(),
+           arrival: int = 1 << 62) -> bool:
+    """Whether a job of claim group `g`, the `arrival`-th to arrive, that would hold (milli, memory) stands within
+    quota: the holders ahead of it in its account (stronger groups, and its own group's earlier arrivals: the
+    tie-break), plus it, fit. `adjust`: (tenant, project, group, arrival, milli, memory) added to the holders
+    (negative: taken away) -- the state after a plan; an entry counts when it is ahead of the job."""
     for key, q in _quotas(ledger, r):
         s = h.sums.get(key)
-        m, mem = s.at_least(g) if s is not None else (0, 0)
-        for tenant, project, gg, am, amem in adjust:
-            if gg >= g and tenant == key[0] and (key[1] is None or key[1] == project):
+        m, mem = s.ahead_of(g, arrival) if s is not None else (0, 0)
+        for tenant, project, gg, aa, am, amem in adjust:
+            if (gg > g or gg == g and aa < arrival) and tenant == key[0] and (key[1] is None or key[1] == project):
                 m += am
                 mem += amem
         if m + milli > q.gpu_milli or (q.gpu_memory_mib is not None and mem + memory > q.gpu_memory_mib):
@@ -98,7 +101,7 @@ def standing_now(h: Holdings, ledger: Ledger, rec: JobRecord) -> bool:
     if rec.reserved or rec.hold is not None:
         return True
     r = rec.request
-    return within(h, ledger, r, rec.group, r.compute_milli, r.gpu_memory_mib)
+    return within(h, ledger, r, rec.group, r.compute_milli, r.gpu_memory_mib, arrival=rec.arrival)
 
 
 class Search:
@@ -110,8 +113,12 @@ class Search:
         self.r = rec.request
         self.g = rec.group
         self.sure = rec.reserved or rec.hold is not None  # within, whatever it holds
+        r = self.r
+        self._mine = ((r.tenant, r.project, self.g, rec.arrival, r.compute_milli, r.gpu_memory_mib),)
         self._keys: dict[str, Claim] = {}
         self._over: dict[tuple[str, int], bool] = {}
+        self._bounded: dict[tuple[str, str], bool] = {}  # (tenant, project) -> whether any quota bounds it
+        self._back: dict[str, Claim] = {}  # job -> its claim coming back after the preemptor alone (victim_claim)
 
     def key(self, model_name: str | None = None) -> Claim:
         """The preemptor's claim as if admitted with what it would hold on this model's cards (None: what it asked)."""
@@ -119,7 +126,7 @@ class Search:
         if k is None:
             r = self.r
             amount = holding_on(r, model_name) if model_name else (r.compute_milli, r.gpu_memory_mib)
-            ok = self.sure or within(self.h, self.ledger, r, self.g, *amount)
+            ok = self.sure or within(self.h, self.ledger, r, self.g, *amount, arrival=self.rec.arrival)
             k = self._keys[model_name or ""] = claim(ok, r.tier, self.sure)
         return k
 
@@ -134,8 +141,7 @@ class Search:
     def mine(self) -> tuple:
         """The preemptor in its account after the plan, counted with what it asked for (a lower bound of what it will
         hold): the victims' claims are taken no weaker than they will be."""
-        r = self.r
-        return ((r.tenant, r.project, self.g, r.compute_milli, r.gpu_memory_mib),)
+        return self._mine
 
     def victim_claim(self, other: JobRecord, mine: tuple = (), others: tuple = ()) -> Claim:
         """`other`'s claim if it came back now, after the plan: its holding and the other victims' gone from its
@@ -143,9 +149,21 @@ class Search:
         o = other.request
         if other.reserved:
             return claim(True, o.tier, True)
-        g = other.group
-        adjust = ((o.tenant, o.project, g, -other.held_milli, -other.held_memory_mib),) + mine + others
-        return claim(within(self.h, self.ledger, o, g, o.compute_milli, o.gpu_memory_mib, adjust), o.tier, False)
+        b = self._bounded.get((o.tenant, o.project))
+        if b is None:
+            b = self._bounded[(o.tenant, o.project)] = bool(_quotas(self.ledger, o))
+        if not b:
+            return claim(True, o.tier, False)  # no quota bounds its account: it always stands within
+        if mine is self._mine and not others:
+            got = self._back.get(o.job_id)
+            if got is None:
+                got = self._back[o.job_id] = claim(within(
+                    self.h, self.ledger, o, other.group, o.compute_milli, o.gpu_memory_mib, mine, other.arrival),
+                    o.tier, False)
+            return got
+        # its own holding is not ahead of it (within its group, only earlier arrivals are)
+        return claim(within(self.h, self.ledger, o, other.group, o.compute_milli, o.gpu_memory_mib, mine + others,
+                            other.arrival), o.tier, False)
 
     def rule(self, other: JobRecord, key: Claim) -> str | None:
         """Whether `other` may be stopped for the preemptor of claim `key`, judged on its own (the plan's other
@@ -203,7 +221,7 @@ class Search:
         rec = jobs[v.job_id]
         tenant = rec.request.tenant
         same = [jobs[c.job_id] for c in chosen if jobs[c.job_id].request.tenant == tenant] + [rec]
-        gone = tuple((o.request.tenant, o.request.project, o.group, -o.held_milli, -o.held_memory_mib)
+        gone = tuple((o.request.tenant, o.request.project, o.group, o.arrival, -o.held_milli, -o.held_memory_mib)
                      for o in same)
         for i, o in enumerate(same):
             c = chosen[[x.job_id for x in chosen].index(o.request.job_id)] if o is not rec else v

@@ -8,6 +8,7 @@ all drive this same class, so replaying the input reproduces every decision bit 
 from __future__ import annotations
 
 from agents.scheduler.admission import Fleet
+from agents.scheduler import defrag
 from agents.scheduler.claims import Search, standing_now
 from agents.scheduler.elastic import SERVICE_KINDS, SOURCE as AUTOSCALER, Autoscaler, Backfill, Charge, Emit, Request
 from agents.scheduler.elastic import ElasticConfig, Resize
@@ -26,7 +27,7 @@ from agents.scheduler.victims import LazyVictims
 from schemas.envelope import DecodeError, Envelope, decode, envelope
 from schemas.events import (
     TIER_RANK, GpuHealth, JobCancelled, JobCheckpointed, JobCompleted, JobFailed, JobInterrupted, JobPending,
-    JobRequested, JobStarted, JobStopped, MigReconfigure, ReservationCancelled, ReservationDecided,
+    JobRequested, JobStarted, JobStopped, MigrateJob, MigReconfigure, ReservationCancelled, ReservationDecided,
     ReservationRequested, NodeCordon, NodeInventory, NodeLiveness, NodeRemoved, PlaceJob, PreemptJob, QuotaRejected,
     QuotaSet, Reason, Rejected, ReleaseJob, ResizeJob, SchedulerTick, UsageAccrued,
 )
@@ -72,6 +73,7 @@ class Scheduler:
         # full_cycle_ms. A request arriving when nothing moved tries only itself: everything else failed against
         # the same or a larger free capacity.
         self.epoch = 0
+        self.node_epoch = 0
         self._full_epoch = -1
         self._full_ms = -1 << 62
         # Usage accrues while jobs run: on the first tick usage_tick_ms of log time after the last accrual, every
@@ -176,6 +178,7 @@ class Scheduler:
             self.epoch += 1
         match p:
             case NodeInventory() | NodeCordon() | NodeLiveness() | GpuHealth() | NodeRemoved():
+                self.node_epoch += 1  # a node's facts changed: waiting jobs are explained afresh
                 before = self.nodes.get(p.node)
                 self.h.apply(env)
                 self._node_changed(out, env, before, self.nodes[p.node])
@@ -211,7 +214,7 @@ class Scheduler:
                 rec = self.jobs.get(p.job_id)
                 if rec is None or self._superseded(out, env, rec, p.node, p.command_id, runs=True):
                     pass
-                elif rec.state in ("running", "stopping"):
+                elif rec.state in ("running", "stopping", "migrating"):
                     rec.checkpoint, rec.checkpoint_ms = p.checkpoint or rec.checkpoint, self._fact_ms(env)
             case JobCompleted() | JobFailed():
                 rec = self.jobs.get(p.job_id)
@@ -261,7 +264,7 @@ class Scheduler:
         """Bill the run from where it was last billed to `end_ms` (default: now), one line per node. Intervals
         follow each other: the end never goes back before what a tick already billed, and a tick bills nothing
         twice. The first line of a run is written even when empty (a run that ended where it started)."""
-        if rec.state not in ("running", "stopping") or rec.placement is None or rec.started_ms < 0:
+        if rec.state not in ("running", "stopping", "migrating") or rec.placement is None or rec.started_ms < 0:
             return
         start = rec.accrued_ms
         end = max(self.now_ms if end_ms is None else end_ms, start)
@@ -319,14 +322,19 @@ class Scheduler:
         stop the scheduler asked for to make room is a preemption (it counts towards protection); one for a drain
         or a removal, or the agent's own (shutdown, restart), is an interruption."""
         rec = self.jobs.get(p.job_id)
-        if rec is None or rec.state not in ("placed", "running", "stopping"):
+        if rec is None or rec.state not in ("placed", "running", "stopping", "migrating"):
             return
+        move = rec.migration if rec.state == "migrating" else None
         preempted = rec.state == "stopping" and not rec.stop_cause
         self._accrue(out, env, rec, self._fact_ms(env))
         self._release(out, env, rec, "Stopped")
         rec.checkpoint, rec.stop_cause = p.checkpoint or rec.checkpoint, ""
         self.h.set_state(rec, "pending")
-        if preempted:
+        if move is not None:
+            # moved, not preempted: it resumes from its checkpoint on the planned node, before anything else
+            rec.migration = None
+            self._nominate(rec, (move.to_node, ()), (move.to_node,))
+        elif preempted:
             rec.preemptions += 1
             rec.preempted_at = rec.preempted_at + (self.now_ms,)
         else:
@@ -343,7 +351,8 @@ class Scheduler:
         if known is None or known[0] != rec.request.job_id:
             return False
         attempt = known[1]
-        if attempt == rec.attempt and rec.placement is not None and rec.state in ("placed", "running", "stopping"):
+        if attempt == rec.attempt and rec.placement is not None and rec.state in (
+                "placed", "running", "stopping", "migrating"):
             return False
         if runs and node:
             self._emit(out, ReleaseJob(command_id=self._command_id(), job_id=rec.request.job_id, node=node,
@@ -387,7 +396,7 @@ class Scheduler:
         out = []
         for j, h in view.allocations.items():
             rec = self.jobs.get(j)
-            if rec is None or rec.state not in ("placed", "running", "stopping"):
+            if rec is None or rec.state not in ("placed", "running", "stopping", "migrating"):
                 continue
             if cards is None or any(a.gpu_uuid in cards for a in h.slices):
                 out.append(rec)
@@ -508,7 +517,7 @@ class Scheduler:
             if dominated is not None:
                 # It asks for at least as much as a job of the same kind (tier, account, standing: the same claim,
                 # the same preemption candidates) that just failed, and nothing was freed since: it fails too.
-                self._pending(out, cause, rec, dominated)
+                self._unplaced(out, cause, rec, dominated, None)
                 continue
             result = place(self.index, self.nodes, r, self.workload, self.candidates,
                            prefer=rec.nominated[0] if rec.nominated else None, exclude=self._claimed_from(rec))
@@ -516,11 +525,12 @@ class Scheduler:
                 self._reconfigure(out, cause, rec, result)
                 continue
             if not isinstance(result, Placement):
+                if rec.nominated is None and quiet is None and self._defragment(out, cause, rec):
+                    continue
                 if quiet is not None or not self._preempt_for(out, cause, rec):
-                    why = result.reasons + ((quiet,) if quiet is not None else ())
-                    self._pending(out, cause, rec, why)
+                    self._unplaced(out, cause, rec, result, quiet)
                     if kind:
-                        failed.append((kind, need, why))
+                        failed.append((kind, need, (result, quiet)))
                 continue
             holding = self._holding(result)
             if holding != (r.compute_milli, r.gpu_memory_mib):
@@ -683,7 +693,7 @@ class Scheduler:
     def _preempt_for(self, out: list[Envelope], cause: Envelope, rec: JobRecord) -> bool:
         """True when the job waits on preemptions (already under way, or started now)."""
         if rec.nominated is not None:
-            if any(self.jobs[v].state == "stopping" for v in rec.nominated[1]):
+            if any(self.jobs[v].state in ("stopping", "migrating") for v in rec.nominated[1]):
                 return True
             self._nominate(rec, None)  # its victims are gone and it still does not fit: plan again
         waiting = self._freed_by_stops(rec)
@@ -724,6 +734,35 @@ class Scheduler:
             code="Preempting", plugin="Preemption", nodes=where,
             message=f"waiting for {len(plan.victims)} job(s) to checkpoint and stop on {', '.join(where)}",
             data={"victims": ",".join(rec.nominated[1])}),))
+        return True
+
+    def _defragment(self, out: list[Envelope], cause: Envelope, rec: JobRecord) -> bool:
+        """Defragmentation (defrag.py), after allocate and before preempt: when the job's block of cards is free in
+        total but not in one place, move checkpointable low-tier work off one node (`cmd.migrate`: checkpoint, stop,
+        resume on the planned node) so that node holds it; the job is nominated there. True when it waits on moves."""
+        plan = defrag.plan(self, rec, self._claimed_from(rec))
+        if plan is None:
+            return False
+        r = rec.request
+        for mv in plan.moves:
+            o = self.jobs[mv.job_id]
+            self._command(out, MigrateJob(
+                command_id=self._command_id(), job_id=mv.job_id, from_node=plan.node, to_node=mv.to_node,
+                assignments=mv.assignments, attempt=o.attempt, reasons=(Reason(
+                    code="Defragment", plugin="Defragmentation", nodes=(plan.node, mv.to_node),
+                    message=f"moved to {mv.to_node} to open a block of {plan.model} cards on {plan.node} for "
+                            f"{r.job_id} ({r.tier.value}); stranded free cards {plan.frag_before_milli} -> "
+                            f"{plan.frag_after_milli} milli-GPU",
+                    data={"for_job": r.job_id, "model": plan.model, "frag_before_milli": plan.frag_before_milli,
+                          "frag_after_milli": plan.frag_after_milli, "moves": len(plan.moves)}),)), cause)
+            self._nominate(o, (mv.to_node, ()), (mv.to_node,))
+        self._nominate(rec, (plan.node, tuple(mv.job_id for mv in plan.moves)), (plan.node,))
+        self._pending(out, cause, rec, (Reason(
+            code="Defragmenting", plugin="Defragmentation", nodes=(plan.node,),
+            message=f"waiting for {len(plan.moves)} job(s) to move off {plan.node}: the pool has the cards in "
+                    f"total, not in one place",
+            data={"victims": ",".join(mv.job_id for mv in plan.moves), "frag_before_milli": plan.frag_before_milli,
+                  "frag_after_milli": plan.frag_after_milli}),))
         return True
 
     def _quiet(self, rec: JobRecord) -> Reason | None:
@@ -809,6 +848,8 @@ class Scheduler:
                 chosen = [c for c in chosen if c is not extra]
             else:
                 count(extra, 1)
+        if holding is None and not self._fits_after(rec, chosen):
+            return False  # its quota would admit it, but no node would hold it: stopping its own work gains nothing
         self._stop_for(out, cause, rec, chosen)
         self._nominate(rec, (chosen[0].node, tuple(v.job_id for v in chosen)), tuple(sorted({v.node for v in chosen})))
         self._pending(out, cause, rec, (Reason(
@@ -816,6 +857,17 @@ class Scheduler:
             message=f"waiting for {len(chosen)} job(s) of its own account to stop: its quota is held by weaker work",
             data={"victims": ",".join(v.job_id for v in chosen), "quota": 1}),) + quota.reasons)
         return True
+
+    def _fits_after(self, rec: JobRecord, chosen) -> bool:
+        """Whether `rec` would be placed once these victims are gone: on free capacity now, or on a node of theirs
+        with their holdings released there (a scratch view, as any preemption plan is tried)."""
+        if isinstance(place(self.index, self.nodes, rec.request, self.workload, self.candidates,
+                            exclude=self._claimed_from(rec)), Placement):
+            return True
+        on: dict[str, list[str]] = {}
+        for v in chosen:
+            on.setdefault(v.node, []).append(v.job_id)
+        return any(fits(released(self.nodes[n], ids), rec.request) for n, ids in sorted(on.items()))
 
     def _account_holders(self, tenant: str) -> list[str]:
         """Jobs of this tenant holding capacity (holds aside), in node order then job order (the victim index)."""
@@ -878,7 +930,22 @@ class Scheduler:
                 return node, tuple(stopping[node])
         return None
 
+    def _unplaced(self, out: list[Envelope], cause: Envelope, rec: JobRecord, result, quiet) -> None:
+        """A job no node took (`result`: place's Unschedulable, or a (result, quiet) pair of the job of its kind it
+        is dominated by). It is explained -- every rejecting node and code, the capacity expected to free -- only
+        when what its attempt saw changed since its last one (the nodes it looked at and why each refused, the
+        fleet, the down nodes, any node's facts, its protection): otherwise its reasons are the ones it was told, and
+        a waiting queue retried as capacity moves costs no explaining."""
+        if isinstance(result, tuple):
+            result, quiet = result
+        seen = (result.seen, self.node_epoch, quiet.code if quiet is not None else None)
+        if rec.pending_codes and rec.pending_seen == seen:
+            return
+        self._pending(out, cause, rec, result.reasons + ((quiet,) if quiet is not None else ()))
+        rec.pending_seen = seen
+
     def _pending(self, out: list[Envelope], cause: Envelope, rec: JobRecord, reasons: tuple[Reason, ...]) -> None:
+        rec.pending_seen = None  # told something else than an unplaced attempt's reasons (_unplaced)
         codes = tuple(f"{r.plugin}:{r.code}" for r in reasons)
         if codes != rec.pending_codes:  # say it once per change, not every cycle
             rec.pending_codes = codes

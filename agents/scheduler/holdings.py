@@ -21,6 +21,7 @@ incrementally kept one (tests/test_holdings.py).
 """
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, field
 
 from agents.scheduler.node_index import NodeIndex
@@ -56,6 +57,7 @@ class JobRecord:
     checkpoint: str = ""
     checkpoint_ms: int = 0
     pending_codes: tuple[str, ...] = ()
+    pending_seen: tuple | None = None  # what its last failed attempt saw (core.Scheduler._unplaced)
     nominated: tuple[str, tuple[str, ...]] | None = None  # (node, victims) while its preemptions take effect
     claim: tuple[str, ...] = ()  # nodes whose freed capacity is kept for it while nominated
     mig_wait: tuple[str, str] | None = None  # (node, card) whose MIG reconfigure it waits for
@@ -90,10 +92,57 @@ class Sums:
     units (milli-CU, GPU memory MiB): the claim order's standings are suffix sums of these."""
     milli: list[int] = field(default_factory=lambda: [0] * GROUPS)
     memory: list[int] = field(default_factory=lambda: [0] * GROUPS)
+    # per group, each holder's (milli, MiB) by its arrival: the tie-break inside a group (earlier work first); and
+    # per group a Fenwick tree over arrivals of the same, so "what the earlier arrivals hold" is a log-time sum
+    by_arrival: list[dict[int, list[int]]] = field(default_factory=lambda: [{} for _ in range(GROUPS)])
+    _trees: list = field(default_factory=lambda: [None] * GROUPS)
 
     def at_least(self, g: int) -> tuple[int, int]:
         """What the holders of group g and stronger hold."""
         return sum(self.milli[g:]), sum(self.memory[g:])
+
+    def ahead_of(self, g: int, arrival: int) -> tuple[int, int]:
+        """What the holders ahead of a job of group g that arrived `arrival`-th hold: every stronger group's, and
+        those of its own group that arrived before it (the claim order's tie-break)."""
+        m, mem = self.at_least(g + 1) if g + 1 < GROUPS else (0, 0)
+        t = self._trees[g]
+        if t is not None:
+            tm, tmem = t
+            i = min(arrival, len(tm) - 1)  # arrival a sits at a + 1: the sum over arrivals < `arrival`
+            while i > 0:
+                m, mem = m + tm[i], mem + tmem[i]
+                i -= i & -i
+        return m, mem
+
+    def add(self, g: int, arrival: int, milli: int, memory: int) -> None:
+        """Count a holder's change (holdings._sum, the one writer)."""
+        self.milli[g] += milli
+        self.memory[g] += memory
+        got = self.by_arrival[g].setdefault(arrival, [0, 0])
+        got[0] += milli
+        got[1] += memory
+        if got == [0, 0]:
+            del self.by_arrival[g][arrival]
+        t = self._trees[g]
+        if t is None or arrival + 1 >= len(t[0]):
+            self._trees[g] = self._tree(g, max(1024, 2 * arrival + 2))  # grown: rebuilt from the holders
+            return
+        tm, tmem = t
+        i = arrival + 1
+        while i < len(tm):
+            tm[i] += milli
+            tmem[i] += memory
+            i += i & -i
+
+    def _tree(self, g: int, size: int):
+        tm, tmem = array("q", bytes(8 * size)), array("q", bytes(8 * size))
+        for a, (am, amem) in self.by_arrival[g].items():
+            i = a + 1
+            while i < size:
+                tm[i] += am
+                tmem[i] += amem
+                i += i & -i
+        return tm, tmem
 
 
 class Holdings:
@@ -107,6 +156,7 @@ class Holdings:
         self.held_by_tier: dict[int, int] = {}  # tier rank -> jobs holding capacity (holds aside)
         self.pending: set[str] = set()  # jobs in state "pending": the cycle's queue
         self.stopping: set[str] = set()  # jobs told to checkpoint and stop (or move), not yet stopped
+        self.migrated: dict[str, list[int]] = {}  # tenant -> when its jobs were told to move (the disruption budget)
         self.running: dict[str, None] = {}  # jobs whose run is billed (started, holding), in order
         self.sums: dict[tuple[str, str | None], Sums] = {}  # (tenant, project or None) -> holders' sums per group
         self.train_held: dict[tuple[str, str], int] = {}  # (job, node) -> milli-GPU a non-inference job holds
@@ -169,6 +219,9 @@ class Holdings:
                 rec = self.jobs.get(p.job_id)
                 if rec is not None and self._current(rec, p.attempt) and rec.state in ("placed", "running"):
                     rec.migration, rec.stop_cause = p, "Migrate"
+                    rec.migrations += 1
+                    rec.migrated_at += (env.event_time_ms,)
+                    self.migrated.setdefault(rec.request.tenant, []).append(env.event_time_ms)
                     self.set_state(rec, "migrating")
             case MigReconfigure():
                 self._fold(p.node, env)
@@ -207,7 +260,7 @@ class Holdings:
             if rec.hold is None:
                 rank = TIER_RANK[rec.request.tier]
                 self.held_by_tier[rank] = self.held_by_tier.get(rank, 0) + 1
-            rec.pending_codes = ()
+            rec.pending_codes, rec.pending_seen = (), None
             self.set_state(rec, "placed")
         if rec.hold is None:
             self._train(rec, p.node, sum(a.milli for a in p.assignments))
@@ -255,8 +308,7 @@ class Holdings:
             s = self.sums.get(key)
             if s is None:
                 s = self.sums[key] = Sums()
-            s.milli[g] += sign * milli
-            s.memory[g] += sign * memory
+            s.add(g, rec.arrival, sign * milli, sign * memory)
 
     def _train(self, rec: JobRecord, node: str, milli: int) -> None:
         """The training share's tally: milli-GPU held by non-inference work on each node."""

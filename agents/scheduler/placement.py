@@ -54,10 +54,13 @@ class Unschedulable:
     never needs them (explaining a failure looks at up to EXPLAIN_LIMIT nodes and their running jobs). They are read
     before the scheduler changes anything, so they describe the state `place` saw."""
 
-    __slots__ = ("_reasons", "_explain")
+    __slots__ = ("_reasons", "_explain", "seen")
 
-    def __init__(self, reasons: tuple[Reason, ...] | None = None, explain=None) -> None:
+    def __init__(self, reasons: tuple[Reason, ...] | None = None, explain=None, seen: tuple = ()) -> None:
         self._reasons, self._explain = reasons, explain
+        # what the attempt saw before any explaining: the nodes it looked at and why each refused (the scheduler
+        # re-explains a waiting job only when this, or a node's facts, changed -- core.Scheduler._unplaced)
+        self.seen = seen
 
     @property
     def reasons(self) -> tuple[Reason, ...]:
@@ -447,7 +450,8 @@ def place(index: NodeIndex, views: dict[str, NodeView], job: JobRequested, workl
                 plan = mig_plan(v, job, models)
                 if plan is not None:
                     return plan
-    return Unschedulable(explain=lambda: _unschedulable(index, views, job, rejected, seen).reasons)
+    saw = (tuple(sorted((k, tuple(v)) for k, v in rejected.items())), len(seen), len(views), len(index.down))
+    return Unschedulable(explain=lambda: _unschedulable(index, views, job, rejected, seen).reasons, seen=saw)
 
 
 def isolation_given(v: NodeView, fit: tuple[Assignment, ...]) -> str:

@@ -36,6 +36,8 @@ class PreemptionConfig:
     # its stop, in log time: it takes free capacity only, so a victim's requeue triggers no preemption its
     # preemptor's request was not allowed (no chains; Armada: evicted jobs do not evict).
     victim_quiet_ms: int = 600_000
+    # Defragmentation (defrag.py): moves (cmd.migrate) of one tenant's work allowed in any hour of log time; 0: none.
+    migrations_per_hour: int = 2
 
 
 def quiet_until(preempted_at: tuple[int, ...], cfg: PreemptionConfig) -> int:

@@ -23,7 +23,7 @@ import zlib
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import numpy as np
 
@@ -37,6 +37,14 @@ from schemas.events import (
     ServiceDeclared, Tier,
 )
 from schemas.gpu_models import model as gpu_model
+
+
+class _Stop(NamedTuple):
+    """What `preempt` reads of a command: a move (cmd.migrate) is a stop on the node it leaves."""
+    job_id: str
+    node: str
+    grace_s: int
+    command_id: str
 
 T0_MS = 1_700_000_000_000  # the simulation's epoch (event times are milliseconds; nothing reads a clock)
 LN100 = math.log(100.0)
@@ -366,7 +374,9 @@ class FleetSim:
         elif kind == "cmd.resize":
             self.resize(p)
         elif kind == "cmd.migrate":
-            self.migrations += 1
+            # carried out as the node agents do: checkpoint and stop on the node it leaves (no preemption counted);
+            # the scheduler then places it on the planned node, where its resume counts it among the migrations
+            self.preempt(pool, _Stop(p.job_id, p.from_node, 30, p.command_id), count=False)
         elif kind == "service.scaled":
             self.scaled.append((self.now, p.service_id, p.action, p.replicas, p.took_ms))
             if p.action == "traffic_shift":
@@ -405,14 +415,15 @@ class FleetSim:
         self.runs[p.job_id] = run
         self.push(self.now + int(round(base * jitter * 1000)), E_START, p.job_id, run.token)
 
-    def preempt(self, pool: Pool, p) -> None:
+    def preempt(self, pool: Pool, p, count: bool = True) -> None:
         run = self.runs.get(p.job_id)
         if run is None or run.node != p.node or run.stopping:
             return  # nothing running here to stop (it finished at this very moment)
         cls, _ = self.cls_of(p.job_id)
-        self.preemptions[cls] += 1
-        if p.job_id in self.train:
-            self.train[p.job_id].preempted += 1
+        if count:
+            self.preemptions[cls] += 1
+            if p.job_id in self.train:
+                self.train[p.job_id].preempted += 1
         run.stopping = True
         # A job still starting stops at once, where it resumed from; a running one checkpoints within the grace.
         delay = p.grace_s * 1000 if run.started_ms >= 0 else 0

@@ -1,0 +1,134 @@
+"""Properties of the claim order and of storm-free preemption (#14 items 1-3), over random fleets, quotas (with and
+without borrowing), tiers, reservations aside, and arrival orders. The node agents are modelled as prompt: a
+`cmd.place` is answered by `job.started`, a `cmd.preempt` by `job.stopped` with a checkpoint a little later; nothing
+completes, so the only thing that changes the state is the scheduler's own decisions and the arrivals.
+
+- no job is preempted more than PreemptionConfig.max_preemptions times within protect_ms (protection on log time);
+- preemption decisions (distinct preemptors) before convergence are bounded by the number of requests, and only a
+  request that arrived, never a requeued victim within its quiet window, makes one (no chains);
+- if A stopped B, B never stops A (antisymmetry: nothing ends in these runs, so nothing else changes);
+- a converged state emits nothing on a tick.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
+
+from agents.node.fleet import make_node
+from agents.scheduler.core import Scheduler
+from agents.scheduler.preemption import PreemptionConfig
+from agents.scheduler.quota import Ledger
+from schemas.events import JobStarted, JobStopped, PlaceJob, PreemptJob, QuotaSet, SchedulerTick, Tier
+from tests.builders import Clock, job
+
+TIERS = (Tier.INFERENCE, Tier.ONLINE_TRAINING, Tier.OFFLINE)
+SIZES = ((250, 10), (500, 20), (1000, 40), (1000, 70), (2000, 140))  # (milli-CU, GiB): shares, a card, two cards
+
+fleets = st.lists(st.sampled_from((1, 2, 4)), min_size=1, max_size=3)  # GPUs per node
+quotas = st.dictionaries(st.sampled_from(("a", "b", "c")),
+                         st.tuples(st.sampled_from((0, 500, 1000, 2000, 4000)), st.sampled_from((100, 150, 200))),
+                         max_size=3)
+requests = st.lists(st.tuples(st.sampled_from(("a", "b", "c")), st.sampled_from(TIERS), st.sampled_from(SIZES),
+                              st.integers(0, 3)),  # gap before it arrives, in steps of the agents' loop
+                    min_size=1, max_size=12)
+
+
+def drive(fleet, quota, reqs, stop_delay_ms=500):
+    """Run the scheduler with prompt agents until nothing is left to answer; returns (scheduler, clock, outputs
+    in order with their log time, the number of requests)."""
+    clock = Clock()
+    s = Scheduler(ledger=Ledger(default_quota_milli=None), usage_tick_ms=10**12)
+    cfg = s.preemption
+    for i, gpus in enumerate(fleet):
+        s.step(clock.env(make_node(f"n{i}", "A100-80GB", gpus), f"n{i}/inventory"))
+    for tenant, (milli, pct) in sorted(quota.items()):
+        s.step(clock.env(QuotaSet(tenant=tenant, gpu_milli=milli, overcommit_pct=pct), "operator"))
+    log: list[tuple[int, object]] = []
+    answers: deque = deque()
+    pending_reqs = deque(reqs)
+    n = 0
+    steps = 0
+    quiet_ticks = 0
+    while pending_reqs or answers or quiet_ticks < 2:
+        steps += 1
+        assert steps < 5000, "no convergence"
+        if not pending_reqs and not answers:
+            # past every victim's quiet window (and protection): what it may do then, it does now
+            clock.now += max(cfg.victim_quiet_ms, cfg.protect_ms) + 1
+            env = clock.env(SchedulerTick(now_ms=clock.now), "tick")
+            quiet_ticks += 1
+        elif pending_reqs and (not answers or pending_reqs[0][3] == 0):
+            tenant, tier, (milli, gib), _ = pending_reqs.popleft()
+            n += 1
+            env = clock.env(job(f"j{n}", tenant, milli, gib, tier=tier, duration=None, checkpoint_interval_s=60),
+                            f"cli/j{n}", dt=1000)
+        else:
+            if pending_reqs:
+                t, tier, size, gap = pending_reqs[0]
+                pending_reqs[0] = (t, tier, size, gap - 1)
+            payload, src, dt = answers.popleft()
+            env = clock.env(payload, src, dt=dt)
+        outs = s.step(env)
+        if outs and isinstance(env.payload, SchedulerTick):
+            quiet_ticks = 0  # it moved: settle again
+        for o in outs:
+            log.append((clock.now, o.payload))
+            p = o.payload
+            if isinstance(p, PlaceJob):
+                answers.append((JobStarted(job_id=p.job_id, node=p.node, command_id=p.command_id),
+                                f"{p.node}/job/{p.job_id}", 10))
+            elif isinstance(p, PreemptJob):
+                rec = s.jobs[p.job_id]
+                place_cmd = next(part.command_id for part in rec.parts if part.node == p.node)
+                answers.append((JobStopped(job_id=p.job_id, node=p.node, command_id=place_cmd,
+                                           checkpoint=f"ckpt:{p.job_id}"), f"{p.node}/job/{p.job_id}", stop_delay_ms))
+    return s, clock, log, n
+
+
+@settings(max_examples=120, deadline=None)
+@given(fleets, quotas, requests)
+def test_preemption_is_bounded_antisymmetric_and_converges(fleet, quota, reqs):
+    s, clock, log, n = drive(fleet, quota, reqs)
+    cfg = s.preemption
+    preempts = [(t, p) for t, p in log if isinstance(p, PreemptJob)]
+    event(f"preemptions: {min(len(preempts), 3)}+")
+    # who stopped whom
+    pairs = {(p.reasons[0].data["for_job"], p.job_id) for _, p in preempts if p.reasons[0].code == "PreemptedFor"}
+    for a, b in pairs:
+        assert (b, a) not in pairs, f"{a} stopped {b} and {b} stopped {a}"
+    # no job preempted more than k times within T
+    by_job: dict[str, list[int]] = {}
+    for t, p in preempts:
+        by_job.setdefault(p.job_id, []).append(t)
+    for j, times in by_job.items():
+        for i in range(len(times)):
+            within = [x for x in times[i:] if x - times[i] <= cfg.protect_ms]
+            assert len(within) <= cfg.max_preemptions, (j, times)
+    # preemption decisions are bounded by the requests, and no requeued victim in its quiet window makes one
+    deciders = [p.reasons[0].data["for_job"] for _, p in preempts]
+    decisions = len({(t, d) for (t, _), d in zip(preempts, deciders)})
+    assert decisions <= n, (decisions, n)
+    stopped_at: dict[str, int] = {}
+    for (t, p), d in zip(preempts, deciders):
+        if d in stopped_at:
+            assert t - stopped_at[d] >= cfg.victim_quiet_ms, f"victim {d} preempted {p.job_id} in its quiet window"
+        stopped_at[p.job_id] = t
+    # a converged state emits nothing (drive ended on two quiet ticks past every window): nor does a later tick
+    for dt in (1000, cfg.protect_ms + 1):
+        clock.now += dt
+        assert s.step(clock.env(SchedulerTick(now_ms=clock.now), "tick")) == []
+
+
+def test_a_victim_may_not_stop_its_preemptor_back_whatever_the_quota():
+    """The issue's ping-pong: svc borrows (quota 500, cap 200%) a card for inference, batch (quota 1000) reclaims it
+    for offline work; then svc's inference may not preempt batch's offline job by tier, on any later tick."""
+    s, clock, log, n = drive([1], {"svc": (500, 200), "batch": (1000, 100)},
+                             [("svc", Tier.INFERENCE, (1000, 70), 0), ("batch", Tier.OFFLINE, (1000, 70), 0)])
+    preempts = [p for _, p in log if isinstance(p, PreemptJob)]
+    assert [(p.job_id, p.reasons[0].data["for_job"]) for p in preempts] == [("j1", "j2")]
+    for _ in range(5):
+        clock.now += PreemptionConfig.victim_quiet_ms
+        out = s.step(clock.env(SchedulerTick(now_ms=clock.now), "tick"))
+        assert not any(isinstance(o.payload, PreemptJob) for o in out)
