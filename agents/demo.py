@@ -504,7 +504,9 @@ def run_demo(cfg, args) -> int:
                                 lambda: demo.step7(out), lambda: demo.step8(out)], 1):
             try:
                 fn()
-            except StepFailed as exc:
+            except (StepFailed, SystemExit) as exc:  # SystemExit: the client's WorkerDown, ApiFailure
+                if isinstance(exc, SystemExit) and stack.procs.get("worker") and stack.procs["worker"].poll() is not None:
+                    exc = StepFailed(f"the worker died: {stack.log('worker')[-1500:]}")
                 failed.append((n, str(exc)))
                 print(f"[{n}] FAILED: {exc}", flush=True)
                 if n >= 6:

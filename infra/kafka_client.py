@@ -16,6 +16,21 @@ async def stop_consumer(consumer) -> None:
             raise
 
 
+async def commit_or_reread(consumer, offsets, log) -> bool:
+    """Commit what was carried out; when a rebalance took the partitions away meanwhile (a coordinator lost on a
+    loaded machine, another member joining), say so and go on: whoever owns them next re-reads from the last commit,
+    and every reader here is idempotent on a re-read (the gateway re-derives the same envelopes, the sink's rows
+    replace themselves, commands are idempotent by id). Crashing the worker over it would be the worse outcome."""
+    from aiokafka.errors import CommitFailedError, IllegalStateError
+
+    try:
+        await consumer.commit(offsets)
+        return True
+    except (CommitFailedError, IllegalStateError) as exc:
+        log.warning("commit refused after a rebalance (%s): the records are read again", type(exc).__name__)
+        return False
+
+
 async def consume_commands(conn, group_id: str, stopping: asyncio.Event, execute, log) -> None:
     """The node agents' command loop: each command in order, undecodable ones skipped with a warning, offsets
     committed after the batch is carried out (commands are idempotent by id, so a redelivery is harmless)."""
@@ -42,6 +57,6 @@ async def consume_commands(conn, group_id: str, stopping: asyncio.Event, execute
                         continue
                     await execute(env)
             if batches:
-                await consumer.commit()
+                await commit_or_reread(consumer, None, log)
     finally:
         await stop_consumer(consumer)

@@ -12,7 +12,7 @@ import faust
 from faust.web import View
 
 from infra.config import Config
-from infra.kafka_client import stop_consumer
+from infra.kafka_client import commit_or_reread, stop_consumer
 from infra.security import SERVICE, KafkaConn, kafka_conn
 from schemas.envelope import DecodeError, Envelope, decode, encode, envelope
 from schemas.events import GpuHealth, NodeLiveness, PoolMinute, SchedulerTick
@@ -204,7 +204,7 @@ class Worker:
                     for msg in msgs:
                         await self._admit(producer, owner, msg)
                     await producer.flush()
-                    await consumer.commit({tp: msgs[-1].offset + 1})
+                    await commit_or_reread(consumer, {tp: msgs[-1].offset + 1}, log)
         finally:
             await stop_consumer(consumer)
             await producer.stop()

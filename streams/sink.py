@@ -11,7 +11,7 @@ import asyncio
 import logging
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
-from infra.kafka_client import stop_consumer
+from infra.kafka_client import commit_or_reread, stop_consumer
 
 from infra.clickhouse import connect
 from infra.config import Config
@@ -139,7 +139,8 @@ class Sink:
                     if not msgs:
                         continue
                     await self.write_batch(tp.topic, tp.partition, msgs)
-                    await consumer.commit({tp: msgs[-1].offset + 1})
+                    if not await commit_or_reread(consumer, {tp: msgs[-1].offset + 1}, log):
+                        continue  # no longer ours: its next owner reads on from the last commit
                     self.positions[f"{tp.topic}/{tp.partition}"] = msgs[-1].offset + 1
         finally:
             await stop_consumer(consumer)
