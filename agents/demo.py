@@ -263,18 +263,21 @@ class Demo:
                 continue  # the warm pool filled at the declaration
             took = a["took_ms"]
             at = self.log_to_mono(int(a["_t"]))
-            before = [s for s in load.samples if s[0] <= at][-2:]
-            after = [s for s in load.samples if s[0] > at + max(took / 1000, 2)][:2]
-            fmt = lambda ss: "/".join(str(s[2]) for s in ss) or "-"  # noqa: E731
-            self.note(f"+{at - t_peak:5.1f}s after the peak: {a['action']:<15} replicas {a['replicas']}  "
-                      f"p99 {fmt(before)} ms before, {fmt(after)} ms after" + (f" (took {took} ms)" if took else ""))
+            before = [s for s in load.samples if s[0] <= at][-1:]
+            after = [s for s in load.samples if s[0] > at + max(took / 1000, 2)][:1]
+            fmt = lambda ss: f"{ss[0][2]} ms" if ss else "-"  # noqa: E731
+            self.note(f"+{at - t_peak:5.1f}s after the peak began: {a['action']:<15} serving {a['replicas']}  "
+                      f"p99 {fmt(before)} before, {fmt(after)} after" + (f" (ready in {took} ms)" if took else ""))
         if not yielded:
             raise StepFailed("the fine-tune on the A10 did not yield to the new replicas")
         if up["_t"] - self.mono_to_log(t_peak) > 20_000:
             raise StepFailed("the vertical boost came more than 20 s after the peak began")
         back = self.placements("acme/tune-a10")[-1]
-        self.note(f"CHECK OK: boost in {(up['_t'] - self.mono_to_log(t_peak)) / 1000:.0f} s, then replicas; the "
-                  f"fine-tune yielded with a checkpoint and resumed from {back['resume_from']} after the peak")
+        first = min(a["_t"] for a in self.scaled() if a["_t"] >= self.mono_to_log(t_peak))
+        self.note(f"CHECK OK: the first action {(first - self.mono_to_log(t_peak)) / 1000:.0f} s into the peak "
+                  f"(warm replicas take traffic at once), the vertical boost in "
+                  f"{(up['_t'] - self.mono_to_log(t_peak)) / 1000:.0f} s; the fine-tune yielded its A10 with a "
+                  f"checkpoint and resumed from {back['resume_from']} once the peak was over")
 
     def scaled(self, action: str | None = None) -> list[dict]:
         rows = self.stack.query("SELECT event_time_ms, payload FROM gpupool.events FINAL WHERE kind = "
@@ -316,9 +319,12 @@ class Demo:
         self.say(5, "alice runs four 1-GPU evaluations; two finish and leave the free A100s spread over two nodes")
         self.wait(lambda: all(self.states().get(f"acme/eval-{i}") == "completed" for i in range(2)), 90,
                   "two evaluations done")
-        free = self.stack.client().api("/cluster/")
-        self.note(f"{self.at()}  fragmentation now {free.get('fragmentation', '?')}; bob asks for a 4-GPU "
-                  f"inference gang on one node")
+        nodes = self.stack.client().api("/api/nodes")["nodes"]
+        free = {n["node"]: sum(1 for g in n["cards"] if g["healthy"] and g["free_milli"] == 1000)
+                for n in nodes if n["node"].startswith("a100-")}
+        self.note(f"{self.at()}  free A100s: " + ", ".join(f"{k} {v}" for k, v in sorted(free.items())) +
+                  f" ({sum(free.values())} in all, at most {max(free.values())} on one node); bob asks for a "
+                  f"4-GPU inference gang on one node")
         bob.send([JobRequested(job_id="serve-4", tenant="globex", project="chat-serving", tier=Tier.INFERENCE,
                                compute_milli=4000, gpu_memory_mib=4 * 80 * GIB, isolation="exclusive",
                                constraints={"max_spread": "node", "models": ["A100-80GB"]}, duration_s=3600)])
