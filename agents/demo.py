@@ -418,7 +418,9 @@ def timeline_png(demo: Demo, path: Path) -> Path:
 
     rows = demo.stack.query("SELECT kind, job_id, event_time_ms, payload FROM gpupool.events FINAL WHERE kind IN "
                             "('job.requested', 'cmd.place', 'cmd.release', 'cmd.resize', 'inference.load', "
-                            "'service.scaled', 'job.completed', 'job.cancelled', 'job.rejected', 'job.failed', 'cmd.preempt', 'job.interrupted') ORDER BY event_time_ms, topic, partition, offset")
+                            "'service.scaled', 'job.completed', 'job.cancelled', 'job.rejected', 'job.failed', "
+                            "'cmd.preempt', 'job.interrupted') "
+                            "ORDER BY event_time_ms, kind != 'job.requested', topic, partition, offset")
     if not rows:
         raise StepFailed("no events to draw")
     t0 = int(rows[0]["event_time_ms"])
