@@ -165,7 +165,7 @@ def run_seed(nodes: NodeTable, pods: Sequence[PodRequest], policy_name: str, see
     priority = rng.permutation(len(nodes.names)).astype(np.int64)
     typical = typical_pods(pods) if typical is None else typical
     state = nodes.state()
-    policy = make_policy(policy_name, typical)
+    policy = make_policy(policy_name, typical, pods)
     policy.bind(state)
     metric = FragTracker(FragIndex(typical, state.model_names, state.gpu_width), state)
 
