@@ -135,3 +135,20 @@ def test_cli_table_and_bad_input(capsys):
     assert "alloc@130" in capsys.readouterr().out
     assert fp.run_cli(["--nodes", "/nonexistent.csv", "--pods", PODS_CSV]) == 2
     assert fp.run_cli(["--nodes", NODES_CSV, "--pods", PODS_CSV, "--policy", "nope"]) != 0
+
+
+def test_arrivals_past_the_last_bucket_are_not_attempted_and_change_nothing(sample):
+    nodes, pods = sample
+    # A fleet of half the sample's nodes: the shuffled pod list alone runs far past 130 % of its capacity.
+    half = fp.NodeTable(*(col[: len(nodes.names) // 2] for col in
+                          (nodes.names, nodes.cpu_milli, nodes.memory_mib, nodes.gpu_count, nodes.models)))
+    for policy in ("random", "gpupool"):
+        cut = fp.run_seed(half, pods, policy, 42)
+        whole = fp.run_seed(half, pods, policy, 42, whole=True)
+        assert cut.attempts < whole.attempts
+        for a, b in ((cut.allocation, whole.allocation), (cut.frag_ratio, whole.frag_ratio),
+                     (cut.frag_amount, whole.frag_amount)):
+            np.testing.assert_array_equal(a, b)
+    # On the whole sample the pod list stops below 130 %: nothing is cut.
+    seq = fp.arrival_sequence(pods, nodes.gpu_capacity, np.random.default_rng(0))
+    assert fp.horizon(pods, seq, nodes.gpu_capacity) == len(seq)

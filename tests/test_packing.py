@@ -206,7 +206,7 @@ def test_stranded_counts_free_gpus_behind_cpu_and_memory_no_gpu_type_fits():
 
 
 def test_make_policy_names():
-    for name in ("random", "bestfit", "fgd", "gpupool"):
+    for name in ("random", "bestfit", "fgd", "gpupool", "gpupool-count"):
         assert make_policy(name, ()).name == name
     ablation = make_policy("gpupool-cap", ())
     assert (ablation.scarcity, ablation.stranded) == (False, False)
@@ -229,3 +229,32 @@ def test_stranded_keeps_a_pod_off_a_node_whose_last_cores_it_would_take():
     ours.bind(st)
     assert ours.stranded_increase(np.array([0, 1]), pod).tolist() == [1000, 0]
     assert choose(st, pod, ours, prio, rng).node == 1
+
+
+def test_demand_coverage_adds_rare_multi_gpu_types_that_hold_the_gpus():
+    """95 one-GPU pods of two shapes and 5 eight-GPU pods: by count the 8-GPU type (5 % of pods) is left out, by
+    GPU demand (40 of 117.5 GPUs) it is not; the pods' own types are not repeated, and weights stay counts."""
+    from agents.sim.packing import typical_pods, with_demand_types
+    pods = [PodRequest(4000, 1024, 1, 1000)] * 60 + [PodRequest(2000, 1024, 1, 500)] * 35 \
+        + [PodRequest(64000, 1024, 8, 1000)] * 5
+    typical = typical_pods(pods)
+    assert [(t.num_gpu, t.weight) for t in typical] == [(1, 60), (1, 35)]
+    got = with_demand_types(pods, typical)
+    assert got[:2] == typical and [(t.num_gpu, t.cpu_milli, t.weight) for t in got[2:]] == [(8, 64000, 5)]
+    assert with_demand_types(pods, got) == got
+    assert make_policy("gpupool-demand-all", typical, pods).typical == got
+    assert make_policy("gpupool-count", typical, pods).typical == typical
+    # Pressure: the 8-GPU type is 40 of the 117.5 GPUs of demand (0.34); one 8-GPU node among 2-GPU ones holds 8 of
+    # the 48 GPUs (0.17) that could host it: 0.34 / 0.17 = 2.04, so it joins at the default bar (0.1) and at 2, not
+    # at 2.1.
+    # With no node that could host it, it never joins.
+    few = ClusterState([64000] * 1 + [8000] * 20, [1 << 20] * 21, [8] + [2] * 20, ["T4"] * 21)
+    assert with_demand_types(pods, typical, state=few) == got
+    assert with_demand_types(pods, typical, state=few, pressure=2.1) == typical
+    assert with_demand_types(pods, typical, state=few, pressure=2.0) == got
+    none = ClusterState([8000] * 4, [1 << 20] * 4, [2] * 4, ["T4"] * 4)
+    assert with_demand_types(pods, typical, state=none, pressure=0.0) == typical
+    policy = make_policy("gpupool", typical, pods)
+    assert policy.typical == typical
+    policy.bind(few)
+    assert policy.typical == got

@@ -98,3 +98,27 @@ def test_live_weights_scale_with_how_scarce_a_shapes_hosts_are():
                                                  time_ms=1)))
     w.fleet(index)
     assert w.version() != before and w.multiplier(big) == 40 * 1000 // 16
+
+
+def test_a_rare_many_card_shape_is_typical_because_it_holds_the_gpu_demand():
+    """95 one-card requests and 5 eight-card ones: by count the 8-card shape is 5 % (left out at 95 % coverage), by
+    cards it is 40 of 135. It is a typical shape, so breaking the only 8-card node for a one-card job is priced."""
+    views, index = {}, NodeIndex()
+    for name, cards in (("small", 2), ("big", 8)):
+        views[name] = node_view.evolve(None, envelope(inventory(name, gpus=cards), source=f"{name}/inv", seq=1,
+                                                      time_ms=1))
+        index.update(views[name])
+    w = Workload()
+    for i in range(95):
+        w.observe(job(f"s{i}", compute=1000))
+    for i in range(5):
+        w.observe(job(f"b{i}", compute=8000))
+    assert sorted(s.cards for s in w.shapes("A100-80GB")) == [1]  # no fleet known: no pressure to judge
+    w.fleet(index)  # 8 of the 10 cards could host the 8-card shape; its 40 of 135 cards of demand are >= 1/10 of 8
+    assert sorted(s.cards for s in w.shapes("A100-80GB")) == [1, 8]
+    got = place(index, views, job("new", compute=1000), w)
+    assert isinstance(got, Placement) and got.node == "small"
+    forced = place(index, views, job("new", compute=1000), w, exclude=frozenset({"small"}))
+    assert isinstance(forced, Placement) and forced.node == "big"
+    # the 8-card shape loses the big node's other 7 cards: a fragmentation increase, where the small node's is not
+    assert forced.reasons[0].data["frag_delta_milli"] > 0 >= got.reasons[0].data["frag_delta_milli"]

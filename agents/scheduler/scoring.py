@@ -13,7 +13,8 @@ node's free CPU and memory can still host -- and everything else counts as fragm
 that no typical type fits any more count once more in full (lost to every later job, not only the next). Among fitting
 nodes the one whose placement adds the least fragmentation wins. Types weigh their count times how scarce their hosts
 are (see `Workload`), as in the offline policy. Typical types are learned from the requests the scheduler has seen
-(most frequent shapes first). Integer arithmetic throughout.
+(most frequent shapes first, then the shapes that hold most of the GPU demand, so a rare many-card shape is one of
+them). Integer arithmetic throughout.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from schemas.gpu_models import model, share_for
 
 _BIG = 1 << 40
 SCARCITY_SCALE = 1000
+DEMAND_PRESSURE_INV = 10  # a shape joins by GPU demand where that demand is >= 1/10 of its hosts' cards
 
 
 @dataclass(frozen=True)
@@ -79,19 +81,21 @@ class Workload:
             self._fleet_version = index.hosts_version
             self._hosts = Counter(index.hosts.values())
             self._multiplier, self._per_model = {}, {}
+            self._typical_at = 0  # which shapes join by demand depends on the hosts
             self._epoch += 1
+
+    def _hosting(self, shape: tuple) -> int:
+        """Cards on nodes whose inventory could host the shape."""
+        compute, gpu_mem, cpu, host = shape
+        return sum(sum(c for _, c in per_model) * n for (per_model, hcpu, hmem), n in self._hosts.items()
+                   if cpu <= hcpu and host <= hmem and any(cards_needed(compute, gpu_mem, m) <= c
+                                                           for m, c in per_model))
 
     def multiplier(self, shape: tuple) -> int:
         got = self._multiplier.get(shape)
         if got is None:
-            compute, gpu_mem, cpu, host = shape
-            total = hosting = 0
-            for (per_model, hcpu, hmem), n in self._hosts.items():
-                cards = sum(c for _, c in per_model)
-                total += cards * n
-                if cpu <= hcpu and host <= hmem and any(
-                        cards_needed(compute, gpu_mem, m) <= c for m, c in per_model):
-                    hosting += cards * n
+            total = sum(sum(c for _, c in per_model) * n for (per_model, _, _), n in self._hosts.items())
+            hosting = self._hosting(shape)
             got = self._multiplier[shape] = total * SCARCITY_SCALE // hosting if hosting else SCARCITY_SCALE
         return got
 
@@ -132,6 +136,21 @@ class Workload:
                     break
                 out.append((shape, n))
                 covered += n
+            # Then the shapes that hold the GPU demand (count x compute, largest first) up to the same coverage: a
+            # rare 8-card shape is few requests but many cards, and without it nothing keeps 8-card nodes whole.
+            # Only where that demand is at least a tenth of the cards that could host the shape (multiplier = C / S
+            # x 1000): d / D >= S / C / 10. Hosts with room to spare are not worth keeping whole for it.
+            have, added = {shape for shape, _ in out}, 0
+            demand = sum(n * shape[0] for shape, n in self.counts.items())
+            covered = 0
+            for shape, n in sorted(self.counts.items(), key=lambda kv: (-kv[1] * kv[0][0], kv[0])):
+                if covered * 100 >= self.coverage_pct * demand or added >= self.max_types or not shape[0]:
+                    break
+                covered += n * shape[0]
+                if shape not in have and self._hosts and self._hosting(shape) and \
+                        n * shape[0] * self.multiplier(shape) * DEMAND_PRESSURE_INV >= demand * SCARCITY_SCALE:
+                    out.append((shape, n))
+                    added += 1
             self._typical, self._typical_at, self._per_model = tuple(out), self.total, {}
             self._epoch += 1
 

@@ -7,8 +7,9 @@
 ``run`` writes one JSON file per (fleet, workload, policy) into DIR (fgd_protocol's summary, plus the wall time and
 the commit it ran at) and skips those already there, so an interrupted sweep resumes. Names are the file stems, with
 openb's own files shortened: openb_node_list_gpu_node -> openb, openb_pod_list_default -> default.
-``table`` prints one markdown table per fleet: allocation at 100 % and 130 % arrived per workload and policy, the
-paired per-seed difference to ``--against`` at 130 % with its standard error, and the seeds won.
+``table`` prints one markdown table per fleet: allocation at 100 % and 130 % arrived per workload and policy, and for
+each ``--against`` baseline the paired per-seed difference at 130 % (with its standard error) and at 100 %, and the
+seeds won at each.
 """
 
 from __future__ import annotations
@@ -95,27 +96,33 @@ def paired(ours: dict, base: dict, x: int = 130) -> tuple[float, float, int, int
     return float(d.mean()), se, int((d > 0).sum()), len(d)
 
 
-def fleet_table(results: dict, fleet: str, workloads: Sequence[str], policies: Sequence[str], against: str) -> str:
-    lines = ["| workload | " + " | ".join(f"{p} @100 / @130" for p in policies)
-             + f" | {policies[0]} − {against} @130 (SE) | wins | {policies[0]} − {against} @100 |",
-             "|---|" + "---|" * (len(policies) + 3)]
+def fleet_table(results: dict, fleet: str, workloads: Sequence[str], policies: Sequence[str],
+                against: str | Sequence[str]) -> str:
+    bases = [against] if isinstance(against, str) else list(against)
+    ours_name = policies[0]
+    head = ["workload"] + [f"{p} @100 / @130" for p in policies]
+    for b in bases:
+        head += [f"{ours_name} − {b} @130 (SE)", f"wins vs {b} @130", f"{ours_name} − {b} @100", f"wins vs {b} @100"]
+    lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
     for w in workloads:
         row = [w]
         for p in policies:
             r = results.get((fleet, w, p))
             row.append(f"{r['allocation_pct_at_100']:.2f} / {r['allocation_pct_at_130']:.2f}" if r else "—")
-        ours, base = results.get((fleet, w, policies[0])), results.get((fleet, w, against))
-        if ours and base:
-            d, se, wins, n = paired(ours, base)
-            d100 = paired(ours, base, 100)[0]
-            row += [f"{d:+.2f} ({se:.2f})", f"{wins}/{n}", f"{d100:+.2f}"]
-        else:
-            row += ["—", "—", "—"]
+        ours = results.get((fleet, w, ours_name))
+        for b in bases:
+            base = results.get((fleet, w, b))
+            if ours and base:
+                d, se, wins, n = paired(ours, base)
+                d100, _, wins100, _ = paired(ours, base, 100)
+                row += [f"{d:+.2f} ({se:.2f})", f"{wins}/{n}", f"{d100:+.2f}", f"{wins100}/{n}"]
+            else:
+                row += ["—"] * 4
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 
 
-def tables(out: Path, policies: Sequence[str], against: str) -> str:
+def tables(out: Path, policies: Sequence[str], against: str | Sequence[str]) -> str:
     results = load_results(out)
     fleets = sorted({f for f, _, _ in results})
     order = ("default", "gpushare20", "gpushare40", "gpushare60", "gpushare80", "gpushare100",
@@ -146,7 +153,7 @@ def run_cli(argv: list[str]) -> int:
     t = sub.add_parser("table")
     t.add_argument("out")
     t.add_argument("--policies", nargs="+", default=["gpupool", "fgd", "bestfit"])
-    t.add_argument("--against", default="fgd")
+    t.add_argument("--against", nargs="+", default=["fgd"], help="baselines for the paired margins and wins")
     try:
         args = p.parse_args(argv)
     except SystemExit as exc:
