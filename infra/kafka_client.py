@@ -45,3 +45,11 @@ async def consume_commands(conn, group_id: str, stopping: asyncio.Event, execute
                 await consumer.commit()
     finally:
         await stop_consumer(consumer)
+
+
+def partition_of(key: bytes, partitions: int) -> int:
+    """The partition Kafka's default partitioner (murmur2, as the Java client and aiokafka) gives `key`: where a
+    node's records are, so which worker owns the node."""
+    from aiokafka.partitioner import murmur2
+
+    return (murmur2(key) & 0x7FFFFFFF) % partitions
