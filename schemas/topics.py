@@ -22,13 +22,32 @@ class TopicSpec:
     writer: str = "service"  # the one role whose principals may write it (infra/principals.py turns this into ACLs)
     log_append_time: bool = False  # the broker stamps each record's time: readers take time from the log
 
-    def config(self) -> dict[str, str]:
-        cfg = {"cleanup.policy": self.cleanup}
+    def replication(self, brokers: int) -> "Replication":
+        return replication(brokers)
+
+    def config(self, brokers: int = 1) -> dict[str, str]:
+        cfg = {"cleanup.policy": self.cleanup, "min.insync.replicas": str(replication(brokers).min_insync)}
         if self.cleanup == "delete":
             cfg["retention.ms"] = str(self.retention_ms)
         if self.log_append_time:
             cfg["message.timestamp.type"] = "LogAppendTime"
         return cfg
+
+
+@dataclass(frozen=True)
+class Replication:
+    factor: int
+    min_insync: int
+
+
+def replication(brokers: int) -> Replication:
+    """How many copies each partition keeps on a cluster of `brokers`: three where there are three or more (and a
+    write, acks=all, needs two in sync: one broker may fail without losing an acknowledged record or stopping the
+    writers), else one each on the brokers there are."""
+    if brokers < 1:
+        raise ValueError("a cluster has at least one broker")
+    factor = min(3, brokers)
+    return Replication(factor, 2 if factor >= 3 else 1)
 
 
 # Written by node agents (role `node`)
