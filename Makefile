@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install kafka up down bench clean
+.PHONY: demo test acceptance install kafka browser up down bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -20,8 +20,24 @@ kafka: $(STAMP)
 demo: kafka
 	$(BIN)/gpupool demo
 
-test: kafka
-	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+# The dashboard's tests drive Debian's chromium headless (tests/browser.py). Installed here when missing: with
+# apt-get as root; otherwise this says what to install and the browser tests fail saying the same.
+browser:
+	@if command -v chromium >/dev/null 2>&1 || [ -n "$$GPUPOOL_CHROMIUM" ]; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	  echo "installing Debian's chromium for the dashboard's browser tests (apt-get)"; \
+	  (apt-get install -y -qq chromium fonts-dejavu-core >/dev/null 2>&1 || \
+	   (apt-get update -qq && apt-get install -y -qq chromium fonts-dejavu-core >/dev/null)) || \
+	  echo "WARNING: apt-get could not install chromium; the browser tests will fail (set GPUPOOL_CHROMIUM)"; \
+	else echo "WARNING: no chromium and no apt-get as root: install Debian's chromium (or set GPUPOOL_CHROMIUM to a"; \
+	  echo "         Chromium/Chrome binary); the dashboard's browser tests fail without one"; fi
+
+test: kafka browser
+	$(BIN)/python -m pytest -q -p no:cacheprovider --ignore=tests/acceptance tests
+
+# seed 004's four acceptance groups against a live stack of their own; the report a buyer reads lands in docs/acceptance
+acceptance: kafka
+	$(BIN)/gpupool acceptance report --out docs/acceptance
 
 up: kafka
 	$(BIN)/gpupool up

@@ -24,16 +24,17 @@ replay --verify
       * --from/--to restrict the comparison to outputs whose event time lies in [from, to); the replay itself
         always starts at offset 0, since the scheduler's state depends on everything before the window.
 
-export --tenant T --out DIR
-    One CSV and one JSON file per section (resources, jobs, quota, decisions, faults, usage) and manifest.json with
-    row counts and a sha256 per file.
+export --tenant T --out DIR [--from T --to T]
+    The tenant's evidence pack for the period (agents/evidence.py): a CSV and a JSON file per section, a summary, the
+    result of the verification above run over the period, and a manifest of SHA-256 hashes signed with ed25519.
+
+verify-export DIR [--pubkey FILE]
+    Checks the pack: every file's hash, no file missing or added, the manifest's signature.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
-import csv
-import hashlib
 import json
 import sys
 import time
@@ -227,16 +228,12 @@ def replay_records(values: list[tuple[int, bytes | None, int]], progress=None) -
 # ---------------------------------------------------------------- reading the log
 
 
-def _progress_printer(label: str):
-    state = {"next": 10}
+def _replay(inputs):
+    """Replay with progress on stderr: a bar on a terminal, a line at each tenth otherwise."""
+    from infra.progress import Bar
 
-    def show(done: int, total: int) -> None:
-        pct = 100 * done // total if total else 100
-        while pct >= state["next"]:
-            print(f"{label}: {state['next']}% ({done}/{total})", file=sys.stderr, flush=True)
-            state["next"] += 10
-
-    return show
+    with Bar("replay") as bar:
+        return replay_records(inputs, bar)
 
 
 async def _committed(conn, group: str, topic: str, partition: int = 0) -> int:
@@ -294,6 +291,13 @@ def _usage_rows(client) -> list[dict]:
 
 
 def verify(cfg, window: tuple[int | None, int | None]) -> int:
+    report = verification(cfg, window)
+    print("\n".join(report["lines"]))
+    return 0 if report["ok"] else 1
+
+
+def verification(cfg, window: tuple[int | None, int | None]) -> dict:
+    """Replay the log and compare (the module's docstring): the report as data, its lines as printed."""
     from agents.client import Client
 
     t0 = time.monotonic()
@@ -301,7 +305,7 @@ def verify(cfg, window: tuple[int | None, int | None]) -> int:
     committed, recorded, inputs = read_log(client.conn())
     print(f"scheduler input: {len(inputs)} records, scheduler committed offset {committed}; "
           f"recorded outputs read: {len(recorded)}", file=sys.stderr)
-    replayed = replay_records(inputs, _progress_printer("replay"))
+    replayed = _replay(inputs)
     outputs = compare_outputs(replayed, recorded, committed, window)
 
     # The bill: which replay usage events the sink must have written.
@@ -337,23 +341,16 @@ def verify(cfg, window: tuple[int | None, int | None]) -> int:
         lines.append(f"  note: {len(pending)} replay usage event(s) not yet acknowledged by the sink, not compared")
     ok = outputs.ok and bill.ok
     lines.append(f"audit replay --verify: {'OK' if ok else 'MISMATCH'} ({time.monotonic() - t0:.1f} s)")
-    print("\n".join(lines))
-    return 0 if ok else 1
+    from agents.evidence import iso
+
+    return {"ok": ok, "lines": lines, "ran_at": iso(time.time_ns() // 1_000_000),
+            "window": {"from": iso(window[0]), "to": iso(window[1])}, "input_records": len(inputs),
+            "committed_offset": committed, "outputs_compared": outputs.compared, "usage_compared": bill.compared,
+            "missing": len(outputs.missing) + len(bill.missing), "extra": len(outputs.extra) + len(bill.extra),
+            "different": len(outputs.different) + len(bill.different)}
 
 
 # ---------------------------------------------------------------- export
-
-
-def _write_section(out: Path, name: str, columns: list[str], rows: list[list]) -> dict:
-    csv_path, json_path = out / f"{name}.csv", out / f"{name}.json"
-    with csv_path.open("w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(columns)
-        w.writerows(rows)
-    json_path.write_bytes(orjson.dumps([dict(zip(columns, r)) for r in rows], default=str,
-                                       option=orjson.OPT_INDENT_2))
-    sha = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in (csv_path, json_path)}
-    return {"rows": len(rows), "columns": columns, "files": sha}
 
 
 def _read_envelopes(conn, specs) -> list[tuple[str, int, int, Envelope]]:
@@ -375,94 +372,36 @@ def _read_envelopes(conn, specs) -> list[tuple[str, int, int, Envelope]]:
     return out
 
 
-TENANT_JOBS = "SELECT DISTINCT job_id FROM gpupool.events FINAL WHERE kind = 'job.requested' AND tenant = {t:String}"
-
-
-def export(cfg, tenant: str, out: Path) -> int:
+def export(cfg, tenant: str, out: Path, window: tuple[int | None, int | None], key: Path | None) -> int:
+    """The tenant's evidence pack for the period (agents/evidence.py), with the verification run over it."""
+    from agents import evidence
     from agents.client import Client
 
     client = Client(cfg)
-    query = client.sql
-    out.mkdir(parents=True, exist_ok=True)
-    sections: dict[str, dict] = {}
-    records = _read_envelopes(client.conn(), (INVENTORY, NODE_CONTROL))
-
+    facts = _read_envelopes(client.conn(), (INVENTORY, NODE_CONTROL))
     latest: dict[str, Envelope] = {}
-    for _, _, _, env in records:
+    for _, _, _, env in facts:
         if env.kind == "node.inventory":
             cur = latest.get(env.payload.node)
             if cur is None or (env.event_time_ms, env.seq) >= (cur.event_time_ms, cur.seq):
                 latest[env.payload.node] = env
-    res_cols = ["node", "rack", "datacenter", "node_cpu_milli", "node_memory_mib", "gpu_uuid", "gpu_index",
-                "gpu_model", "gpu_memory_mib", "mig_enabled", "driver_version", "cuda_version", "inventory_event_id",
-                "inventory_time_ms"]
-    res_rows = []
-    for name in sorted(latest):
-        env = latest[name]
-        p = env.payload
-        for g in p.gpus:
-            res_rows.append([p.node, p.rack, p.datacenter, p.cpu_milli, p.memory_mib, g.uuid, g.index, g.model,
-                             g.memory_mib, g.mig_enabled, g.driver_version, g.cuda_version, env.event_id,
-                             env.event_time_ms])
-    sections["resources"] = _write_section(out, "resources", res_cols, res_rows)
+    report = verification(cfg, window)
+    summary = evidence.write_pack(client, tenant, out, window[0], window[1], report,
+                                  evidence.signing_key(cfg.home, key), list(latest.values()),
+                                  [f for f in facts if f[3].kind != "node.inventory"])
+    print(json.dumps({"out": str(out), "verified": report["ok"], **summary["sections"]}))
+    return 0 if report["ok"] else 1
 
-    cols, rows = query("SELECT event_time_ms, kind, job_id, node, command_id, source, event_id, topic, "
-                            "partition, offset, payload FROM gpupool.events FINAL WHERE job_id IN (" + TENANT_JOBS +
-                            ") ORDER BY event_time_ms, topic, partition, offset", {"t": tenant})
-    sections["jobs"] = _write_section(out, "jobs", cols, rows)
 
-    cols, rows = query("SELECT event_time_ms, kind, tenant, project, job_id, quota_milli, used_milli, "
-                            "borrowed_milli, milli, overcommit_pct, event_id FROM gpupool.quota_events FINAL "
-                            "WHERE tenant = {t:String} ORDER BY event_time_ms, event_id", {"t": tenant})
-    sections["quota"] = _write_section(out, "quota", cols, rows)
+def verify_export(directory: Path, pubkey: Path | None) -> int:
+    from agents.evidence import verify_pack
 
-    cols, rows = query("SELECT event_time_ms, kind, job_id, command_id, node, reasons, event_id "
-                            "FROM gpupool.scheduling FINAL WHERE job_id IN (" + TENANT_JOBS + ") "
-                            "ORDER BY event_time_ms, event_id", {"t": tenant})
-    sections["decisions"] = _write_section(out, "decisions", cols, rows)
-
-    fault_cols = ["event_time_ms", "kind", "node", "gpu_uuid", "state", "reason", "source", "event_id", "topic",
-                  "partition", "offset"]
-    fault_rows = []
-    for topic, part, off, env in records:
-        p = env.payload
-        if env.kind == "gpu.health":
-            row = [p.node, p.gpu_uuid, "healthy" if p.healthy else "unhealthy", p.reason]
-        elif env.kind == "node.liveness":
-            row = [p.node, "", "alive" if p.alive else "down", f"last heartbeat {p.last_heartbeat_ms}"]
-        elif env.kind == "node.cordon":
-            row = [p.node, "", ("cordoned" + (", drain" if p.drain else "")) if p.cordoned else "uncordoned",
-                   p.reason]
-        else:
-            continue
-        fault_rows.append([env.event_time_ms, env.kind, *row, env.source, env.event_id, topic, part, off])
-    fault_rows.sort(key=lambda r: (r[0], r[7]))
-    sections["faults"] = _write_section(out, "faults", fault_cols, fault_rows)
-
-    # Who did what, when: every request the gateway let in for this tenant, with its authenticated principal, and the
-    # operators' node actions (they concern every tenant).
-    cols, rows = query("SELECT formatDateTime(fromUnixTimestamp64Milli(toInt64(event_time_ms)), '%FT%T.%fZ', 'UTC') "
-                       "AS at, actor, kind, multiIf(job_id != '', job_id, JSONExtractString(payload, 'reservation_id') != '', "
-                       "JSONExtractString(payload, 'reservation_id'), JSONExtractString(payload, 'service_id') != '', "
-                       "JSONExtractString(payload, 'service_id'), node != '', node, tenant) AS subject, "
-                       "tenant, event_id FROM gpupool.events FINAL WHERE actor != '' AND (tenant = {t:String} OR "
-                       "kind IN ('node.cordon', 'gpu.health')) ORDER BY event_time_ms, event_id", {"t": tenant})
-    sections["actions"] = _write_section(out, "actions", cols, rows)
-
-    cols, rows = query(f"SELECT {', '.join(COLUMNS['usage'])} FROM gpupool.usage FINAL "
-                            "WHERE tenant = {t:String} ORDER BY end_ms, event_id", {"t": tenant})
-    sections["usage"] = _write_section(out, "usage", cols, rows)
-
-    manifest = {"tenant": tenant, "generated_at_ms": int(time.time() * 1000), "bootstrap": cfg.bootstrap,
-                "scope": {"resources": "cluster (latest node.inventory per node)",
-                          "faults": "cluster (gpu.health, node.liveness, node.cordon from the topics)",
-                          "jobs": "every event of the tenant's jobs", "quota": "tenant", "decisions": "tenant's jobs",
-                          "actions": "who did what, when: the tenant's requests and operators' node actions",
-                          "usage": "tenant"},
-                "sections": sections}
-    (out / "manifest.json").write_bytes(orjson.dumps(manifest, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS))
-    print(json.dumps({k: v["rows"] for k, v in sections.items()}))
-    return 0
+    problems = verify_pack(directory, pubkey)
+    for p in problems:
+        print(p)
+    print(f"audit verify-export {directory}: {'OK' if not problems else 'FAILED'}"
+          + ("" if pubkey else " (signed by the key in the manifest; pass --pubkey to check who signed)"))
+    return 0 if not problems else 1
 
 
 # ---------------------------------------------------------------- entry
@@ -475,9 +414,16 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--verify", action="store_true", help="compare with the recorded outputs and the bill")
     r.add_argument("--from", dest="since", help="ISO time or epoch ms: compare outputs from this event time")
     r.add_argument("--to", dest="until", help="ISO time or epoch ms: compare outputs before this event time")
-    e = sub.add_parser("export", help="governance evidence for one tenant")
+    e = sub.add_parser("export", help="a tenant's evidence pack for a period: sections, summary, verification, "
+                                      "a signed manifest")
     e.add_argument("--tenant", required=True)
     e.add_argument("--out", required=True)
+    e.add_argument("--from", dest="since", help="ISO time or epoch ms (default: the beginning)")
+    e.add_argument("--to", dest="until", help="ISO time or epoch ms (default: now)")
+    e.add_argument("--key", help="ed25519 private key (PEM) to sign with (default: the pool's evidence key)")
+    v = sub.add_parser("verify-export", help="check an evidence pack's hashes and signature")
+    v.add_argument("directory")
+    v.add_argument("--pubkey", help="the pool's evidence public key (PEM) the pack must be signed with")
     return p
 
 
@@ -500,11 +446,14 @@ def _run_audit(cfg, argv: list[str]) -> int:
             from agents.client import Client
 
             committed, _, inputs = read_log(Client(cfg).conn())
-            outs = replay_records(inputs, _progress_printer("replay"))
+            outs = _replay(inputs)
             print(f"replayed {len(inputs)} input records (committed {committed}): {len(outs)} outputs")
             return 0
         return verify(cfg, (parse_time(args.since), parse_time(args.until)))
-    return export(cfg, args.tenant, Path(args.out))
+    if args.action == "verify-export":
+        return verify_export(Path(args.directory), Path(args.pubkey) if args.pubkey else None)
+    return export(cfg, args.tenant, Path(args.out), (parse_time(args.since), parse_time(args.until)),
+                  Path(args.key) if args.key else None)
 
 
 if __name__ == "__main__":

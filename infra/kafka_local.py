@@ -43,10 +43,15 @@ def fetch(home: Path, quiet: bool = False) -> Path:
     pom.write_text(resources.files("infra").joinpath("kafka-pom.xml").read_text())
     tmp = work / "libs.partial"
     shutil.rmtree(tmp, ignore_errors=True)
-    if not quiet:
-        print(f"fetching Apache Kafka and its dependencies from Maven Central into {libs} ...", file=sys.stderr)
-    subprocess.run(["mvn", "-q", "-B", "-f", str(pom), "dependency:copy-dependencies", "-DincludeScope=runtime",
-                    f"-DoutputDirectory={tmp}"], check=True)
+    from contextlib import nullcontext
+
+    from infra.progress import status
+
+    argv = ["mvn", "-q", "-B", "-f", str(pom), "dependency:copy-dependencies", "-DincludeScope=runtime",
+            f"-DoutputDirectory={tmp}"]
+    with nullcontext() if quiet else status(f"fetching Apache Kafka and its dependencies from Maven Central into "
+                                            f"{libs}"):
+        subprocess.run(argv, check=True)
     tmp.rename(libs)  # atomic: a half-finished fetch never looks complete
     return libs
 

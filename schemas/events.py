@@ -509,6 +509,67 @@ class UsageAccrued(Frozen):
     attempt: NonNeg = 0  # the run (placement) it bills: a run's intervals follow each other without overlap
 
 
+# ---------------------------------------------------------------- telemetry history (docs/observability.md)
+
+class JobMinute(Frozen):
+    """What one job took of one card (or MIG instance) in one minute: the card's samples that named it, and its
+    part of the card's utilization and memory (a sample naming n jobs gives each 1/n of it)."""
+    job_id: Ident
+    tenant: str = ""
+    tier: str = ""  # the job's tier when the worker knew it ("" otherwise)
+    samples: Pos
+    util_permille: NonNeg  # mean over the minute's samples, permille of the card (1000 = 100 % busy)
+    mem_used_mib: NonNeg  # mean
+
+
+class CardMinute(Frozen):
+    """One card's (or one MIG instance's) minute: mean and max of each gauge, the ECC counters' latest values."""
+    gpu_uuid: Ident
+    mig_uuid: str = ""  # "" for the whole card
+    gpu_model: str = ""
+    samples: Pos
+    util_mean_permille: NonNeg
+    util_max_pct: Annotated[int, Field(ge=0, le=100)]
+    mem_used_mean_mib: NonNeg
+    mem_used_max_mib: NonNeg
+    mem_total_mib: NonNeg
+    temperature_mean_c: int = 0
+    temperature_max_c: int = 0
+    power_mean_mw: NonNeg = 0
+    power_max_mw: NonNeg = 0
+    ecc_corrected: NonNeg = 0
+    ecc_uncorrected: NonNeg = 0
+    xid_errors: tuple[int, ...] = ()
+    jobs: tuple[JobMinute, ...] = ()
+
+
+class TelemetryMinute(Frozen):
+    """One node's closed minute of telemetry, downsampled by the worker's fold (streams/telemetry_history.py) on the
+    log's time: the minute [minute_ms, minute_ms + 60 s) of broker append times of its telemetry records."""
+    kind: Literal["telemetry.minute"] = "telemetry.minute"
+    node: Ident
+    datacenter: str = ""
+    minute_ms: NonNeg
+    cards: tuple[CardMinute, ...]
+
+
+class PoolMinute(Frozen):
+    """The pool at the end of one minute of log time, as the worker's node and job views held it: capacity,
+    allocation, free and fragmented GPU milli (FGD's measure, streams/cluster_metrics.py), by card model too, and the
+    queue by tier (jobs waiting, and how long the longest has waited)."""
+    kind: Literal["pool.minute"] = "pool.minute"
+    worker: Ident  # the worker that measured it (one per pool)
+    minute_ms: NonNeg
+    capacity_milli: NonNeg
+    allocated_milli: NonNeg
+    free_milli: NonNeg
+    fragmentation_milli: NonNeg
+    allocated_milli_by_model: dict[str, int] = {}
+    capacity_milli_by_model: dict[str, int] = {}
+    queue_by_tier: dict[str, int] = {}
+    oldest_wait_ms_by_tier: dict[str, int] = {}
+
+
 # ---------------------------------------------------------------- lifecycle (issue #13)
 
 class NodeRemoved(Frozen):
@@ -559,7 +620,7 @@ Event = Annotated[
         ReservationRequested, ReservationCancelled, ReservationDecided,
         ServiceDeclared, ServiceRemoved, InferenceLoad, ServiceScaled,
         QuotaSet, QuotaChanged, QuotaBorrowed, QuotaReturned, UsageAccrued, PriceSet,
-        NodeRemoved, JobInterrupted, QuotaRejected,
+        NodeRemoved, JobInterrupted, QuotaRejected, TelemetryMinute, PoolMinute,
     ],
     Field(discriminator="kind"),
 ]

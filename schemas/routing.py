@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from schemas.envelope import Envelope
 from schemas.topics import (
-    COMMANDS, DECISIONS, INVENTORY, JOB_EVENTS, JOB_REQUESTS, LEDGER, NODE_CONTROL, PRINCIPALS, TELEMETRY, TopicSpec,
+    COMMANDS, DECISIONS, INVENTORY, JOB_EVENTS, JOB_REQUESTS, LEDGER, NODE_CONTROL, PRINCIPALS, TELEMETRY,
+    TELEMETRY_MINUTES, TopicSpec,
 )
 
 _BY_KIND: dict[str, TopicSpec] = {
@@ -24,6 +25,8 @@ _BY_KIND: dict[str, TopicSpec] = {
     # the ledger
     "quota.set": LEDGER, "quota.changed": LEDGER, "quota.borrowed": LEDGER, "quota.returned": LEDGER,
     "usage.accrued": LEDGER, "price.set": LEDGER, "quota.rejected": LEDGER,
+    # the worker's downsampled telemetry history
+    "telemetry.minute": TELEMETRY_MINUTES, "pool.minute": TELEMETRY_MINUTES,
     "principal.registered": PRINCIPALS, "principal.removed": PRINCIPALS,
 }
 
@@ -40,8 +43,8 @@ def at_home(env: Envelope, topic: str) -> bool:
 
 def key_of(env: Envelope, spec: TopicSpec) -> bytes:
     p = env.payload
-    if spec in (INVENTORY, TELEMETRY, COMMANDS, NODE_CONTROL):
-        key = getattr(p, "node", None) or getattr(p, "to_node", "")
+    if spec in (INVENTORY, TELEMETRY, COMMANDS, NODE_CONTROL, TELEMETRY_MINUTES):
+        key = getattr(p, "node", None) or getattr(p, "to_node", None) or getattr(p, "worker", "")
     elif spec in (JOB_REQUESTS, JOB_EVENTS, DECISIONS):
         key = (getattr(p, "job_id", None) or getattr(p, "reservation_id", None) or getattr(p, "service_id", None)
                or getattr(p, "subject", None) or getattr(p, "request_id", ""))

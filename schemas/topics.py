@@ -60,6 +60,10 @@ JOB_EVENTS = TopicSpec("gpupool.job-events", 4, key="job id", writer="node")  # 
 JOB_REQUESTS = TopicSpec("gpupool.job-requests", 4, key="job id")
 DECISIONS = TopicSpec("gpupool.decisions", 4, key="job id")  # pending reasons, rejections, reservation/service answers
 NODE_CONTROL = TopicSpec("gpupool.node-control", 8, key="node id")  # cordon/drain, card health, liveness
+# History a minute at a time, measured by the worker (docs/observability.md): telemetry downsampled per card
+# (telemetry.minute, keyed by node) and the pool's allocation, fragmentation and queue (pool.minute, keyed by worker).
+# The sink writes them to ClickHouse, which keeps them as long as this topic does.
+TELEMETRY_MINUTES = TopicSpec("gpupool.telemetry-minutes", 8, key="node id", retention_ms=30 * DAY_MS)
 # One partition: the scheduler needs a single, totally ordered, replayable input (docs/architecture.md); its clock is
 # the broker's append time of each record, so no producer's clock moves it.
 SCHEDULER_INPUT = TopicSpec("gpupool.scheduler-input", 1, key="source", log_append_time=True)
@@ -81,7 +85,7 @@ JOB_VIEW_CHANGELOG = TopicSpec("gpupool-job-view-changelog", 4, key="job id", cl
 # them; job-requests, decisions and job-events likewise.
 ALL_TOPICS: tuple[TopicSpec, ...] = (
     INVENTORY, TELEMETRY, JOB_EVENTS, JOB_REQUESTS, DECISIONS, NODE_CONTROL, SCHEDULER_INPUT, COMMANDS, LEDGER,
-    DEAD_LETTERS, CLOCK, PRINCIPALS, NODE_VIEW_CHANGELOG, JOB_VIEW_CHANGELOG,
+    DEAD_LETTERS, CLOCK, PRINCIPALS, NODE_VIEW_CHANGELOG, JOB_VIEW_CHANGELOG, TELEMETRY_MINUTES,
 )
 
 INBOX_PREFIX = "gpupool.in."

@@ -36,11 +36,21 @@ ENDPOINTS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "/api/billing": ("GET", ("tenant", "finance", "operator", "auditor"), "GPU-seconds (a tenant: its own bill)"),
     "/api/sql": ("POST", ("finance", "auditor", "operator"), "one read-only statement under ClickHouse's limits"),
     "/api/principals": ("GET", ("operator", "auditor"), "who is who (names, roles, tenants; never secrets)"),
+    "/api/telemetry": ("GET", ALL_READERS, "utilization and memory per minute from telemetry, by workload, tenant or "
+                       "card model (a tenant: its own jobs' use only)"),
+    "/api/pool": ("GET", ALL_READERS, "the pool per minute: capacity, allocation, fragmentation, queue and wait by "
+                  "tier (no job names)"),
+    "/api/service": ("GET", ("tenant", "operator", "auditor", "service"),
+                     "an inference service's latency and QPS over time and its elastic actions, latency before vs "
+                     "after each; without `service`, the services (a tenant: its own)"),
     "/cluster/": ("GET", ALL_READERS, "allocation, fragmentation and free capacity (no job names)"),
     "/stats/": ("GET", ("operator", "auditor", "service"), "the worker's counters"),
     "/internal/views": ("GET", ("service",),
                         "this worker's partitions of the node and job views (workers answer for the whole pool by "
                         "asking each other)"),
+    "/metrics": ("GET", ("operator", "auditor", "service"), "Prometheus metrics (text exposition format)"),
+    "/ui/": ("GET", (), "the dashboard's static files: code, no data (no token needed; every request they make "
+             "carries the signed-in principal's token)"),
 }
 
 OTHER_JOB = "a job of another tenant"
@@ -134,7 +144,8 @@ FROM (
          multiIf(countIf(kind = 'job.completed') > 0, 'completed', countIf(kind = 'job.failed') > 0, 'failed',
                  countIf(kind = 'job.cancelled') > 0, 'cancelled',
                  countIf(kind = 'job.rejected' AND code != 'duplicate_job_id') > 0, 'rejected',
-                 argMaxIf(kind, (event_time, offset), kind IN ('job.started', 'job.stopped')) = 'job.started',
+                 argMaxIf(kind, (event_time, offset), kind IN ('job.started', 'job.stopped', 'job.interrupted'))
+                     = 'job.started',
                  'running', countIf(kind = 'cmd.place') > countIf(kind = 'cmd.release'), 'placed', 'pending') AS state,
          argMinIf(JSONExtractString(payload, 'tier'), event_time_ms, kind = 'job.requested') AS tier,
          argMinIf(JSONExtractString(payload, 'project'), event_time_ms, kind = 'job.requested') AS project,
@@ -219,6 +230,77 @@ LEFT JOIN (SELECT * FROM gpupool.price_book FINAL) AS p
       AND p.valid_from <= fromUnixTimestamp64Milli(toInt64(u.end_ms), 'UTC')
 GROUP BY u.event_id
 """
+
+
+TELEMETRY_GROUPS = {"workload": "workload", "tenant": "tenant", "model": "gpu_model", "tier": "tier"}
+
+# Per minute and group: the mean utilization of the cards (or MIG instances) the group's jobs were on, counting only
+# the part of it the samples attribute to them; how many such units; and their memory.
+TELEMETRY_SQL = """
+SELECT minute_ms, {group} AS g, round(sum(util_permille) / 10 / uniqExact(gpu_uuid, mig_uuid), 1) AS util_pct,
+       uniqExact(gpu_uuid, mig_uuid) AS gpus, sum(mem_used_mib) AS mem_used_mib
+FROM gpupool.telemetry_by_job WHERE minute_ms >= {since:UInt64} AND {where}
+GROUP BY minute_ms, g ORDER BY minute_ms, g
+"""
+
+# Per minute: every card and MIG instance of the pool, busy or idle.
+POOL_UTIL_SQL = """
+SELECT minute_ms, round(avg(util_mean_permille) / 10, 1) AS util_pct, count() AS gpus,
+       sum(mem_used_mean_mib) AS mem_used_mib, sum(mem_total_mib) AS mem_total_mib, max(temperature_max_c) AS temp_max_c,
+       round(sum(power_mean_mw) / 1000) AS power_w
+FROM gpupool.telemetry_minutes FINAL WHERE minute_ms >= {since:UInt64} GROUP BY minute_ms ORDER BY minute_ms
+"""
+
+POOL_SQL = """
+SELECT minute_ms, capacity_milli, allocated_milli, free_milli, fragmentation_milli, queue_by_tier,
+       oldest_wait_ms_by_tier, allocated_milli_by_model, capacity_milli_by_model
+FROM gpupool.pool_minutes FINAL WHERE minute_ms >= {since:UInt64} ORDER BY minute_ms
+"""
+
+SERVICE_SQL = """
+SELECT event_time_ms, kind, payload FROM gpupool.events FINAL
+WHERE kind IN ('inference.load', 'service.scaled', 'service.declared', 'service.removed')
+  AND JSONExtractString(payload, 'service_id') = {service:String}
+ORDER BY event_time_ms, topic, partition, offset
+"""
+
+SERVICES_SQL = """
+SELECT JSONExtractString(payload, 'service_id') AS service_id, max(event_time_ms) AS declared_ms,
+       countIf(kind = 'service.removed') > 0 AS removed
+FROM gpupool.events FINAL WHERE kind IN ('service.declared', 'service.removed') AND {where}
+GROUP BY service_id ORDER BY service_id
+"""
+
+AROUND_MS = 60_000  # latency before vs after an elastic action: the load reports of this window on each side
+
+
+def service_doc(service: str, rows: list[list]) -> dict:
+    """One service's load series (the service-level reports, or every replica's when there are none) and its
+    elastic actions, each with the mean p50/p99/QPS of the window before it and after it."""
+    loads, actions, declared = [], [], None
+    for at, kind, payload in rows:
+        p = orjson.loads(payload)
+        if kind == "inference.load":
+            loads.append({"time_ms": at, "replica": p.get("replica", ""), "qps": p.get("qps", 0),
+                          "p50_ms": p.get("p50_ms", 0), "p99_ms": p.get("p99_ms", 0),
+                          "queue_depth": p.get("queue_depth", 0), "util_pct": p.get("util_pct", 0)})
+        elif kind == "service.scaled":
+            actions.append({"time_ms": at, "action": p["action"], "replicas": p.get("replicas", 0),
+                            "took_ms": p.get("took_ms", 0), "jobs": p.get("jobs", []),
+                            "reasons": p.get("reasons", [])})
+        elif kind == "service.declared":
+            declared = p
+    whole = [x for x in loads if not x["replica"]] or loads
+
+    def mean(xs: list[dict], key: str) -> float | None:
+        return round(sum(x[key] for x in xs) / len(xs), 1) if xs else None
+
+    for a in actions:
+        before = [x for x in whole if a["time_ms"] - AROUND_MS <= x["time_ms"] < a["time_ms"]]
+        after = [x for x in whole if a["time_ms"] < x["time_ms"] <= a["time_ms"] + a["took_ms"] + AROUND_MS]
+        a["before"] = {k: mean(before, k) for k in ("p50_ms", "p99_ms", "qps")}
+        a["after"] = {k: mean(after, k) for k in ("p50_ms", "p99_ms", "qps")}
+    return {"service": service, "declared": declared, "loads": whole, "actions": actions}
 
 
 def jobs_sql(tenant: str | None, params: dict | None = None) -> tuple[str, dict]:
@@ -340,6 +422,13 @@ def node_doc(view) -> dict:
                 holders.setdefault(a.gpu_uuid, []).append(job)
     free = {c.uuid: c for c in view.card_free()}
     inv = view.inventory
+
+    def use(uuid: str) -> dict:
+        s = view.telemetry.get(uuid)
+        if s is None:
+            return {}
+        return {"util_pct": s.util_pct, "mem_used_mib": s.mem_used_mib, "temperature_c": s.temperature_c,
+                "power_w": s.power_mw // 1000}
     cpu, mem = view.free_cpu_memory()
     return {
         "node": view.node, "state": node_state(view), "rack": inv.rack if inv else "",
@@ -348,13 +437,24 @@ def node_doc(view) -> dict:
         "free_memory_mib": mem, "last_heartbeat_ms": view.last_heartbeat_ms,
         "jobs": sorted(view.allocations),
         "cards": [{"uuid": g.uuid, "index": g.index, "model": g.model, "memory_mib": g.memory_mib,
+                   "generation": _generation(g.model), "telemetry": use(g.uuid),
                    "healthy": g.uuid not in view.unhealthy, "fault": view.unhealthy.get(g.uuid, ""),
                    "free_milli": free[g.uuid].milli if g.uuid in free else 0,
                    "free_memory_mib": free[g.uuid].memory_mib if g.uuid in free else 0,
-                   "mig": [{"uuid": i.uuid, "profile": i.profile, "holders": sorted(set(holders.get(i.uuid, ())))}
+                   "mig": [{"uuid": i.uuid, "profile": i.profile, "holders": sorted(set(holders.get(i.uuid, ()))),
+                            "telemetry": use(i.uuid)}
                            for i in g.mig_layout],
                    "holders": sorted(set(holders.get(g.uuid, ())))} for g in (inv.gpus if inv else ())],
     }
+
+
+def _generation(model_name: str) -> int:
+    from schemas.gpu_models import model
+
+    try:
+        return model(model_name).generation
+    except (KeyError, ValueError):
+        return 0
 
 
 def _plain(rows: list[list]) -> list[list]:
@@ -410,6 +510,42 @@ async def answer(path: str, principal: Principal, params: dict, body: bytes, run
                               cost=params.get("cost") in ("1", "true"))
         cols, rows = await runner.ours(sql, qp)
         return {"columns": cols, "rows": _plain(rows)}
+    if path == "/api/telemetry":
+        since = _int(params, "since") or 0
+        group = params.get("by") or "workload"
+        if group not in TELEMETRY_GROUPS:
+            raise ApiError(400, f"by: one of {', '.join(TELEMETRY_GROUPS)}")
+        t = tenant_scope(principal, params.get("tenant"))
+        where, qp = ["1"], {"since": since}
+        if t is not None:
+            where.append("tenant = {tenant:String}")
+            qp["tenant"] = t
+        if params.get("job"):
+            where.append("job_id = {job:String}")
+            qp["job"] = params["job"]
+        cols, rows = await runner.ours(TELEMETRY_SQL.replace("{group}", TELEMETRY_GROUPS[group])
+                                       .replace("{where}", " AND ".join(where)), qp)
+        doc = {"by": group, "columns": cols, "rows": _plain(rows)}
+        if principal.role != "tenant" and not params.get("job"):  # the whole pool, idle cards included
+            pc, pr = await runner.ours(POOL_UTIL_SQL, {"since": since})
+            doc["pool"] = {"columns": pc, "rows": _plain(pr)}
+        return doc
+    if path == "/api/pool":
+        cols, rows = await runner.ours(POOL_SQL, {"since": _int(params, "since") or 0})
+        return {"columns": cols, "rows": [[v if not isinstance(v, dict) else dict(v) for v in r] for r in rows]}
+    if path == "/api/service":
+        scope = tenant_scope(principal, None)
+        service = params.get("service") or ""
+        if not service:
+            where, qp = ("startsWith(JSONExtractString(payload, 'service_id'), concat({t:String}, '/'))",
+                         {"t": scope}) if scope is not None else ("1", {})
+            cols, rows = await runner.ours(SERVICES_SQL.replace("{where}", where), qp)
+            return {"columns": cols, "rows": _plain(rows)}
+        if scope is not None and owner_of(service) != scope:
+            raise ApiError(404, f"no service {service!r} of tenant {scope!r}")
+        cols, rows = await runner.ours(SERVICE_SQL, {"service": service})
+        doc = service_doc(service, rows)
+        return redact(doc, scope) if scope is not None else doc
     if path == "/api/sql":
         try:
             doc = orjson.loads(body or b"{}")

@@ -15,14 +15,14 @@ from infra.config import Config
 from infra.kafka_client import partition_of, stop_consumer
 from infra.security import SERVICE, KafkaConn, kafka_conn
 from schemas.envelope import DecodeError, Envelope, decode, encode, envelope
-from schemas.events import GpuHealth, NodeLiveness, SchedulerTick
+from schemas.events import GpuHealth, NodeLiveness, PoolMinute, SchedulerTick
 from schemas.routing import at_home, route
 from schemas.topics import replication
 from schemas.topics import (
     CLOCK, COMMANDS, DEAD_LETTERS, DECISIONS, INBOX_PREFIX, INVENTORY, JOB_EVENTS, JOB_REQUESTS, JOB_VIEW_CHANGELOG, LEDGER,
-    NODE_CONTROL, NODE_VIEW_CHANGELOG, PRINCIPALS, SCHEDULER_INPUT, TELEMETRY, inbox_owner,
+    NODE_CONTROL, NODE_VIEW_CHANGELOG, PRINCIPALS, SCHEDULER_INPUT, TELEMETRY, TELEMETRY_MINUTES, inbox_owner,
 )
-from streams import api, cluster_metrics, codec, gateway, job_view, node_view
+from streams import api, cluster_metrics, codec, gateway, job_view, metrics, node_view, telemetry_history, ui
 from streams.liveness import Liveness
 from streams.telemetry import TelemetryFold
 
@@ -44,7 +44,9 @@ SCHEDULER_REQUESTS = frozenset({
 
 HEARTBEAT_INTERVAL_S = 1.0
 TICK_INTERVAL_S = 1.0
+LAG_INTERVAL_S = 15.0  # how often the consumer groups' lag is measured for /metrics
 GATEWAY_GROUP = "gpupool-gateway"
+LAG_GROUPS = ("gpupool", "gpupool-scheduler", "gpupool-sink", GATEWAY_GROUP)
 
 
 def _as_view(mod, value):
@@ -109,14 +111,18 @@ class Worker:
         self._declared_silent: dict[str, int] = {}  # node -> the last heartbeat its silence was declared after
         self.home_topics = {s.name: self.app.topic(s.name, **raw)
                             for s in (INVENTORY, TELEMETRY, JOB_EVENTS, NODE_CONTROL, JOB_REQUESTS, DECISIONS,
-                                      LEDGER)}
+                                      LEDGER, TELEMETRY_MINUTES)}
+        self.metrics = metrics.WorkerMetrics()
+        # per card and minute, on the log's time of the telemetry records (streams/telemetry_history.py)
+        self.minutes = telemetry_history.TelemetryMinutes(job_info=self._job_info)
         self.app.agent(self.node_topics, name="fold-nodes")(self.fold_nodes)
         self.app.agent(self.job_topics, name="fold-jobs")(self.fold_jobs)
         self.app.agent(self.ledger_topic, name="feed-ledger")(self.feed_ledger)
         self.app.timer(HEARTBEAT_INTERVAL_S)(self.check_liveness)
         self.app.timer(TICK_INTERVAL_S, on_leader=True)(self.tick)
+        self.app.timer(LAG_INTERVAL_S)(self.measure_lag)
         self.app.task(self.follow_registry)
-        self.telemetry = TelemetryFold(self)
+        self.telemetry = TelemetryFold(self, self.minutes)
         self.app.task(self.telemetry.run)
         self.app.task(self.run_gateway)
         self._registry_position = 0
@@ -133,6 +139,13 @@ class Worker:
         # chDB: one process per data path, so only the worker with the sink answers from ClickHouse
         self.queries = api.QueryRunner(cfg.clickhouse if with_sink or not cfg.clickhouse.startswith("chdb://")
                                        else None, sql_timeout_s=cfg.sql_timeout_s)
+        self.metrics.source("nodes", lambda: [v for _, v in self.own_views(self.node_table, TELEMETRY.partitions)])
+        self.metrics.source("cluster", self.local_cluster)
+        self.metrics.source("queue", self._queue)
+        self.metrics.source("sink", lambda: self.sink.stats() if self.sink else None)
+        self.metrics.source("scheduler", lambda: self.scheduler.stats() if self.scheduler else None)
+        self._lag_clients = None
+        self._pool_minute_ms = -1  # the minute of log time the pool was last measured in
         self._register_pages()
 
     # ---------------------------------------------------------------- who is who
@@ -212,6 +225,7 @@ class Worker:
         if out.dead_letter is not None:
             code, detail = out.dead_letter
             self.dead_letters[code] += 1
+            self.metrics.dead_letters.labels(code).inc()
             self.gateway_counts[f"dead_letter:{code}"] += 1
             await producer.send(DEAD_LETTERS.name, key=msg.topic.encode(), value=codec.dead_letter(
                 code, detail, msg.topic, msg.partition, msg.offset, msg.value))
@@ -221,6 +235,7 @@ class Worker:
             spec, key = route(env)
             await producer.send(spec.name, key=key, value=encode(env))
             self.gateway_counts[what] += 1
+            self.metrics.gateway.labels(what).inc()
             if what == "accepted" and abs(gateway.clock_skew_ms(env)) > self.cfg.max_skew_ms:
                 self.gateway_counts["clock_skew"] += 1  # the log's time was used; the client's is kept as data
 
@@ -232,6 +247,7 @@ class Worker:
     async def dead_letter(self, m, code: str, detail: str, raw: bytes | None = None) -> None:
         """`m`: a Faust message or an aiokafka record (topic, partition, offset; `raw` defaults to its value)."""
         self.dead_letters[code] += 1
+        self.metrics.dead_letters.labels(code).inc()
         await self.dead_letter_topic.send(key=m.topic.encode(), value=codec.dead_letter(
             code, detail, m.topic, m.partition, m.offset, m.value if raw is None else raw))
 
@@ -289,7 +305,12 @@ class Worker:
 
     async def fold_nodes(self, stream):
         async for event in stream.events():
-            folded = await self._fold(event, self.node_table, node_view, node_key)
+            m = event.message
+            decoded = await self._decode(event)
+            folded = None if decoded is None else await self._fold(event, self.node_table, node_view, node_key,
+                                                                   decoded)
+            if decoded is not None and m.topic == COMMANDS.name:
+                self.metrics.command(decoded, round(m.timestamp * 1000), self._model_of(decoded))
             if folded is None:
                 continue
             env, before, after = folded
@@ -308,6 +329,7 @@ class Worker:
             env = await self._decode(event)
             if env is None:
                 continue
+            self.metrics.job_fact(env)
             if not hasattr(env.payload, "job_id"):
                 if env.kind in SCHEDULER_REQUESTS:
                     self.folded[env.kind] += 1
@@ -323,6 +345,8 @@ class Worker:
     async def feed_ledger(self, stream):
         async for event in stream.events():
             env = await self._decode(event)
+            if env is not None and env.kind in ("quota.set", "quota.changed"):
+                self.metrics.ledger_fact(env)
             if env is not None and env.kind in LEDGER_FACTS_FOR_SCHEDULER:
                 self.folded[env.kind] += 1
                 await self.scheduler_input.send(key=env.source.encode(), value=event.value)
@@ -344,12 +368,15 @@ class Worker:
     async def check_liveness(self):
         """Judge silence on log time (streams/liveness.py): no stall of this worker, of the broker or of a query
         makes a live node look dead. Each worker judges the nodes of the telemetry partitions it owns."""
-        if not self.telemetry.partitions:
-            return
         try:
             log_now = await self._log_now()
         except Exception as exc:  # noqa: BLE001 - the broker is away: no log time passes, nobody is judged
             log.warning("liveness not judged: %s", exc)
+            return
+        await self._emit_minutes(self.minutes.close_before(log_now))  # minutes of nodes gone silent
+        if self.app.is_leader():  # one pool minute for the whole pool, from the leader among several workers
+            await self._pool_minute(log_now)
+        if not self.telemetry.partitions:
             return
         highwaters = self._telemetry_highwaters()
         alive = {key: view for key, view in self.own_views(self.node_table, TELEMETRY.partitions)
@@ -362,6 +389,86 @@ class Worker:
             await self.send(envelope(NodeLiveness(node=key, alive=False, last_heartbeat_ms=view.last_heartbeat_ms),
                                      source=f"{key}/liveness", seq=self.liveness.next_seq(key, log_now),
                                      time_ms=log_now))
+
+    # ---------------------------------------------------------------- observability (docs/observability.md)
+
+    def _job_info(self, job_id: str) -> tuple[str, str]:
+        view = _as_view(job_view, self.job_table.get(job_id))
+        tier = view.request.tier.value if view is not None and view.request is not None else ""
+        return telemetry_history.tenant_of(job_id), tier
+
+    def _model_of(self, env: Envelope) -> str:
+        assignments = getattr(env.payload, "assignments", ())
+        view = _as_view(node_view, self.node_table.get(node_key(env))) if assignments else None
+        if view is None:
+            return ""
+        return next((g.model for g in view.cards() if g.uuid == assignments[0].gpu_uuid), "")
+
+    async def _emit_minutes(self, minutes) -> None:
+        for tm in minutes:
+            if tm.cards:
+                await self.send(envelope(tm, source=f"{tm.node}/telemetry-minutes", seq=tm.minute_ms,
+                                          time_ms=tm.minute_ms + self.minutes.minute_ms))
+                self.metrics.telemetry_minutes.inc()
+
+    async def _pool_minute(self, log_now: int) -> None:
+        """At the first liveness check of each minute of log time: the pool as it stands, as the last minute's."""
+        minute = self.minutes.minute_of(log_now)
+        if minute == self._pool_minute_ms:
+            return
+        first, self._pool_minute_ms = self._pool_minute_ms < 0, minute
+        if first:
+            return  # started mid-minute: nothing was measured for the minute that ended
+        views, _, _ = await self.all_views()
+        doc = await self.cluster(views)
+        by_cap: Counter[str] = Counter()
+        by_alloc: Counter[str] = Counter()
+        for v in views:
+            for c in v.card_free():
+                by_cap[c.model] += 1000
+                by_alloc[c.model] += 1000 - c.milli
+        t, pending = self._queue()
+        queue: Counter[str] = Counter(tier for tier, _ in pending)
+        oldest: dict[str, int] = {}
+        for tier, since in pending:
+            oldest[tier] = max(oldest.get(tier, 0), t - since)
+        pm = PoolMinute(worker=self.app.conf.id, minute_ms=minute - self.minutes.minute_ms,
+                        capacity_milli=doc["capacity_milli"], allocated_milli=doc["allocated_milli"],
+                        free_milli=doc["free_milli"], fragmentation_milli=doc["fragmentation_milli"],
+                        allocated_milli_by_model=dict(by_alloc), capacity_milli_by_model=dict(by_cap),
+                        queue_by_tier=dict(queue), oldest_wait_ms_by_tier=oldest)
+        await self.send(envelope(pm, source=f"{self.app.conf.id}/pool-minutes", seq=minute, time_ms=log_now))
+
+    def _queue(self) -> tuple[int, list[tuple[str, int]]]:
+        """(now, [(tier, waiting since)]): the scheduler's queue when it decides in this worker, else the jobs the
+        job view holds as pending (placed but not yet started counts there too). Since: when it was (re)queued, as
+        this worker saw it (now, for jobs queued before this worker started)."""
+        waiting = self.metrics.waiting()
+        t = now_ms()
+        if self.scheduler is not None and self.scheduler.live:
+            return t, [(r.request.tier.value, waiting.get(r.request.job_id, (t,))[0])
+                       for r in self.scheduler.state.pending_order()]
+        out = []
+        for job, v in list(self.job_table.items()):
+            v = _as_view(job_view, v)
+            if v is not None and v.state == "pending" and v.request is not None:
+                out.append((v.request.tier.value, waiting.get(job, (t,))[0]))
+        return t, out
+
+    async def measure_lag(self):
+        from aiokafka import AIOKafkaConsumer
+        from aiokafka.admin import AIOKafkaAdminClient
+
+        try:
+            if self._lag_clients is None:
+                admin = AIOKafkaAdminClient(**self.conn.options())
+                consumer = AIOKafkaConsumer(**self.conn.options(), enable_auto_commit=False, group_id=None)
+                await admin.start()
+                await consumer.start()
+                self._lag_clients = (admin, consumer)
+            self.metrics.lag = await metrics.consumer_lag(*self._lag_clients, LAG_GROUPS)
+        except Exception as exc:  # noqa: BLE001 - the broker is away: the last figures stay
+            log.warning("consumer lag not measured: %s", exc)
 
     async def tick(self):
         # The scheduler's clock is the broker's append time of this record, not `t`: the payload only says when
@@ -385,7 +492,18 @@ class Worker:
             return Page
 
         for path in api.ENDPOINTS:
-            self.app.page(path)(view(path))
+            if path != "/ui/":
+                self.app.page(path)(view(path))
+
+        class Static(View):  # the dashboard's files: code, no data; every request they make carries a token
+            async def get(self, request, name: str = ""):
+                found = ui.asset(name or "index.html")
+                if found is None:
+                    return self.json({"error": "not found"}, status=404)
+                body, ctype = found
+                return self.bytes(body, headers={**dict(ui.HEADERS), "Content-Type": ctype})
+
+        self.app.page("/ui/{name:.*}")(Static)
 
     async def serve(self, web, request, path: str):
         if path == "/healthz":
@@ -406,6 +524,11 @@ class Worker:
                 await self._registry_caught_up(timeout_s=5.0)  # a principal added a moment ago
                 principal = api.authenticate(header, self.registry)
             body = await request.read() if request.method == "POST" else b""
+            if path == "/metrics":
+                from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+                api.authorize(path, principal)
+                return web.bytes(generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
             doc = await api.answer(path, principal, dict(request.query), body, self.queries, self._memory_pages)
         except api.ApiError as exc:
             return web.json({"error": exc.message}, status=exc.status)
@@ -475,9 +598,19 @@ class Worker:
             doc["unanswered_workers"] = missing
         return doc
 
-    async def cluster(self) -> dict:
+    async def cluster(self, views=None) -> dict:
         """The materialized view's metrics over the whole pool (every worker's partitions)."""
-        views, jobs, missing = await self.all_views()
+        got, jobs, missing = await self.all_views()
+        return self._cluster_doc(got if views is None else views, jobs, missing)
+
+    def local_cluster(self) -> dict:
+        """The same over this worker's own partitions (the whole pool with one worker): for /metrics, which does
+        not wait on the other workers."""
+        return self._cluster_doc([v for _, v in self.own_views(self.node_table, TELEMETRY.partitions)],
+                                 [v for _, v in self.own_views(self.job_table, JOB_REQUESTS.partitions)], [])
+
+    @staticmethod
+    def _cluster_doc(views, jobs, missing) -> dict:
         requests = [v.request for v in jobs if v.request is not None]
         out = cluster_metrics.metrics(views, cluster_metrics.typical_from_requests(requests))
         out["busy_cards"] = {c.uuid: c.release_ms for v in views for c in v.card_free() if c.milli < 1000}

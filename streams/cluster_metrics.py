@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Iterable
 
-from agents.scheduler.packing import TypicalPod, fragmentation
+from agents.scheduler.fgd_measure import TypicalPod, fragmentation
 from schemas.events import JobRequested
 from schemas.gpu_models import model, share_for
 from streams.node_view import NodeView
@@ -43,6 +43,7 @@ def metrics(views: Iterable[NodeView], typical: tuple[TypicalPod, ...] = ()) -> 
     unschedulable: list[str] = []
     free_by: dict[str, Counter] = {"model": Counter(), "rack": Counter(), "datacenter": Counter()}
     whole_free_by_model: Counter = Counter()
+    frag_by: dict[str, Counter] = {}  # the node's card model -> data center -> fragmented milli
     for v in views:
         if v.inventory is None:
             continue
@@ -67,7 +68,9 @@ def metrics(views: Iterable[NodeView], typical: tuple[TypicalPod, ...] = ()) -> 
                 whole_free_by_model[c.model] += 1
         if node_free and typical:
             cpu, mem = v.free_cpu_memory()
-            frag += fragmentation(node_free, max(cpu, 0), max(mem, 0), typical, v.inventory.gpus[0].model)
+            f = fragmentation(node_free, max(cpu, 0), max(mem, 0), typical, v.inventory.gpus[0].model)
+            frag += f
+            frag_by.setdefault(v.inventory.gpus[0].model, Counter())[v.inventory.datacenter] += f
     return {
         "nodes": len(views),
         "cards": cards, "unhealthy_cards": unhealthy, "unschedulable_nodes": unschedulable,
@@ -75,6 +78,7 @@ def metrics(views: Iterable[NodeView], typical: tuple[TypicalPod, ...] = ()) -> 
         "allocation_permille": allocated * 1000 // capacity if capacity else 0,
         "free_milli": free_total, "fragmentation_milli": frag,
         "fragmentation_permille": frag * 1000 // free_total if free_total else 0,
+        "fragmentation_milli_by_model_datacenter": {m: dict(sorted(c.items())) for m, c in sorted(frag_by.items())},
         "free_milli_by_model": dict(sorted(free_by["model"].items())),
         "free_milli_by_rack": dict(sorted(free_by["rack"].items())),
         "free_milli_by_datacenter": dict(sorted(free_by["datacenter"].items())),

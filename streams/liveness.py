@@ -5,8 +5,12 @@ A node is silent when the telemetry partition it writes to has been read, in log
 `misses` heartbeat intervals past the node's latest heartbeat. A partition's read time is the log's "now" where
 the worker has read everything there is, and the append time of the last record it folded where it is behind: so a
 worker that was stopped, restarted, stalled by a slow query or buried under a burst reads the backlog before it
-judges anyone, and a broker outage moves no log time at all. A node not heard from since this worker started is
-judged once every partition is read up to now for `misses` intervals.
+judges anyone. Silence is counted only over log time the worker watched: from its start, and again from the end of
+any gap in its own view of the log (a broker outage, a stall of the worker: consecutive probes of the log's clock
+more than `gap_intervals` heartbeat intervals apart). After such a start, nobody is declared silent for
+`recovery_ms` of log time: the nodes' own producers reconnect with backoff and flush what they buffered (Kubernetes'
+node-monitor grace plays the same part). A node not heard from since then is judged once every partition is read up
+to now.
 
 Each verdict (silent, or alive again) gets a sequence number above every earlier one for that node, so an "alive
 again" is never taken for older than the "silent" it answers.
@@ -20,10 +24,13 @@ from dataclasses import dataclass, field
 class Liveness:
     interval_ms: int = 1000
     misses: int = 2
+    gap_intervals: int = 3
+    recovery_ms: int = 10_000
     heard: dict[str, tuple[int, int]] = field(default_factory=dict)  # node -> (partition, log time of its heartbeat)
     read: dict[int, tuple[int, int]] = field(default_factory=dict)  # partition -> (next offset, log time read to)
     start: dict[int, int] = field(default_factory=dict)  # partition -> the offset this worker began reading at
-    started_ms: int | None = None  # log time this worker began judging
+    started_ms: int | None = None  # log time from which silence counts: this worker's start, or the end of a gap
+    last_probe_ms: int | None = None
     seq: dict[str, int] = field(default_factory=dict)
 
     def heard_from(self, node: str, partition: int, offset: int, log_ms: int) -> None:
@@ -46,11 +53,15 @@ class Liveness:
 
     def silent(self, nodes: list[str], log_now: int, highwaters: dict[int, int | None]) -> list[str]:
         """Of `nodes` (those the view holds alive), the ones to declare silent now."""
-        if self.started_ms is None:
-            self.started_ms = log_now
+        gap = self.last_probe_ms is not None and log_now - self.last_probe_ms > self.gap_intervals * self.interval_ms
+        if self.started_ms is None or gap:
+            self.started_ms = log_now  # the worker did not watch the log meanwhile: nobody's silence counts from it
+        self.last_probe_ms = log_now
         limit = self.misses * self.interval_ms
         clocks = {p: self.clock(p, log_now, hw) for p, hw in highwaters.items()}
         all_read = bool(clocks) and all(c == log_now for c in clocks.values())
+        if log_now - self.started_ms < max(self.recovery_ms, limit):
+            return []
         out = []
         for node in nodes:
             if node in self.heard:
@@ -58,7 +69,7 @@ class Liveness:
                 c = clocks.get(p)
                 if c is not None and c - t > limit:
                     out.append(node)
-            elif all_read and log_now - self.started_ms > limit:
+            elif all_read:
                 out.append(node)
         return out
 

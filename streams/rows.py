@@ -5,7 +5,8 @@ import orjson
 
 from schemas.envelope import Envelope
 from schemas.events import (
-    PriceSet, QuotaBorrowed, QuotaChanged, QuotaRejected, QuotaReturned, QuotaSet, UsageAccrued,
+    PoolMinute, PriceSet, QuotaBorrowed, QuotaChanged, QuotaRejected, QuotaReturned, QuotaSet, TelemetryMinute,
+    UsageAccrued,
 )
 
 COLUMNS: dict[str, tuple[str, ...]] = {
@@ -19,6 +20,14 @@ COLUMNS: dict[str, tuple[str, ...]] = {
                      "quota_memory_mib", "used_memory_mib", "actor", "answers"),
     "price_book": ("gpu_model", "datacenter", "tod_band", "tier", "borrowed", "micro_per_gpu_hour", "valid_from",
                    "event_id", "actor"),
+    "telemetry_minutes": ("minute_ms", "node", "datacenter", "gpu_uuid", "mig_uuid", "gpu_model", "samples",
+                          "util_mean_permille", "util_max_pct", "mem_used_mean_mib", "mem_used_max_mib",
+                          "mem_total_mib", "temperature_mean_c", "temperature_max_c", "power_mean_mw",
+                          "power_max_mw", "ecc_corrected", "ecc_uncorrected", "xid_errors", "job_ids", "job_tenants",
+                          "job_tiers", "job_samples", "job_util_permille", "job_mem_mib", "event_id"),
+    "pool_minutes": ("minute_ms", "worker", "capacity_milli", "allocated_milli", "free_milli", "fragmentation_milli",
+                     "allocated_milli_by_model", "capacity_milli_by_model", "queue_by_tier", "oldest_wait_ms_by_tier",
+                     "event_id"),
     "scheduling": ("topic", "partition", "offset", "event_id", "event_time_ms", "kind", "command_id", "job_id", "tenant",
                    "node", "reasons"),
 }
@@ -35,6 +44,18 @@ def rows_for(env: Envelope, topic: str, partition: int, offset: int) -> dict[str
     command_id = getattr(p, "command_id", "") or ""
     payload_json = orjson.dumps(p.model_dump(mode="json")).decode()
     actor = env.actor or ""
+    if isinstance(p, TelemetryMinute):  # a table of its own, and too many records to mirror in `events` too
+        return {"telemetry_minutes": [
+            [p.minute_ms, p.node, p.datacenter, c.gpu_uuid, c.mig_uuid, c.gpu_model, c.samples, c.util_mean_permille,
+             c.util_max_pct, c.mem_used_mean_mib, c.mem_used_max_mib, c.mem_total_mib, c.temperature_mean_c,
+             c.temperature_max_c, c.power_mean_mw, c.power_max_mw, c.ecc_corrected, c.ecc_uncorrected,
+             list(c.xid_errors), [j.job_id for j in c.jobs], [j.tenant for j in c.jobs], [j.tier for j in c.jobs],
+             [j.samples for j in c.jobs], [j.util_permille for j in c.jobs], [j.mem_used_mib for j in c.jobs],
+             env.event_id] for c in p.cards]}
+    if isinstance(p, PoolMinute):
+        return {"pool_minutes": [[p.minute_ms, p.worker, p.capacity_milli, p.allocated_milli, p.free_milli,
+                                  p.fragmentation_milli, p.allocated_milli_by_model, p.capacity_milli_by_model,
+                                  p.queue_by_tier, p.oldest_wait_ms_by_tier, env.event_id]]}
     out: dict[str, list] = {"events": [[*at, p.kind, env.source, env.seq, env.event_time_ms,
                                         env.tenant or "", job_id, node, command_id, payload_json, actor,
                                         env.claimed_time_ms if env.claimed_time_ms is not None else -1]]}

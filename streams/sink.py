@@ -17,13 +17,15 @@ from infra.clickhouse import connect
 from infra.config import Config
 from schemas.envelope import DecodeError, decode
 from schemas.routing import at_home
-from schemas.topics import COMMANDS, DECISIONS, INVENTORY, JOB_EVENTS, JOB_REQUESTS, LEDGER, NODE_CONTROL
+from schemas.topics import (
+    COMMANDS, DECISIONS, INVENTORY, JOB_EVENTS, JOB_REQUESTS, LEDGER, NODE_CONTROL, TELEMETRY_MINUTES,
+)
 from streams.rows import COLUMNS, rows_for
 
 log = logging.getLogger("gpupool.sink")
 GROUP = "gpupool-sink"
 SINK_TOPICS = (JOB_REQUESTS.name, JOB_EVENTS.name, DECISIONS.name, COMMANDS.name, LEDGER.name, INVENTORY.name,
-               NODE_CONTROL.name)
+               NODE_CONTROL.name, TELEMETRY_MINUTES.name)
 
 
 CHAOS_ENV = "GPUPOOL_CHAOS"  # fault tests only: with it set, a file switches ClickHouse off for the sink

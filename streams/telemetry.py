@@ -22,9 +22,9 @@ agent keeps:
 * **Derived facts** are as before: a card with a new fault gives `gpu.health` (node control), a node heard again
   after a silence gives `node.liveness` alive; the liveness judge (streams/app.py, streams/liveness.py) learns from
   here which node was heard when, in log time, and how far each partition is read.
-* **Per-minute history** (the observability issue): each node's samples of a batch are handed, with the log time
-  of its last record, to a `MinuteFeed`; the minutes it closes are produced to their topic. The default feed keeps
-  nothing (`NoMinutes`) until the aggregator is plugged in here.
+* **Per-minute history** (docs/observability.md): the samples of each node's new records of a batch go, in runs of
+  one minute of log time, to the worker's `telemetry_history.TelemetryMinutes`; the minutes they close are published
+  by the worker (`gpupool.telemetry-minutes`), and the liveness timer closes those of nodes gone silent.
 """
 from __future__ import annotations
 
@@ -57,6 +57,8 @@ class MinuteFeed(Protocol):
 
     def close_before(self, log_ms: int) -> list: ...
 
+    def minute_of(self, t_ms: int) -> int: ...
+
 
 class NoMinutes:
     def add(self, node, log_ms, samples, *, models=None, datacenter=""):
@@ -65,13 +67,15 @@ class NoMinutes:
     def close_before(self, log_ms):
         return []
 
+    def minute_of(self, t_ms):
+        return t_ms
+
 
 class TelemetryFold:
     def __init__(self, worker, minutes: MinuteFeed | None = None, flush_s: float = FLUSH_INTERVAL_S):
         self.w = worker
         self.minutes = minutes or NoMinutes()
         self.feeds_minutes = not isinstance(self.minutes, NoMinutes)
-        self.minutes_topic = None  # the topic of the minutes `minutes` closes (set with the aggregator)
         self.flush_s = flush_s
         self.partitions: frozenset[int] = frozenset()
         self.positions: dict[int, int] = {}  # partition -> next offset folded
@@ -169,6 +173,7 @@ class TelemetryFold:
         self.first_batch_at = self.first_batch_at or time.time()
         by_node: dict[str, list] = {}
         last_log_ms: dict[str, int] = {}  # node -> the broker's append time of its last record here (ms)
+        log_times: dict[str, list[int]] = {}  # node -> the append time of each of its records (ms)
         for i, msg in enumerate(msgs, start=1):
             if i % YIELD_EVERY == 0:
                 await asyncio.sleep(0)  # a batch must not hold the loop: the scheduler and the API wait on it
@@ -184,8 +189,10 @@ class TelemetryFold:
             runs = by_node.get(node)
             if runs is None:
                 by_node[node] = [env]
+                log_times[node] = [msg.timestamp]
             else:
                 runs.append(env)
+                log_times[node].append(msg.timestamp)
             last_log_ms[node] = msg.timestamp  # aiokafka: the broker's append time, in ms
         last = msgs[-1]
         for node, log_ms in last_log_ms.items():
@@ -215,7 +222,7 @@ class TelemetryFold:
                 self.dirty[partition].add(node)
             await self._derive(node, envs[-1], before, after, last_log_ms[node])
             if self.feeds_minutes:
-                self._feed_minutes(node, envs, last_log_ms[node], after)
+                await self._feed_minutes(node, envs, log_times[node], before, after)
         w.folded["gpu.telemetry"] += folded  # records of the telemetry topic that changed a view
 
     def _write(self, partition: int, node: str, view) -> None:
@@ -234,23 +241,30 @@ class TelemetryFold:
                                   source=f"{node}/liveness", seq=w.liveness.next_seq(node, log_ms),
                                   time_ms=env.event_time_ms, causation_id=env.event_id))
 
-    def _feed_minutes(self, node: str, envs, log_ms: int, view) -> None:
-        samples = [s for e in envs if e.kind == "gpu.telemetry" for s in e.payload.samples]
-        if not samples:
-            return
+    async def _feed_minutes(self, node: str, envs, log_times: list[int], before, view) -> None:
+        """The samples of the records that were new to the view (a record read again after a restart is not
+        counted twice), each at its own log time: a run that crosses a minute's end closes that minute."""
+        applied = dict(before.applied) if before is not None else {}
         inv = view.inventory
-        models = {g.uuid: g.model for g in inv.gpus} if inv is not None else None
-        closed = self.minutes.add(node, log_ms, samples, models=models,
-                                  datacenter=inv.datacenter if inv is not None else "")
-        self._publish_minutes(closed)
-
-    def _publish_minutes(self, closed: list) -> None:
-        if not closed or self.minutes_topic is None:
-            return
-        for payload in closed:
-            env = envelope(payload, source=f"{payload.node}/minutes", seq=payload.minute_ms, time_ms=payload.minute_ms)
-            spec, key = route(env)
-            self.minutes_topic.send_soon(key=key, value=encode(env))
+        models = {g.uuid: g.model for g in view.cards()}
+        dc = inv.datacenter if inv is not None else ""
+        minute_of = self.minutes.minute_of
+        run: list = []
+        run_ms = None
+        closed: list = []
+        for env, log_ms in zip(envs, log_times):
+            if env.kind != "gpu.telemetry" or env.seq <= applied.get(env.source, -1):
+                continue
+            applied[env.source] = env.seq
+            if run and minute_of(log_ms) != minute_of(run_ms):
+                closed += self.minutes.add(node, run_ms, run, models=models, datacenter=dc)
+                run = []
+            run.extend(env.payload.samples)
+            run_ms = log_ms
+        if run:
+            closed += self.minutes.add(node, run_ms, run, models=models, datacenter=dc)
+        if closed:
+            await self.w._emit_minutes(closed)  # the minutes a batch closed, as the worker publishes them
 
     async def flush(self) -> None:
         """Write every dirty view to the changelog, wait for the broker, then commit what those writes cover."""
@@ -278,8 +292,6 @@ class TelemetryFold:
             for p, nodes in pending.items():
                 if p in self.partitions:
                     self.dirty[p] |= nodes
-        self._publish_minutes(self.minutes.close_before(max(
-            (t for _, t in self.w.liveness.read.values()), default=0)))
 
 
 def _tp(partition: int):

@@ -133,13 +133,13 @@ def test_replay_verify_export_and_negative_controls(stack, tmp_path):
     late = audit(stack, "replay", "--verify", "--from", "2999-01-01T00:00:00")
     assert late.returncode == 0 and "scheduler outputs: compared 0" in late.stdout, late.stdout
 
-    # export: one CSV + one JSON per section, the manifest's counts and hashes
+    # export: the evidence pack -- sections, summary, the verification over the period, a signed manifest
     out_dir = tmp_path / "evidence"
     ex = audit(stack, "export", "--tenant", "acme", "--out", str(out_dir))
     assert ex.returncode == 0, ex.stderr
     manifest = json.loads((out_dir / "manifest.json").read_text())
     secs = manifest["sections"]
-    assert set(secs) == {"resources", "jobs", "quota", "decisions", "faults", "actions", "usage"}
+    assert set(secs) == {"resources", "jobs", "quota", "decisions", "faults", "actions", "usage", "cost"}
     assert secs["resources"]["rows"] == 8  # demo:2: two nodes of four cards
     assert secs["usage"]["rows"] == n_acme >= 2
     n_events = stack.query("SELECT count() AS n FROM gpupool.events FINAL WHERE job_id IN ('acme/au-0', 'acme/au-1')")[0]["n"]
@@ -149,10 +149,38 @@ def test_replay_verify_export_and_negative_controls(stack, tmp_path):
     n_quota = stack.query("SELECT count() AS n FROM gpupool.quota_events FINAL WHERE tenant = 'acme'")[0]["n"]
     assert secs["quota"]["rows"] == n_quota
     for name, sec in secs.items():
-        for fname, sha in sec["files"].items():
-            assert hashlib.sha256((out_dir / fname).read_bytes()).hexdigest() == sha
+        for ext in ("csv", "json"):
+            want = manifest["files"][f"{name}.{ext}"]["sha256"]
+            assert hashlib.sha256((out_dir / f"{name}.{ext}").read_bytes()).hexdigest() == want
         assert len(json.loads((out_dir / f"{name}.json").read_text())) == sec["rows"]
         assert len((out_dir / f"{name}.csv").read_text().splitlines()) == sec["rows"] + 1
+    summary = json.loads((out_dir / "summary.json").read_text())
+    assert summary["tenant"] == "acme" and summary["jobs"] == 2 and summary["verification"]["ok"] is True
+    assert summary["gpu_hours"] > 0 and json.loads((out_dir / "verification.json").read_text())["ok"] is True
+    usage = json.loads((out_dir / "usage.json").read_text())
+    assert usage[0]["start"].endswith("Z") and "T" in usage[0]["start"]  # ISO-8601 UTC
+    everything = "".join(p.read_text() for p in out_dir.iterdir() if p.suffix in (".csv", ".json"))
+    assert "zeta" not in everything  # another tenant's jobs and names stay out of acme's pack
+    checked = audit(stack, "verify-export", str(out_dir), "--pubkey",
+                    str(stack.home / "keys" / "evidence-ed25519.pub.pem"))
+    assert checked.returncode == 0 and "OK" in checked.stdout, checked.stdout
+    # tampering: one changed row, one removed file, a pack re-signed by someone else
+    rows = (out_dir / "usage.csv").read_text().splitlines()
+    rows[1] = rows[1].replace(",", ",9", 1)
+    (out_dir / "usage.csv").write_text("\n".join(rows) + "\n")
+    (out_dir / "quota.json").unlink()
+    bad = audit(stack, "verify-export", str(out_dir))
+    assert bad.returncode == 1 and "changed: usage.csv" in bad.stdout and "missing: quota.json" in bad.stdout
+    other_key = tmp_path / "other.pem"
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+    other_key.write_bytes(Ed25519PrivateKey.generate().private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    forged = tmp_path / "forged"
+    assert audit(stack, "export", "--tenant", "acme", "--out", str(forged), "--key", str(other_key)).returncode == 0
+    assert audit(stack, "verify-export", str(forged)).returncode == 0  # intact, but whose?
+    who = audit(stack, "verify-export", str(forged), "--pubkey", str(stack.home / "keys" / "evidence-ed25519.pub.pem"))
+    assert who.returncode == 1 and "signer:" in who.stdout
 
     # negative control 1: one usage row tampered in ClickHouse (the worker owns chdb: stop it first)
     stack.stop_process("agent")

@@ -45,7 +45,7 @@ def test_cancel_a_running_job_and_read_its_history(pool):
                    30, "cancelled", pool)
     assert row["tier"] == "offline" and row["compute_milli"] == 1000 and row["cards"] == 1
     assert row["nodes"] in ("node-000", "node-001") and row["elapsed_s"] > 0 and row["wait_s"] >= 0
-    history = wait_for(lambda: "billed so far: 0.000" not in (h := cli(pool, "history", "long", user="alice"))
+    history = wait_for(lambda: "cost so far: 0.000 GPU" not in (h := cli(pool, "history", "long", user="alice"))
                        and h, 30, "the bill in the history", pool)
     lines = history.splitlines()
     assert lines[0] == "acme/long"

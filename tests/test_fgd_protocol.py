@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from agents.scheduler.packing import PodRequest
+from agents.sim.packing import PodRequest
 from agents.sim import fgd_protocol as fp
 
 DATA = Path(fp.__file__).parent / "data"

@@ -3,18 +3,17 @@
 import numpy as np
 import pytest
 
-from agents.scheduler.packing import (
+from agents.scheduler.fgd_measure import TypicalPod, fragmentation
+from agents.sim.packing import (
     BestFitPolicy,
     ClusterState,
     FGDPolicy,
     GpupoolPolicy,
     PodRequest,
     scarcity_weights,
-    TypicalPod,
     bestfit_scores,
     choose,
     default_gpus,
-    fragmentation,
     make_policy,
     schedule,
     sigmoid_score,

@@ -280,7 +280,8 @@ def test_the_authenticated_actor_is_recorded(pool, tmp_path):
                 JobRequested(job_id="act-1", tenant="acme", compute_milli=100, gpu_memory_mib=1024, duration_s=1),
                 JobCancelled(job_id="act-1", reason="changed my mind")])
     wait_for(lambda: pool.query("SELECT count() AS n FROM gpupool.quota_events FINAL WHERE kind = 'quota.set' "
-                                "AND actor = 'admin' AND tenant = 'acme'")[0]["n"] == 1, 30, "quota with actor", pool)
+                                "AND actor = 'admin' AND tenant = 'acme' AND quota_milli = 16000")[0]["n"] == 1, 30,
+             "quota with actor", pool)
 
     def actors():
         got = {(r["kind"], r["actor"], r["subject"]) for r in pool.query(

@@ -482,3 +482,52 @@ def test_commands_for_other_nodes_are_ignored():
 
     rec = run(go())
     assert rec.sent == []
+
+
+def test_faults_from_the_control_file_are_applied_while_the_agent_runs(tmp_path):
+    """`gpupool agent inject` appends to the control file; the running agent applies each new line: a job's failure
+    here, and a bad line is skipped without stopping the fleet."""
+    import asyncio
+
+    from agents.node.sim_agent import SimFleetAgent
+    from infra.config import Config
+    from schemas.envelope import decode, envelope
+    from schemas.events import Assignment, PlaceJob
+
+    class Producer:
+        def __init__(self):
+            self.sent = []
+
+        async def send(self, topic, key=None, value=None):
+            self.sent.append(decode(value))
+
+        async def flush(self):
+            pass
+
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text("nodes:\n  - {name: n1, model: A100-80GB, gpus: 2}\n")
+    control = tmp_path / "faults"
+    control.write_text("")
+    cfg = Config(home=tmp_path, kafka="unused:1", clickhouse="", kafka_port=0, web_port=0)
+
+    async def go():
+        agent = SimFleetAgent.from_spec(cfg, str(fleet), producer=Producer(), control=control,
+                                        telemetry_interval_s=0.1)
+        task = asyncio.create_task(agent.run(consume_commands=False))
+        await asyncio.sleep(0.3)
+        for i in range(2):
+            await agent.execute(envelope(PlaceJob(
+                command_id=f"c{i}", job_id=f"t/j{i}", tenant="t", node="n1", attempt=1, duration_s=100,
+                assignments=(Assignment(gpu_uuid=f"GPU-n1-{i}", milli=1000, memory_mib=1000),)),
+                source="scheduler", seq=i + 1, time_ms=1))
+        control.write_text("fail:t/j0\nnonsense:x\n")
+        await asyncio.sleep(1.2)
+        running = sorted(agent.nodes["n1"].running)
+        agent.stopping.set()
+        await task
+        return agent.producer.sent, running
+
+    sent, running = asyncio.run(go())
+    failed = [e.payload for e in sent if e.kind == "job.failed"]
+    assert [(f.job_id, f.reason) for f in failed] == [("t/j0", "simulated failure: exit status 1")]
+    assert running == ["t/j1"]  # the other job on the node runs on

@@ -151,6 +151,9 @@ class FakeWorker:
     async def dead_letter(self, m, code, detail, raw=None):
         self.letters.append((m.offset, code))
 
+    async def _emit_minutes(self, minutes):
+        self.sent.extend(minutes)
+
 
 class RecordingMinutes:
     def __init__(self):
@@ -162,6 +165,9 @@ class RecordingMinutes:
 
     def close_before(self, log_ms):
         return []
+
+    def minute_of(self, t_ms):
+        return t_ms - t_ms % 60_000
 
 
 def _fold_task(worker, minutes=None) -> TelemetryFold:
@@ -286,5 +292,25 @@ def test_a_rebalance_stops_writes_and_forgets_the_partitions():
         await f.flush()
         assert f.consumer.commits == [] and w.node_table.changelog == []  # the new owner re-reads from the commit
         assert "n1" not in w.liveness.heard and 3 not in w.liveness.read and f.partitions == frozenset()
+
+    asyncio.run(go())
+
+
+def test_minutes_get_each_new_record_at_its_own_log_time_and_a_record_read_again_is_not_counted_twice():
+    from streams.telemetry_history import TelemetryMinutes
+
+    w = FakeWorker()
+    _with_inventory(w)
+    minutes = TelemetryMinutes()
+    f = _fold_task(w, minutes)
+
+    async def go():
+        # log times 58 s, 59 s, 60 s, 61 s: the first two in minute 0, the others in minute 1
+        await f.fold_batch(3, _recs([_tel("n1", i, 1000 * i) for i in range(1, 5)], t0=58_000))
+        closed = [m for m in w.sent if getattr(m, "kind", "") == "telemetry.minute"]
+        assert [(m.minute_ms, [c.samples for c in m.cards]) for m in closed] == [(0, [2, 2])]
+        # the same records again (a restart re-reads from the last commit), then one new: minute 1 has 3 records
+        await f.fold_batch(3, _recs([_tel("n1", i, 1000 * i) for i in range(1, 6)], t0=58_000))
+        assert [(m.minute_ms, [c.samples for c in m.cards]) for m in minutes.flush()] == [(60_000, [3, 3])]
 
     asyncio.run(go())

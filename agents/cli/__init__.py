@@ -65,15 +65,21 @@ def parser() -> argparse.ArgumentParser:
                    help="no ClickHouse sink and no SQL here (chDB: one process per data path; another worker has it)")
     w.add_argument("--name", default="worker", help="this worker's name among several (its Faust data directory)")
     w.add_argument("--loglevel", default="warn", choices=["crit", "error", "warn", "info", "debug"])
-    a = add("agent", stack.cmd_agent, help="run node agents: real GPUs through NVML, or --simulate FLEET")
+    a = add("agent", stack.cmd_agent, help="run node agents: real GPUs through NVML, or --simulate FLEET; "
+                                           "`agent inject FAULT...` breaks the supervised simulated fleet")
+    a.add_argument("simulate_inject", nargs="*", metavar="inject FAULT", help=argparse.SUPPRESS)
     a.add_argument("--simulate", metavar="FLEET", help="fleet YAML, openb node CSV, or demo:N")
+    a.add_argument("--control", metavar="FILE", help="a file of faults the simulated fleet applies as lines are "
+                                                      "added (default for inject: $GPUPOOL_HOME/run/faults)")
     a.add_argument("--interval", type=float, default=1.0, help="telemetry interval in seconds")
     a.add_argument("--fault", action="append",
                    help="ecc:NODE:INDEX | clear:NODE:INDEX | lose:NODE | slow:NODE:FACTOR | recover:NODE | "
-                        "restart:NODE, optionally @SECONDS after start")
+                        "restart:NODE | fail:JOB, optionally @SECONDS after start")
     a.add_argument("--group", help="consumer group for commands")
     a.add_argument("--principal", default="node", help="the node principal the agent connects as")
     a.add_argument("--allow-mig-reconfigure", action="store_true")
+    a.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1:PORT (default: "
+                   "$GPUPOOL_AGENT_METRICS_PORT, else none)")
     u = add("up", stack.cmd_up, help="start broker, worker and a simulated fleet in the background, supervised")
     u.add_argument("--simulate", metavar="FLEET", default="demo:4", help="fleet to simulate ('' for none)")
     u.add_argument("--brokers", type=int, default=None,
@@ -198,6 +204,8 @@ def parser() -> argparse.ArgumentParser:
 
     sub.add_parser("audit", help="audit the log: replay --verify [--from T --to T], export --tenant T --out DIR",
                    add_help=False)
+    sub.add_parser("acceptance", help="seed 004's acceptance suites: report --out DIR [--results FILE]",
+                   add_help=False)
     sim = sub.add_parser("simulate", help="offline trace evaluation",
                          epilog="colocation: --qps PATH --philly PATH --gpus N --hours H --seed S --mode load|clock "
                                 "--plots DIR --json (docs/colocation.md)")
@@ -211,6 +219,10 @@ def parser() -> argparse.ArgumentParser:
 
 def _dispatch(args):
     """The handler of commands whose action picks it."""
+    if args.command == "agent" and args.simulate_inject:
+        if args.simulate_inject[0] != "inject" or len(args.simulate_inject) < 2:
+            raise SystemExit("usage: gpupool agent inject FAULT [FAULT...] (e.g. lose:node-001, fail:acme/job-1)")
+        args.simulate, args.faults = "inject", args.simulate_inject[1:]
     if args.command == "quota":
         return requests.cmd_quota_set if args.action == "set" else views.cmd_quota_show
     if args.command == "node":
@@ -235,7 +247,7 @@ def _dispatch(args):
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args, rest = parser().parse_known_args(argv)
-    if rest and args.command not in ("simulate", "audit"):
+    if rest and args.command not in ("simulate", "audit", "acceptance"):
         parser().error(f"unrecognized arguments: {' '.join(rest)}")
     cfg = config_mod.load().acting_as(getattr(args, "as_user", None))
     try:
@@ -244,6 +256,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "audit":
             from agents.audit import run_audit
             return run_audit(cfg, rest)
+        if args.command == "acceptance":
+            from agents.acceptance import run_cli
+            return run_cli(rest)
         if args.command == "supervise":
             from pathlib import Path
             cfg = config_mod.load()

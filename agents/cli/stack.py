@@ -92,9 +92,13 @@ def _state(cfg) -> dict:
 
 
 def cmd_up(cfg, args) -> int:
-    def say(text: str) -> None:
-        print(f"gpupool up: {text} ...", flush=True)
+    from infra.progress import status
 
+    with status("gpupool up: starting") as step:
+        return _up(cfg, args, lambda text: step(f"gpupool up: {text}"))
+
+
+def _up(cfg, args, say) -> int:
     pid = supervisor_pid(cfg)
     if pid is not None:
         print(f"gpupool is already up (supervisor pid {pid}, home {cfg.home}); `gpupool down` first to change it")
@@ -235,7 +239,9 @@ class Supervisor:
             self.components[name] = ["worker", "--no-sink", "--name", name]
             self.env[name] = {"GPUPOOL_WEB_PORT": str(cfg.web_port + i - 1)}
         if simulate:
-            self.components["agent"] = ["agent", "--simulate", simulate]
+            control = run_dir(cfg) / "faults"
+            control.touch()
+            self.components["agent"] = ["agent", "--simulate", simulate, "--control", str(control)]
         self.procs: dict[str, subprocess.Popen] = {}
         self.state: dict[str, dict] = {name: {"exits": 0} for name in self.components}
         self.stopping = False
@@ -338,15 +344,25 @@ def cmd_worker(cfg, args) -> int:
 def cmd_agent(cfg, args) -> int:
     from agents.node.sim_agent import SimFleetAgent
 
+    if args.simulate == "inject":  # `gpupool agent inject FAULT...`: to the supervised fleet's control file
+        path = Path(args.control) if args.control else run_dir(cfg) / "faults"
+        with path.open("a") as f:
+            for fault in args.faults:
+                f.write(fault + "\n")
+        print(f"{len(args.faults)} fault(s) sent to {path}")
+        return 0
     if not args.simulate:
         from agents.node.nvml_agent import run_nvml_agent  # real cards
         return run_nvml_agent(cfg, args)
     try:
         agent = SimFleetAgent.from_spec(cfg, args.simulate, telemetry_interval_s=args.interval,
                                         group_id=args.group or "gpupool-agent-sim", faults=args.fault or [],
-                                        principal=args.principal)
+                                        principal=args.principal, control=Path(args.control) if args.control else None)
     except (OSError, ValueError) as exc:  # a bad fleet file or fault: one line naming it
         raise SystemExit(f"gpupool agent: {exc}") from None
+    from agents.node.nvml_agent import metrics_port
+
+    agent.metrics.serve(metrics_port(args))
 
     async def main():
         loop = asyncio.get_running_loop()

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 
-from agents.cli.output import duration, emit, mib, parse_time, when
+from agents.cli import explain
+from agents.cli.output import emit, mib, parse_time, when
 from agents.client import Client
 
 
@@ -50,81 +51,41 @@ def cmd_cluster(cfg, args) -> int:
     return 0
 
 
-def _reasons(reasons: list[dict], indent: str = "    ") -> list[str]:
-    out = []
-    for r in reasons:
-        extra = " ".join(f"{k}={v}" for k, v in sorted(r.get("data", {}).items()))
-        plugin = f"[{r['plugin']}] " if r.get("plugin") else ""
-        text = " ".join(x for x in (r.get("message", ""), extra) if x)
-        out.append(f"{indent}{plugin}{r['code']}" + (f": {text}" if text else ""))
-    return out
+def _cards(c: Client) -> dict[str, dict]:
+    """Card uuid -> its card document (model, generation), for naming what a placement got."""
+    try:
+        return {g["uuid"]: g for n in c.api("/api/nodes")["nodes"] for g in n["cards"]}
+    except SystemExit:
+        return {}
+
+
+def _cost(c: Client, job: str) -> str | None:
+    """The job's bill priced by the price book, when the caller may read bills."""
+    if c.creds.role not in ("tenant", "finance", "operator", "auditor"):
+        return None
+    try:
+        cols, rows = c.rows("/api/billing", {"by": "job", "cost": "1", "tenant": job.split("/", 1)[0]
+                                              if c.creds.role != "tenant" else None})
+    except SystemExit:
+        return None
+    row = next((dict(zip(cols, r)) for r in rows if dict(zip(cols, r)).get("job_id") == job), None)
+    if row is None or row.get("cost") is None:
+        return None
+    return f"{float(row['cost']):.2f} at the price book's rates ({float(row['borrowed_cost'] or 0):.2f} of it borrowed)"
 
 
 def cmd_explain(cfg, args) -> int:
     c = Client(cfg)
     job = _job(c, args.job)
-    doc = c.api("/api/explain", {"job": job})
     if args.format == "json":
-        print(json.dumps(doc))
+        print(json.dumps(c.api("/api/explain", {"job": job})))
         return 0
-    if not doc["events"]:
+    events = c.api("/api/history", {"job": job})["events"]
+    if not any(e["kind"] in explain.DECISIONS for e in events):
         print(f"no scheduling decisions recorded for {job}")
         return 1
-    for e in doc["events"]:
-        who = f"  by {e['actor']}" if e.get("actor") else ""
-        print(f"{when(e['time_ms'])}  {e['kind']}  {e['node'] or '-'}{who}")
-        for line in _reasons(e["reasons"]):
-            print(line)
+    print("\n".join(explain.explain_lines(job, events, _cards(c), _cost(c, job))))
     return 0
-
-
-def _summary(e: dict) -> str:
-    p, kind = e["payload"], e["kind"]
-    if kind == "job.requested":
-        return (f"requested {p['compute_milli']} milli-CU, {mib(p['gpu_memory_mib'])} GPU memory, tier {p['tier']}, "
-                f"project {p.get('project', 'default')}" + (f", by {e['actor']}" if e.get("actor") else ""))
-    if kind == "cmd.place":
-        cards = len(p["assignments"])
-        share = sum(a["milli"] for a in p["assignments"])
-        gang = f", gang part {p['gang_index'] + 1}/{p['gang_size']}" if p.get("gang_size", 1) > 1 else ""
-        resume = f", resuming from {p['resume_from']}" if p.get("resume_from") else ""
-        borrowed = ", borrowed" if p.get("borrowed") else ""
-        return f"placed on {p['node']}: {cards} card(s), {share} milli-GPU{gang}{resume}{borrowed}"
-    if kind == "job.started":
-        return f"started on {p['node']}"
-    if kind == "job.checkpointed":
-        return f"checkpoint at {duration(p['progress_ms'])} of work ({p.get('checkpoint') or '-'})"
-    if kind == "cmd.preempt":
-        return f"told to checkpoint and stop on {p['node']}"
-    if kind == "job.stopped":
-        return f"stopped on {p['node']} after {duration(p.get('progress_ms', 0))} of work"
-    if kind == "cmd.release":
-        return f"released on {p['node']}"
-    if kind == "job.completed":
-        return f"completed on {p['node']}"
-    if kind == "job.failed":
-        return f"failed on {p.get('node') or '-'}: {p.get('reason', '')}"
-    if kind == "job.cancelled":
-        return "cancelled" + (f" by {e['actor']}" if e.get("actor") else "") + (
-            f": {p['reason']}" if p.get("reason") else "")
-    if kind == "usage.accrued":
-        borrowed = " (borrowed)" if p.get("borrowed") else ""
-        return (f"billed {p['gpu_milli_ms'] / 1e6:.3f} GPU-s on {p['node']} ({p['gpu_model']}), "
-                f"{duration(p['end_ms'] - p['start_ms'])} x {p['gpu_milli']} milli-GPU{borrowed}")
-    if kind == "job.pending":
-        return "waiting"
-    if kind == "job.rejected":
-        return f"rejected: {p['code']}"
-    if kind == "cmd.resize":
-        return f"resized on {p['node']} to {sum(a['milli'] for a in p['assignments'])} milli-GPU"
-    if kind == "cmd.migrate":
-        return f"moving from {p['from_node']} to {p['to_node']}"
-    return kind
-
-
-SHOWN_IN_HISTORY = {"job.requested", "cmd.place", "job.started", "job.checkpointed", "cmd.preempt", "job.stopped",
-                    "cmd.release", "job.completed", "job.failed", "job.cancelled", "usage.accrued", "job.pending",
-                    "job.rejected", "cmd.resize", "cmd.migrate", "job.interrupted"}
 
 
 def cmd_history(cfg, args) -> int:
@@ -136,20 +97,10 @@ def cmd_history(cfg, args) -> int:
     if args.format == "json":
         print(json.dumps(doc))
         return 0
-    events = [e for e in doc["events"] if e["kind"] in SHOWN_IN_HISTORY]
-    if not events:
+    if not any(e["kind"] in explain.SHOWN_IN_HISTORY for e in doc["events"]):
         print(f"nothing recorded for {job}")
         return 1
-    print(job)
-    billed = 0
-    for e in events:
-        if e["kind"] == "usage.accrued":
-            billed += e["payload"]["gpu_milli_ms"]
-        print(f"  {when(e['time_ms'])}  {_summary(e)}")
-        if e["kind"] in ("cmd.place", "cmd.preempt", "job.pending", "job.rejected", "cmd.migrate", "job.interrupted"):
-            for line in _reasons(e["reasons"], "        "):
-                print(line)
-    print(f"  billed so far: {billed / 1e6:.3f} GPU-seconds")
+    print("\n".join(explain.history_lines(job, doc["events"], _cards(c), _cost(c, job))))
     return 0
 
 

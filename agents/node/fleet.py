@@ -21,7 +21,7 @@ FIELDS = {  # a node entry's fields: type, and whether it must be given (names a
     "name": (str, False), "prefix": (str, False), "count": (int, False), "model": (str, True), "gpus": (int, True),
     "cpu_milli": (int, False), "memory_mib": (int, False), "rack": (str, False), "nodes_per_rack": (int, False),
     "datacenter": (str, False), "nvlink": (bool, False), "mig": (list, False), "driver": (str, False),
-    "cuda": (str, False),
+    "cuda": (str, False), "labels": (dict, False),
 }
 AS_TEXT = frozenset({"name", "prefix", "rack", "datacenter", "driver", "cuda"})
 MINIMUM = {"count": 1, "gpus": 1, "cpu_milli": 0, "memory_mib": 0, "nodes_per_rack": 0}
@@ -88,7 +88,8 @@ def mig_layout(node: str, index: int, model_name: str, profiles: list[str]) -> t
 
 def make_node(name: str, gpu_model: str, gpus: int, *, cpu_milli: int = 64000, memory_mib: int = 256 * 1024,
               rack: str = "rack-0", datacenter: str = "dc-0", nvlink: bool = True,
-              mig: list[str] | None = None, driver: str = "550.54.15", cuda: str = "12.4") -> NodeInventory:
+              mig: list[str] | None = None, driver: str = "550.54.15", cuda: str = "12.4",
+              labels: dict[str, str] | None = None) -> NodeInventory:
     m = model(known_model(gpu_model, f"node {name}: model"))
     cards = []
     for i in range(gpus):
@@ -101,12 +102,12 @@ def make_node(name: str, gpu_model: str, gpus: int, *, cpu_milli: int = 64000, m
             mig_capable=m.mig_capable, mig_enabled=bool(layout), mig_profiles=tuple(p.name for p in m.mig_profiles),
             mig_layout=layout, driver_version=driver, cuda_version=cuda, firmware_version="sim"))
     return NodeInventory(node=name, rack=rack, datacenter=datacenter, cpu_milli=cpu_milli, memory_mib=memory_mib,
-                         gpus=tuple(cards))
+                         gpus=tuple(cards), labels={str(k): str(v) for k, v in (labels or {}).items()})
 
 
 def from_yaml(path: str | Path) -> list[NodeInventory]:
     """YAML: `nodes: [{name|prefix, count?, model, gpus, cpu_milli?, memory_mib?, rack?, nodes_per_rack?, datacenter?,
-    nvlink?, mig?, driver?, cuda?}]` and optionally `faults: [{at: SECONDS, fault: "ecc:NODE:INDEX"}]` (load_faults).
+    nvlink?, mig?, driver?, cuda?, labels?}]` and optionally `faults: [{at: SECONDS, fault: "ecc:NODE:INDEX"}]` (load_faults).
 
     One entry with `count: N` gives N nodes named `<prefix>-0..N-1`; with `nodes_per_rack: K` they fill racks
     `<rack>-0`, `<rack>-1`, ... K at a time. Cards of one node are NVLink peers unless `nvlink: false`."""
@@ -128,7 +129,7 @@ def from_yaml(path: str | Path) -> list[NodeInventory]:
                                      rack=f"{rack}-{k // per_rack}" if per_rack else rack,
                                      datacenter=spec.get("datacenter", "dc-0"), nvlink=spec.get("nvlink", True),
                                      mig=spec.get("mig"), driver=spec.get("driver", "550.54.15"),
-                                     cuda=spec.get("cuda", "12.4")))
+                                     cuda=spec.get("cuda", "12.4"), labels=spec.get("labels")))
             except ValueError as exc:
                 raise ValueError(f"fleet {path}: nodes[{i}]: {exc}") from None
     names = [n.node for n in out]

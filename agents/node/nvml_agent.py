@@ -385,11 +385,15 @@ class NvmlAgent:
                                  allow_mig_reconfigure=bool(getattr(args, "allow_mig_reconfigure", False)),
                                  reconfigure=self._reconfigure, republish=self._republish,
                                  log_dir=cfg.home / "jobs" / self.node)
+        from agents.node.metrics import AgentMetrics
+
+        self.metrics = AgentMetrics(lambda: {self.node: len(self.executor.running)})
 
     async def publish(self, payload, source: str, cause: str | None = None) -> None:
         env = envelope(payload, source=source, seq=self.seq.next(source), time_ms=wall_ms(), causation_id=cause)
         spec, key = route(env)
         await self.producer.send(spec.name, key=key, value=encode(env))
+        self.metrics.observe(payload)
         await self.producer.flush()  # job facts are rare and must not sit in a batch when the agent dies
 
     async def publish_inventory(self, force: bool = False, cause: str | None = None) -> None:
@@ -428,7 +432,11 @@ class NvmlAgent:
         return kafka_conn(self.cfg, self.principal)  # the node principal: writes only what nodes may state
 
     async def command_loop(self) -> None:
-        await consume_commands(self.conn, self.group_id, self.stopping, self.executor.execute, log)
+        async def execute(env) -> None:
+            self.metrics.commands.labels(env.kind).inc()
+            await self.executor.execute(env)
+
+        await consume_commands(self.conn, self.group_id, self.stopping, execute, log)
 
     async def run(self) -> None:
         from aiokafka import AIOKafkaProducer
@@ -445,6 +453,12 @@ class NvmlAgent:
                 await self.producer.stop()
 
 
+def metrics_port(args) -> int:
+    """`--metrics-port`, else GPUPOOL_AGENT_METRICS_PORT, else 0 (none)."""
+    port = getattr(args, "metrics_port", None)
+    return int(port if port is not None else os.environ.get("GPUPOOL_AGENT_METRICS_PORT") or 0)
+
+
 def run_nvml_agent(cfg, args) -> int:
     from agents.node.nvml_backend import NvmlBackend
 
@@ -455,6 +469,7 @@ def run_nvml_agent(cfg, args) -> int:
         print(f"gpupool agent: no usable NVIDIA driver: {exc}", file=sys.stderr)
         return 2
     agent = NvmlAgent(cfg, args, backend)
+    agent.metrics.serve(metrics_port(args))
 
     async def main():
         loop = asyncio.get_running_loop()

@@ -19,6 +19,9 @@ Faults (`inject`, the CLI's --fault, a fleet file's `faults:`), each optionally 
   restart:NODE       the node's agent restarts: each running job is lost and reported stopped at its last
                      checkpoint (JobStopped reason "agent restarted": the scheduler requeues it to resume from there),
                      and the inventory is published again
+  fail:JOB           the job's process dies (JobFailed "simulated failure"); nothing else on its node moves
+A running agent also applies the faults appended, one a line, to its control file (`--control FILE`; the fleet that
+`gpupool up` supervises reads $GPUPOOL_HOME/run/faults, which `gpupool agent inject FAULT...` appends to).
 
 Commands are fenced (agents/node/fencing.py): a placement of a superseded attempt is refused, a stop ends only its
 own run or an older one. When the agent stops (run() ends: SIGTERM, `gpupool down`) every running job is
@@ -30,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from pathlib import Path
 from dataclasses import dataclass, field
 
 from aiokafka import AIOKafkaProducer
@@ -40,7 +44,7 @@ from infra.security import NODE, kafka_conn
 from infra.config import Config
 from schemas.envelope import Envelope, encode, envelope
 from schemas.events import (
-    Assignment, GpuSample, GpuTelemetry, JobCheckpointed, JobCompleted, JobStarted, JobStopped,
+    Assignment, GpuSample, GpuTelemetry, JobCheckpointed, JobCompleted, JobFailed, JobStarted, JobStopped,
     MigReconfigure, NodeInventory, PlaceJob, PreemptJob, ReleaseJob, ResizeJob,
 )
 from schemas.gpu_models import mig_profile
@@ -49,7 +53,7 @@ from schemas.routing import route
 log = logging.getLogger("gpupool.agent")
 
 SHUTDOWN_REPORT_S = 10.0  # how long shutdown waits to report the running jobs stopped
-FAULT_KINDS = {"ecc": 2, "clear": 2, "lose": 1, "slow": 2, "recover": 1, "restart": 1}  # kind -> number of fields
+FAULT_KINDS = {"ecc": 2, "clear": 2, "lose": 1, "slow": 2, "recover": 1, "restart": 1, "fail": 1}  # kind -> fields
 
 
 def wall_ms() -> int:
@@ -114,7 +118,7 @@ class Fault:
 class SimFleetAgent:
     def __init__(self, cfg: Config, inventories: list[NodeInventory], *, telemetry_interval_s: float = 1.0,
                  group_id: str = "gpupool-agent-sim", faults: list[str] | tuple[str, ...] = (), producer=None,
-                 speedup: float = 1.0, principal: str = NODE):
+                 speedup: float = 1.0, principal: str = NODE, control: Path | None = None):
         if speedup <= 0:
             raise ValueError("speedup must be positive")
         self.cfg = cfg
@@ -123,6 +127,7 @@ class SimFleetAgent:
         self.interval = telemetry_interval_s
         self.group_id = group_id
         self.principal = principal  # the node principal: it may write inventory, telemetry and job events only
+        self.control = control  # a file of faults to apply as lines are appended (None: none)
         self.seen_commands: set[str] = set()
         self._seq: dict[str, int] = {}
         self._seq_base = time.time_ns() // 1000  # restart-safe: a new process starts above the old sequence
@@ -133,6 +138,9 @@ class SimFleetAgent:
         self.started_mono: float | None = None  # event-loop time the agent started at; timed faults count from it
         self._started_wall = 0
         self._tasks: set[asyncio.Task] = set()
+        from agents.node.metrics import AgentMetrics
+
+        self.metrics = AgentMetrics(lambda: {n: len(v.running) for n, v in self.nodes.items()})
         for f in faults:
             self.inject(f)
 
@@ -171,6 +179,7 @@ class SimFleetAgent:
         spec, key = route(env)
         await self.producer.send(spec.name, key=key, value=encode(env))
         self.published += 1
+        self.metrics.observe(payload)
 
     def _spawn(self, coro) -> asyncio.Task:
         task = asyncio.create_task(coro)
@@ -256,6 +265,7 @@ class SimFleetAgent:
 
     async def execute(self, env: Envelope) -> None:
         p = env.payload
+        self.metrics.commands.labels(env.kind).inc()
         node_name = getattr(p, "node", None)
         node = self.nodes.get(node_name)
         if node is None or node.lost or p.command_id in self.seen_commands:
@@ -326,9 +336,14 @@ class SimFleetAgent:
         body, at, delay = text.partition("@")
         kind, _, rest = body.partition(":")
         parts = rest.split(":") if rest else []
+        if kind == "fail":  # fail:JOB -- the job's id may hold ':' itself
+            parts = [rest] if rest else []
         if kind not in FAULT_KINDS or len(parts) != FAULT_KINDS[kind]:
             raise ValueError(f"unknown fault {text!r}: want ecc:NODE:INDEX, clear:NODE:INDEX, lose:NODE, "
-                             f"slow:NODE:FACTOR, recover:NODE or restart:NODE, optionally @SECONDS")
+                             f"slow:NODE:FACTOR, recover:NODE, restart:NODE or fail:JOB, optionally @SECONDS")
+        if kind == "fail":
+            seconds = float(delay) if at else None
+            return Fault(kind, "", parts[0], seconds)
         node = self.nodes.get(parts[0])
         if node is None:
             raise ValueError(f"fault {text!r}: no node {parts[0]!r} in the fleet")
@@ -386,6 +401,16 @@ class SimFleetAgent:
 
     def _change(self, f: Fault) -> list[tuple]:
         """The state change of a fault; returns what it publishes as (payload, source, time, cause)."""
+        if f.kind == "fail":  # the job's process dies: the agent reports it failed; nothing else on the node moves
+            for name, n in sorted(self.nodes.items()):
+                r = n.running.pop(f.arg, None)
+                if r is not None:
+                    if r.task:
+                        r.task.cancel()
+                    return [(JobFailed(job_id=f.arg, node=name, reason="simulated failure: exit status 1",
+                                       command_id=r.command_id), f"{name}/job/{f.arg}", self.now_ms(), r.command_id)]
+            log.warning("fault %s: no such job running here", f)
+            return []
         node = self.nodes[f.node]
         if f.kind == "ecc":
             node.ecc_faults.add(node.inventory.gpus[int(f.arg)].uuid)
@@ -434,6 +459,28 @@ class SimFleetAgent:
                 msgs.append(self._stopped(name, job_id, r, progress, "agent shutdown", now))
         await self._send_all(msgs)
 
+    async def control_loop(self, path: Path) -> None:
+        """Faults from a control file, one per line, as they are appended (`gpupool agent inject FAULT`): an
+        operator's or a test's way to break a simulated fleet while it runs. A bad line is logged and skipped."""
+        done = 0
+        while not self.stopping.is_set():
+            try:
+                lines = path.read_text().splitlines()
+            except OSError:
+                lines = []
+            for line in lines[done:]:
+                if line.strip():
+                    try:
+                        await self.apply(line.strip())
+                        log.warning("fault %s applied", line.strip())
+                    except Exception as exc:  # noqa: BLE001 - a bad line must not stop the fleet
+                        log.warning("control %s: %s: %s", path, line.strip(), exc)
+            done = len(lines)
+            try:
+                await asyncio.wait_for(self.stopping.wait(), 0.5)
+            except asyncio.TimeoutError:
+                pass
+
     # ---------------------------------------------------------------- the process
 
     async def run(self, *, consume_commands: bool = True) -> None:
@@ -452,7 +499,8 @@ class SimFleetAgent:
                 if not node.lost:
                     await self.publish(node.inventory, f"{name}/inventory")
             await self.producer.flush()
-            await asyncio.gather(self.telemetry_loop(), *([self.command_loop()] if consume_commands else []))
+            await asyncio.gather(self.telemetry_loop(), *([self.command_loop()] if consume_commands else []),
+                                 *([self.control_loop(self.control)] if self.control else []))
         finally:
             try:
                 await asyncio.wait_for(self.stop_jobs(), SHUTDOWN_REPORT_S)

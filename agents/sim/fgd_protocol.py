@@ -22,7 +22,7 @@ from typing import Sequence
 
 import numpy as np
 
-from agents.scheduler.packing import (
+from agents.sim.packing import (
     DEFAULT_POLICY,
     GPU_MILLI,
     POLICY_NAMES,
@@ -316,11 +316,22 @@ def run_cli(argv: list[str]) -> int:
     print(f"{len(nodes.names)} nodes, {nodes.gpu_capacity // GPU_MILLI} GPUs, {len(pods)} pods; "
           f"policy {args.policy}; seeds {args.seeds}", file=sys.stderr)
 
-    def progress(res: SeedResult) -> None:
-        print(f"  seed {res.seed}: allocation {res.allocation[100]:.2f}% @100, {res.allocation[130]:.2f}% @130 "
-              f"({res.attempts} attempts, {time.monotonic() - started:.1f}s)", file=sys.stderr)
+    from contextlib import nullcontext
 
-    results = run(nodes, pods, args.policy, args.seeds, processes=args.processes, progress=progress)
+    from infra.progress import Bar, interactive
+
+    bar, done = Bar(f"policy {args.policy}: seeds") if interactive() else None, []
+
+    def progress(res: SeedResult) -> None:
+        done.append(res)
+        if bar is not None:
+            bar.update(len(done), len(args.seeds))
+        else:
+            print(f"  seed {res.seed}: allocation {res.allocation[100]:.2f}% @100, {res.allocation[130]:.2f}% @130 "
+                  f"({res.attempts} attempts, {time.monotonic() - started:.1f}s)", file=sys.stderr)
+
+    with bar or nullcontext():
+        results = run(nodes, pods, args.policy, args.seeds, processes=args.processes, progress=progress)
     summary = summarise(results, args.policy)
     summary["wall_s"] = round(time.monotonic() - started, 2)
     print(f"done in {summary['wall_s']}s", file=sys.stderr)

@@ -41,7 +41,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from agents.scheduler.packing import PodRequest
+from agents.sim.packing import PodRequest
 
 KINDS = ("gpushare", "multigpu")
 NAME_FORMAT = "openb-pod-{:04d}"

@@ -84,7 +84,7 @@ def replicated_ddl(ddl: str) -> str:
         s = stmt
         s = s.replace("CREATE DATABASE IF NOT EXISTS gpupool", "CREATE DATABASE IF NOT EXISTS gpupool ON CLUSTER "
                                                               "'{cluster}'")
-        table = _CREATE_TABLE.search(s) or re.search(r"CREATE MATERIALIZED VIEW IF NOT EXISTS (gpupool\.\w+)", s)
+        table = _CREATE_TABLE.search(s) or re.search(r"CREATE (?:MATERIALIZED )?VIEW IF NOT EXISTS (gpupool\.\w+)", s)
         if table is not None:
             name = table.group(1)
             s = s.replace(name, f"{name} ON CLUSTER '{{cluster}}'", 1)

@@ -97,3 +97,43 @@ SETTINGS replicated_deduplication_window = 100000
 AS SELECT toDate(fromUnixTimestamp64Milli(toInt64(end_ms), 'UTC')) AS day, tenant, project, gpu_model, borrowed,
           sum(gpu_milli_ms) AS gpu_milli_ms, count() AS intervals
 FROM gpupool.usage GROUP BY day, tenant, project, gpu_model, borrowed;
+
+-- ---------------------------------------------------------------- telemetry history (docs/observability.md)
+-- One row per card (or MIG instance) and minute of log time, downsampled by the worker's fold
+-- (streams/telemetry_history.py) from gpupool.telemetry and written by the sink from gpupool.telemetry-minutes.
+-- A minute re-emitted after a worker restart (fewer samples: part of it was read before) is collapsed to the row with
+-- the most samples: query with FINAL. The job arrays say which jobs the card's samples named and each one's part of
+-- its utilization (permille of the card) and memory. Kept 30 days, like the topic.
+CREATE TABLE IF NOT EXISTS gpupool.telemetry_minutes ON CLUSTER '{cluster}' (
+    minute_ms UInt64,
+    minute DateTime('UTC') MATERIALIZED toDateTime(intDiv(minute_ms, 1000), 'UTC'),
+    node String, datacenter LowCardinality(String), gpu_uuid String, mig_uuid String,
+    gpu_model LowCardinality(String), samples UInt32,
+    util_mean_permille UInt16, util_max_pct UInt8, mem_used_mean_mib UInt64, mem_used_max_mib UInt64,
+    mem_total_mib UInt64, temperature_mean_c Int16, temperature_max_c Int16, power_mean_mw UInt64,
+    power_max_mw UInt64, ecc_corrected UInt64, ecc_uncorrected UInt64, xid_errors Array(UInt32),
+    job_ids Array(String), job_tenants Array(String), job_tiers Array(String), job_samples Array(UInt32),
+    job_util_permille Array(UInt32), job_mem_mib Array(UInt64), event_id String
+) ENGINE = ReplicatedReplacingMergeTree('/clickhouse/tables/{shard}/gpupool/telemetry_minutes', '{replica}', samples) ORDER BY (node, gpu_uuid, mig_uuid, minute_ms)
+TTL minute + INTERVAL 30 DAY
+SETTINGS replicated_deduplication_window = 100000;
+
+-- The same minutes per job on the card: tenant, tier and workload (inference, or training: the online-training and
+-- offline tiers), with the job's part of the card's utilization and memory; idle cards have no row here.
+CREATE VIEW IF NOT EXISTS gpupool.telemetry_by_job ON CLUSTER '{cluster}' AS
+SELECT minute_ms, minute, node, datacenter, gpu_uuid, mig_uuid, gpu_model, job_id, tenant, tier,
+       multiIf(tier = 'inference', 'inference', tier = '', 'unknown', 'training') AS workload,
+       job_samples AS samples, job_util_permille AS util_permille, job_mem_mib AS mem_used_mib
+FROM gpupool.telemetry_minutes FINAL
+ARRAY JOIN job_ids AS job_id, job_tenants AS tenant, job_tiers AS tier, job_samples, job_util_permille, job_mem_mib;
+
+-- The pool at the end of each minute of log time (pool.minute from the worker): allocation, fragmentation, queue.
+CREATE TABLE IF NOT EXISTS gpupool.pool_minutes ON CLUSTER '{cluster}' (
+    minute_ms UInt64,
+    minute DateTime('UTC') MATERIALIZED toDateTime(intDiv(minute_ms, 1000), 'UTC'),
+    worker String, capacity_milli UInt64, allocated_milli UInt64, free_milli UInt64, fragmentation_milli UInt64,
+    allocated_milli_by_model Map(String, UInt64), capacity_milli_by_model Map(String, UInt64),
+    queue_by_tier Map(String, UInt64), oldest_wait_ms_by_tier Map(String, UInt64), event_id String
+) ENGINE = ReplicatedReplacingMergeTree('/clickhouse/tables/{shard}/gpupool/pool_minutes', '{replica}') ORDER BY (worker, minute_ms)
+TTL minute + INTERVAL 30 DAY
+SETTINGS replicated_deduplication_window = 100000;

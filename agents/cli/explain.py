@@ -1,0 +1,220 @@
+"""`explain` and `history` for people: local ISO times, every reason as a sentence (the scheduler's own message, or,
+where it gave only a code and data, what that code means), one block per gang with its parts listed, the isolation
+asked for, and the cost so far. Pure: documents in, lines out (tests/test_explain_text.py)."""
+from __future__ import annotations
+
+import re
+
+from agents.cli.output import duration, mib, when
+
+# an epoch-milliseconds instant in a message ("last at 1796128512698 ms"), said as a time instead
+_EPOCH_MS = re.compile(r"\b(1\d{12})(?: ?ms)?\b")
+
+
+def _times(text: str) -> str:
+    return _EPOCH_MS.sub(lambda m: when(int(m.group(1))), text)
+
+
+def _value(key: str, v) -> str:
+    return when(v) if isinstance(v, int) and key.endswith("_ms") and v >= 10 ** 12 else str(v)
+
+# What a reason code means when the scheduler said no more than the code and its data.
+MEANING = {
+    "QuotaExceeded": "over the tenant's quota and its borrowing cap: waits until its own usage falls",
+    "Borrowing": "within the borrowing cap but beyond the quota: runs on borrowed capacity, preemptible",
+    "WithinQuota": "within the tenant's quota",
+    "NoQuota": "the tenant has no quota: nothing of it runs until an operator sets one",
+    "NoQuotaConfigured": "the tenant has no quota: nothing of it runs until an operator sets one",
+    "ProjectQuotaExceeded": "over the project's quota",
+    "Cycle": "decided in this scheduling cycle",
+    "WindowPassed": "the reservation's window has passed",
+    "ServiceRemoved": "the service was removed",
+    "Demand": "the service's demand",
+    "NoCapacity": "no node has room for it now",
+    "NoNodes": "no node is available",
+    "NoNodeMatches": "no node matches its constraints",
+    "Preempting": "lower-priority work is being checkpointed and stopped to make room",
+    "PreemptedFor": "stopped (after a checkpoint) to make room for more important work",
+    "NodeLost": "its node went silent for two heartbeats: billed to the last one, requeued",
+    "GpuFault": "a card it held failed: billed to the fault, requeued",
+    "Placed": "placed",
+    "MinReplicas": "the service runs fewer replicas than its minimum",
+    "LatencyOverTarget": "p99 latency is over the service's target",
+    "UtilizationHigh": "the replicas' utilization is high",
+    "LoadLow": "the load is low enough to serve with fewer replicas",
+    "ReplicasReady": "the new replicas report ready",
+    "MigCarve": "a card is being carved into MIG instances for it",
+    "MigReconfiguring": "waits while a card's MIG layout changes",
+    "Topology": "placed across more of the network than ideal",
+    "Unsatisfiable": "no node of the pool could ever hold it",
+    "unsatisfiable": "no node of the pool could ever hold it",
+    "duplicate_job_id": "a different request already uses this job id",
+    "DuplicateJobId": "a different request already uses this job id",
+}
+
+DECISIONS = ("job.requested", "job.pending", "job.rejected", "cmd.place", "cmd.preempt", "cmd.resize", "cmd.migrate",
+             "cmd.release", "job.interrupted", "job.started", "job.stopped", "job.completed", "job.failed",
+             "job.cancelled")
+
+
+def reason_text(r: dict) -> str:
+    """One reason as a sentence: [plugin] Code: message (or what the code means), data."""
+    data = " ".join(f"{k}={_value(k, v)}" for k, v in sorted((r.get("data") or {}).items()))
+    text = _times(r.get("message") or MEANING.get(r.get("code", ""), ""))
+    plugin = f"[{r['plugin']}] " if r.get("plugin") else ""
+    body = "; ".join(x for x in (text, data) if x)
+    if r.get("nodes"):
+        body = "; ".join(x for x in (body, "nodes " + ", ".join(r["nodes"])) if x)
+    return f"{plugin}{r.get('code', '?')}" + (f": {body}" if body else "")
+
+
+def reason_lines(reasons: list[dict], indent: str) -> list[str]:
+    return [indent + reason_text(r) for r in reasons]
+
+
+def _part(e: dict, cards: dict[str, dict]) -> str:
+    p = e["payload"]
+    share = sum(a["milli"] for a in p["assignments"])
+    models = sorted({cards.get(a["gpu_uuid"], {}).get("model", "") for a in p["assignments"]} - {""})
+    migs = [a["mig_profile"] for a in p["assignments"] if a.get("mig_profile")]
+    what = f"MIG {', '.join(migs)}" if migs else f"{len(p['assignments'])} card(s), {share} milli-GPU"
+    return f"{p['node']}: {what}" + (f" ({', '.join(models)})" if models else "")
+
+
+def blocks(events: list[dict]) -> list[list[dict]]:
+    """Events in order, a gang's placement parts (same attempt, same time) in one block."""
+    out: list[list[dict]] = []
+    for e in events:
+        prev = out[-1][0] if out else None
+        if (prev is not None and e["kind"] == "cmd.place" == prev["kind"]
+                and e["time_ms"] == prev["time_ms"]
+                and e["payload"].get("attempt") == prev["payload"].get("attempt")
+                and e["payload"].get("gang_size", 1) > 1):
+            out[-1].append(e)
+        else:
+            out.append([e])
+    return out
+
+
+def header(job: str, events: list[dict]) -> list[str]:
+    req = next((e["payload"] for e in events if e["kind"] == "job.requested"), None)
+    if req is None:
+        return [job]
+    isolation = req.get("isolation") or "not stated"
+    return [f"{job}  tier {req.get('tier')}, {req['compute_milli']} milli-CU, {mib(req['gpu_memory_mib'])} GPU memory, "
+            f"project {req.get('project', 'default')}, isolation {isolation}"]
+
+
+def _unique_reasons(block: list[dict]) -> list[dict]:
+    seen, out = set(), []
+    for e in block:
+        for r in e.get("reasons") or ():
+            key = repr(sorted(r.items()))
+            if key not in seen:
+                seen.add(key)
+                out.append(r)
+    return out
+
+
+def event_line(block: list[dict], cards: dict[str, dict]) -> list[str]:
+    e = block[0]
+    kind, p = e["kind"], e["payload"]
+    who = f"  by {e['actor']}" if e.get("actor") else ""
+    if kind == "cmd.place":
+        n = p.get("gang_size", 1)
+        attempt = f" (attempt {p['attempt']})" if p.get("attempt", 0) > 1 else ""
+        if n > 1:
+            lines = [f"{when(e['time_ms'])}  cmd.place  gang of {n} parts{attempt}"]
+            lines += [f"    part {x['payload'].get('gang_index', 0) + 1}/{n} on {_part(x, cards)}"
+                      for x in sorted(block, key=lambda x: x["payload"].get("gang_index", 0))]
+            if len(block) < n:
+                lines.append(f"    ({n - len(block)} part(s) not recorded yet)")
+            return lines
+        return [f"{when(e['time_ms'])}  cmd.place  {_part(e, cards)}{attempt}"
+                + (", resuming from " + p["resume_from"] if p.get("resume_from") else "")
+                + (", borrowed" if p.get("borrowed") else "")]
+    return [f"{when(e['time_ms'])}  {kind}  {e.get('node') or '-'}{who}"]
+
+
+def explain_lines(job: str, events: list[dict], cards: dict[str, dict] | None = None,
+                  cost: str | None = None) -> list[str]:
+    """`gpupool explain`: the decisions about a job with every reason, a gang's parts in one block."""
+    cards = cards or {}
+    shown = [e for e in events if e["kind"] in DECISIONS]
+    lines = header(job, events)
+    for block in blocks(shown):
+        lines += event_line(block, cards)
+        lines += reason_lines(_unique_reasons(block), "    ")
+    lines.append(cost_line(events, cost))
+    return lines
+
+
+def cost_line(events: list[dict], cost: str | None = None) -> str:
+    billed = sum(e["payload"]["gpu_milli_ms"] for e in events if e["kind"] == "usage.accrued")
+    return f"cost so far: {billed / 1e6:.3f} GPU-seconds" + (f", {cost}" if cost else "")
+
+
+# What a kind says in one line when its node is all there is to say.
+ON_NODE = {"job.started": "started on {node}", "cmd.preempt": "told to checkpoint and stop on {node}",
+           "cmd.release": "released on {node}", "job.completed": "completed on {node}"}
+
+
+def summary(e: dict) -> str:
+    p, kind = e["payload"], e["kind"]
+    if kind in ON_NODE:
+        return ON_NODE[kind].format(node=p.get("node") or "-")
+    if kind == "job.requested":
+        return (f"requested {p['compute_milli']} milli-CU, {mib(p['gpu_memory_mib'])} GPU memory, tier {p['tier']}, "
+                f"project {p.get('project', 'default')}, isolation {p.get('isolation') or 'not stated'}"
+                + (f", by {e['actor']}" if e.get("actor") else ""))
+    if kind == "job.checkpointed":
+        return f"checkpoint at {duration(p['progress_ms'])} of work ({p.get('checkpoint') or '-'})"
+    if kind == "job.stopped":
+        return f"stopped on {p['node']} after {duration(p.get('progress_ms', 0))} of work" + (
+            f" ({p['reason']})" if p.get("reason") else "")
+    if kind == "job.failed":
+        return f"failed on {p.get('node') or '-'}: {p.get('reason', '')}"
+    if kind == "job.cancelled":
+        return "cancelled" + (f" by {e['actor']}" if e.get("actor") else "") + (
+            f": {p['reason']}" if p.get("reason") else "")
+    if kind == "usage.accrued":
+        borrowed = " (borrowed)" if p.get("borrowed") else ""
+        return (f"billed {p['gpu_milli_ms'] / 1e6:.3f} GPU-s on {p['node']} ({p['gpu_model']}), "
+                f"{duration(p['end_ms'] - p['start_ms'])} x {p['gpu_milli']} milli-GPU{borrowed}")
+    if kind == "job.pending":
+        return "waiting"
+    if kind == "job.rejected":
+        return f"rejected: {p['code']}"
+    if kind == "job.interrupted":
+        return f"interrupted on {p.get('node') or '-'}: {p['code']}, billed to {when(p.get('billed_to_ms'))}"
+    if kind == "cmd.resize":
+        return f"resized on {p['node']} to {sum(a['milli'] for a in p['assignments'])} milli-GPU"
+    if kind == "cmd.migrate":
+        return f"moving from {p['from_node']} to {p['to_node']}"
+    return kind
+
+
+SHOWN_IN_HISTORY = {"job.requested", "cmd.place", "job.started", "job.checkpointed", "cmd.preempt", "job.stopped",
+                    "cmd.release", "job.completed", "job.failed", "job.cancelled", "usage.accrued", "job.pending",
+                    "job.rejected", "cmd.resize", "cmd.migrate", "job.interrupted"}
+WITH_REASONS = {"cmd.place", "cmd.preempt", "job.pending", "job.rejected", "cmd.migrate", "job.interrupted",
+                "cmd.resize"}
+
+
+def history_lines(job: str, events: list[dict], cards: dict[str, dict] | None = None,
+                  cost: str | None = None) -> list[str]:
+    """`gpupool history`: the whole life, like Slurm's sacct, a gang's placement parts in one block."""
+    cards = cards or {}
+    lines = [job]
+    for block in blocks([e for e in events if e["kind"] in SHOWN_IN_HISTORY]):
+        e = block[0]
+        if e["kind"] == "cmd.place":
+            first, *rest = event_line(block, cards)
+            lines.append("  " + first.replace("  cmd.place  ", "  placed on ", 1))
+            lines += ["  " + x for x in rest]
+        else:
+            lines.append(f"  {when(e['time_ms'])}  {summary(e)}")
+        if e["kind"] in WITH_REASONS:
+            lines += reason_lines(_unique_reasons(block), "        ")
+    lines.append("  " + cost_line(events, cost))
+    return lines

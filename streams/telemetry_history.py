@@ -1,0 +1,145 @@
+"""Telemetry history: GPU samples folded into per-minute buckets per card and MIG instance. Pure.
+
+Fed with each telemetry batch and the log's time of its record (the broker's append time: `gpupool.telemetry` is
+stamped by the broker), it keeps one open bucket per (node, uuid) and minute and hands back the minutes that the
+log's time has passed, as `TelemetryMinute` facts (one per node and minute). Nothing here knows Faust, Kafka or a
+clock: the worker's node fold calls it today, and a batched telemetry consumer can call it unchanged.
+
+Attribution: a sample names the jobs on its card (`job_ids`); each named job gets an equal part of that sample's
+utilization and memory, so a minute's per-job parts add up to the card's own mean. Who a job is (tenant, tier)
+comes from `job_info`, a function the caller supplies (the worker reads its job-view table); without it the tenant
+is the job id's prefix ("acme/train-1" is acme's) and the tier is unknown ("").
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Mapping
+
+from schemas.events import CardMinute, GpuSample, JobMinute, TelemetryMinute
+
+MINUTE_MS = 60_000
+JobInfo = Callable[[str], tuple[str, str]]  # job id -> (tenant, tier)
+
+
+def tenant_of(job_id: str) -> str:
+    return job_id.split("/", 1)[0] if "/" in job_id else ""
+
+
+def default_job_info(job_id: str) -> tuple[str, str]:
+    return tenant_of(job_id), ""
+
+
+@dataclass
+class _Bucket:
+    gpu_uuid: str
+    mig_uuid: str
+    gpu_model: str = ""
+    n: int = 0
+    util_sum: int = 0  # percent
+    util_max: int = 0
+    mem_sum: int = 0
+    mem_max: int = 0
+    mem_total: int = 0
+    temp_sum: int = 0
+    temp_max: int = -1_000
+    power_sum: int = 0
+    power_max: int = 0
+    ecc_corrected: int = 0
+    ecc_uncorrected: int = 0
+    xids: set[int] = field(default_factory=set)
+    jobs: dict[str, list[int]] = field(default_factory=dict)  # job -> [samples, util permille sum, mem MiB sum]
+
+    def add(self, s: GpuSample) -> None:
+        self.n += 1
+        self.util_sum += s.util_pct
+        self.util_max = max(self.util_max, s.util_pct)
+        self.mem_sum += s.mem_used_mib
+        self.mem_max = max(self.mem_max, s.mem_used_mib)
+        self.mem_total = max(self.mem_total, s.mem_total_mib)
+        self.temp_sum += s.temperature_c
+        self.temp_max = max(self.temp_max, s.temperature_c)
+        self.power_sum += s.power_mw
+        self.power_max = max(self.power_max, s.power_mw)
+        self.ecc_corrected = max(self.ecc_corrected, s.ecc_corrected)
+        self.ecc_uncorrected = max(self.ecc_uncorrected, s.ecc_uncorrected)
+        self.xids.update(s.xid_errors)
+        if s.job_ids:
+            k = len(s.job_ids)
+            for job in s.job_ids:
+                acc = self.jobs.setdefault(job, [0, 0, 0])
+                acc[0] += 1
+                acc[1] += s.util_pct * 10 // k
+                acc[2] += s.mem_used_mib // k
+
+    def close(self, job_info: JobInfo) -> CardMinute:
+        n = self.n
+        jobs = []
+        for job, (count, util, mem) in sorted(self.jobs.items()):
+            tenant, tier = job_info(job)
+            # the mean over the card's samples in the minute (a job there for half of it gets half its share)
+            jobs.append(JobMinute(job_id=job, tenant=tenant, tier=tier, samples=count, util_permille=util // n,
+                                  mem_used_mib=mem // n))
+        return CardMinute(
+            gpu_uuid=self.gpu_uuid, mig_uuid=self.mig_uuid, gpu_model=self.gpu_model, samples=n,
+            util_mean_permille=self.util_sum * 10 // n, util_max_pct=self.util_max,
+            mem_used_mean_mib=self.mem_sum // n, mem_used_max_mib=self.mem_max, mem_total_mib=self.mem_total,
+            temperature_mean_c=round(self.temp_sum / n), temperature_max_c=self.temp_max,
+            power_mean_mw=self.power_sum // n, power_max_mw=self.power_max, ecc_corrected=self.ecc_corrected,
+            ecc_uncorrected=self.ecc_uncorrected, xid_errors=tuple(sorted(self.xids)), jobs=tuple(jobs))
+
+
+class TelemetryMinutes:
+    """Open minutes per node; `add` a batch, get back the minutes it closed.
+
+    A node's minute closes when a later batch of the same node falls in a later minute, or when `close_before(t)`
+    is told the log's time has passed the minute's end by `grace_ms` (a node gone silent). A batch for a minute
+    already closed (a record re-read after a restart) opens it again: the caller's store keeps, per card and
+    minute, the row with the most samples (ClickHouse's ReplacingMergeTree on `samples` does)."""
+
+    def __init__(self, job_info: JobInfo = default_job_info, minute_ms: int = MINUTE_MS, grace_ms: int = 5_000):
+        self.job_info = job_info
+        self.minute_ms = minute_ms
+        self.grace_ms = grace_ms
+        # node -> (minute, datacenter, {uuid: bucket})
+        self._open: dict[str, tuple[int, str, dict[str, _Bucket]]] = {}
+
+    def minute_of(self, t_ms: int) -> int:
+        return t_ms - t_ms % self.minute_ms
+
+    def open_nodes(self) -> int:
+        return len(self._open)
+
+    def add(self, node: str, log_ms: int, samples: Iterable[GpuSample], *, models: Mapping[str, str] | None = None,
+            datacenter: str = "") -> list[TelemetryMinute]:
+        """Fold one telemetry batch of `node` read at log time `log_ms`; `models`: card uuid -> model."""
+        minute = self.minute_of(log_ms)
+        closed = []
+        current = self._open.get(node)
+        if current is not None and current[0] != minute:
+            closed.append(self._close(node))
+            current = None
+        if current is None:
+            current = (minute, datacenter, {})
+            self._open[node] = current
+        buckets = current[2]
+        for s in samples:
+            key = s.mig_uuid or s.gpu_uuid
+            b = buckets.get(key)
+            if b is None:
+                b = buckets[key] = _Bucket(s.gpu_uuid, s.mig_uuid or "", (models or {}).get(s.gpu_uuid, ""))
+            b.add(s)
+        return closed
+
+    def close_before(self, log_ms: int) -> list[TelemetryMinute]:
+        """Close every node's minute that ended at least `grace_ms` before `log_ms`."""
+        due = sorted(n for n, (m, _, _) in self._open.items() if m + self.minute_ms + self.grace_ms <= log_ms)
+        return [self._close(n) for n in due]
+
+    def flush(self) -> list[TelemetryMinute]:
+        """Close everything (a clean shutdown; a partial minute)."""
+        return [self._close(n) for n in sorted(self._open)]
+
+    def _close(self, node: str) -> TelemetryMinute:
+        minute, dc, buckets = self._open.pop(node)
+        cards = tuple(b.close(self.job_info) for _, b in sorted(buckets.items()) if b.n)
+        return TelemetryMinute(node=node, datacenter=dc, minute_ms=minute, cards=cards)

@@ -1,0 +1,99 @@
+"""Telemetry history (streams/telemetry_history.py): per card and minute on the log's time, each job's part of a card,
+rows for ClickHouse, and the tables and view behind the dashboards (infra/ddl.sql) on the embedded engine."""
+from __future__ import annotations
+
+import time
+
+from schemas.envelope import envelope
+from schemas.events import GpuSample
+from schemas.routing import route
+from schemas.topics import TELEMETRY_MINUTES
+from streams.rows import COLUMNS, rows_for
+from streams.telemetry_history import TelemetryMinutes
+
+T0 = int(time.time()) // 60 * 60_000  # a minute boundary, recent enough for the tables' 30-day TTL
+
+
+def s(uuid: str, util: int, mem: int = 1000, jobs: tuple[str, ...] = (), mig: str | None = None, temp: int = 40,
+      power: int = 100_000) -> GpuSample:
+    return GpuSample(gpu_uuid=uuid, mig_uuid=mig, util_pct=util, mem_used_mib=mem, mem_total_mib=80_000,
+                     temperature_c=temp, power_mw=power, job_ids=jobs)
+
+
+def info(job: str) -> tuple[str, str]:
+    return job.split("/")[0], {"acme/train": "offline", "globex/serve": "inference"}.get(job, "")
+
+
+def test_a_minute_closes_when_the_logs_time_passes_it_with_means_and_maxima():
+    agg = TelemetryMinutes(job_info=info)
+    assert agg.add("n1", T0 + 1_000, [s("g0", 20, 1000, temp=40), s("g1", 0)], models={"g0": "A100-80GB"},
+                   datacenter="dc-1") == []
+    assert agg.add("n1", T0 + 31_000, [s("g0", 60, 3000, temp=50), s("g1", 0)]) == []
+    (m,) = agg.add("n1", T0 + 61_000, [s("g0", 100)])  # the next minute: the first one is closed
+    assert (m.node, m.datacenter, m.minute_ms) == ("n1", "dc-1", T0)
+    g0, g1 = m.cards
+    assert (g0.gpu_uuid, g0.gpu_model, g0.samples) == ("g0", "A100-80GB", 2)
+    assert (g0.util_mean_permille, g0.util_max_pct) == (400, 60)
+    assert (g0.mem_used_mean_mib, g0.mem_used_max_mib, g0.temperature_mean_c, g0.temperature_max_c) == (
+        2000, 3000, 45, 50)
+    assert g1.util_mean_permille == 0 and g1.jobs == ()
+    assert agg.close_before(T0 + 120_000 + 4_000) == []  # within the grace
+    (late,) = agg.close_before(T0 + 125_000)  # the node went silent: its minute closes on the log's time
+    assert late.minute_ms == T0 + 60_000 and late.cards[0].samples == 1
+
+
+def test_each_job_gets_its_part_of_a_shared_card_and_its_tenant_and_tier():
+    agg = TelemetryMinutes(job_info=info)
+    agg.add("n1", T0, [s("g0", 80, 4000, jobs=("acme/train", "globex/serve"))])
+    agg.add("n1", T0 + 10_000, [s("g0", 40, 2000, jobs=("acme/train",))])
+    (m,) = agg.flush()
+    (card,) = m.cards
+    assert card.util_mean_permille == 600
+    by = {j.job_id: j for j in card.jobs}
+    assert by["acme/train"].tenant == "acme" and by["acme/train"].tier == "offline"
+    assert by["globex/serve"].tier == "inference" and by["globex/serve"].samples == 1
+    # 80 % split in two, then 40 % alone: (400 + 400) / 2 samples; the other job (400 + 0) / 2
+    assert by["acme/train"].util_permille == 400 and by["globex/serve"].util_permille == 200
+    assert sum(j.util_permille for j in card.jobs) == card.util_mean_permille
+    assert by["acme/train"].mem_used_mib == 2000 and by["globex/serve"].mem_used_mib == 1000
+
+
+def test_mig_instances_are_rows_of_their_own():
+    agg = TelemetryMinutes()
+    agg.add("n1", T0, [s("g0", 30, mig="mig-a", jobs=("acme/a",)), s("g0", 0, mig="mig-b")])
+    (m,) = agg.flush()
+    assert [(c.gpu_uuid, c.mig_uuid) for c in m.cards] == [("g0", "mig-a"), ("g0", "mig-b")]
+    assert m.cards[0].jobs[0].tenant == "acme" and m.cards[0].jobs[0].tier == ""  # the default: the id's prefix
+
+
+def test_rows_route_and_the_tables_behind_the_dashboards(tmp_path):
+    from infra.clickhouse import connect
+
+    agg = TelemetryMinutes(job_info=info)
+    agg.add("n1", T0, [s("g0", 80, jobs=("acme/train",)), s("g1", 40, jobs=("globex/serve",)), s("g2", 0)],
+            models={"g0": "A100-80GB", "g1": "A100-80GB", "g2": "H100-80GB"})
+    (m,) = agg.flush()
+    env = envelope(m, source="n1/telemetry-minutes", seq=m.minute_ms, time_ms=m.minute_ms + 60_000)
+    assert route(env) == (TELEMETRY_MINUTES, b"n1")
+    tables = rows_for(env, TELEMETRY_MINUTES.name, 0, 0)
+    assert set(tables) == {"telemetry_minutes"} and len(tables["telemetry_minutes"]) == 3  # not mirrored in events
+    client = connect(f"chdb://{tmp_path / 'ch'}")
+    rows = tables["telemetry_minutes"]
+    client.insert("gpupool.telemetry_minutes", rows, column_names=list(COLUMNS["telemetry_minutes"]))
+    # the same minute again with fewer samples (re-read after a restart): FINAL keeps the fuller row
+    partial = [list(r) for r in rows]
+    for r in partial:
+        r[COLUMNS["telemetry_minutes"].index("samples")] = 0
+    client.insert("gpupool.telemetry_minutes", partial, column_names=list(COLUMNS["telemetry_minutes"]))
+    got = client.query("SELECT count(), min(samples) FROM gpupool.telemetry_minutes FINAL").result_rows[0]
+    assert got == (3, 1)
+    split = dict(client.query("SELECT workload, sum(util_permille) FROM gpupool.telemetry_by_job "
+                              "GROUP BY workload").result_rows)
+    assert split == {"training": 800, "inference": 400}
+    from streams.api import POOL_UTIL_SQL, TELEMETRY_GROUPS, TELEMETRY_SQL
+
+    sql = TELEMETRY_SQL.replace("{group}", TELEMETRY_GROUPS["tenant"]).replace("{where}", "1")
+    by_tenant = {r[1]: r[2] for r in client.query(sql, parameters={"since": 0}).result_rows}
+    assert by_tenant == {"acme": 80.0, "globex": 40.0}
+    (pool,) = client.query(POOL_UTIL_SQL, parameters={"since": 0}).result_rows
+    assert pool[1] == 40.0 and pool[2] == 3  # (80 + 40 + 0) / 3 cards
