@@ -393,7 +393,7 @@ class Worker:
     # ---------------------------------------------------------------- observability (docs/observability.md)
 
     def _job_info(self, job_id: str) -> tuple[str, str]:
-        view = _as_view(job_view, self.job_table.get(job_id))
+        view = _as_view(job_view, self.job_table.data.get(job_id))  # the store itself: no per-read sensors
         tier = view.request.tier.value if view is not None and view.request is not None else ""
         return telemetry_history.tenant_of(job_id), tier
 
