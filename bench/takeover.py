@@ -139,7 +139,6 @@ def main() -> int:
     from agents.stack import Stack
     from schemas.envelope import encode
     from schemas.topics import SCHEDULER_INPUT, SCHEDULER_SNAPSHOTS
-    from tests.test_scheduler_snapshot import canonical
 
     n = args.records
     k = n - args.tail
@@ -172,12 +171,19 @@ def main() -> int:
         result["takeover_s"] = round(time.monotonic() - t, 2)
         result["takeover_cpu_s"] = round(time.process_time() - c, 2)
         result["takeover"] = agent.takeover
+        print(f"  takeover {result['takeover_s']} s ({result['takeover']})", flush=True)
         # the tail was replayed at the broker's append times (the scheduler's clock), not the generator's: the
         # reference is the snapshot's state stepped in process over the same tail at those times
         ref = snapshot.load(snap_value).state
         for e, ms in zip(envs[k:], seen_ms):
             ref.step(e, ms)
-        result["same_state_as_in_process"] = len(seen_ms) == args.tail and canonical(agent.state) == canonical(ref)
+        # the full canonical comparison (tests/test_scheduler_snapshot.py) is too slow for a state of ~77,000 jobs:
+        # compare what decides and bills (every job's record fields that matter, every node's view, the clock)
+        def summary(st):
+            return (st.now_ms, st.cycle, {j: (r.state, r.attempt, tuple(p.node for p in r.parts), r.started_ms)
+                                          for j, r in st.jobs.items()},
+                    {n: (v.allocations, v.faults, v.applied) for n, v in st.nodes.items()})
+        result["same_state_as_in_process"] = len(seen_ms) == args.tail and summary(agent.state) == summary(ref)
         result["peak_rss_mib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
     finally:
         stack.stop()
