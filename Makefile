@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test acceptance install kafka browser up down bench clean
+.PHONY: demo test chaos acceptance install kafka browser up down bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -33,7 +33,12 @@ browser:
 	  echo "         Chromium/Chrome binary); the dashboard's browser tests fail without one"; fi
 
 test: kafka browser
-	$(BIN)/python -m pytest -q -p no:cacheprovider --ignore=tests/acceptance --ignore=tests/test_demo.py tests
+	$(BIN)/python -m pytest -q -p no:cacheprovider --ignore=tests/acceptance --ignore=tests/test_demo.py -m "not chaos" tests
+
+# the fault tests of docs/reliability.md: a local 3-broker KRaft cluster, two workers, kill -9, a broker down,
+# ClickHouse away for 60 s, the whole stack stopped and started (heavy: three JVMs; about ten minutes here)
+chaos: kafka
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m chaos tests/test_cluster_live.py
 
 # seed 004's four acceptance groups against a live stack of their own; the report a buyer reads lands in docs/acceptance
 acceptance: kafka

@@ -22,8 +22,9 @@ class Stack:
     libs_home: Path  # where the Kafka jar cache lives (shared between stacks)
     bootstrap: str | None = None  # an existing broker; None: start a fresh local one under `home`
     web_port: int = 0
-    broker: kafka_local.LocalBroker | None = None
+    broker: kafka_local.LocalBroker | kafka_local.LocalCluster | None = None
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    web_ports: dict[str, int] = field(default_factory=dict)  # worker name -> its HTTP port (the first: web_port)
     extra_env: dict[str, str] = field(default_factory=dict)  # for the processes it spawns (tests' settings)
 
     def __post_init__(self):
@@ -49,14 +50,19 @@ class Stack:
                       kafka_cafile=str(self.broker.data / "tls" / "ca.pem") if self.broker and self.broker.tls
                       else None)
 
-    def start_broker(self, tls: bool = False) -> str:
-        """A fresh local SASL broker (unless `bootstrap` names one), the topics, and the principals `gpupool up`
-        makes (service, node, admin) with their credentials under `home`."""
+    def start_broker(self, tls: bool = False, brokers: int = 1) -> str:
+        """A fresh local SASL broker, or a KRaft cluster of `brokers` (unless `bootstrap` names one), the topics,
+        and the principals `gpupool up` makes (service, node, admin) with their credentials under `home`."""
         if self.bootstrap is None:
             libs = kafka_local.fetch(self.libs_home)
             port = kafka_local.free_port()
-            self.broker = kafka_local.LocalBroker(libs, self.home / "kafka-data", port,
-                                                  controller_port=kafka_local.free_port(), tls=tls).start()
+            if brokers > 1:
+                ports = [(kafka_local.free_port(), kafka_local.free_port()) for _ in range(brokers)]
+                self.broker = kafka_local.LocalCluster(libs, self.home / "kafka-cluster", brokers,
+                                                       ports=ports).start()
+            else:
+                self.broker = kafka_local.LocalBroker(libs, self.home / "kafka-data", port,
+                                                      controller_port=kafka_local.free_port(), tls=tls).start()
             self.bootstrap = self.broker.bootstrap
             conn = self.broker.bootstrap_conn()
         else:  # an external broker: an operator's credentials come from the environment
@@ -64,8 +70,13 @@ class Stack:
         asyncio.run(principals.bootstrap(self.config, conn))
         return self.bootstrap
 
-    def client(self, user: str = security.ADMIN) -> Client:
-        return Client(self.config, user)
+    def client(self, user: str = security.ADMIN, worker: str = "worker") -> Client:
+        cfg = self.config
+        if worker != "worker":
+            from dataclasses import replace
+
+            cfg = replace(cfg, web_port=self.web_ports[worker])
+        return Client(cfg, user)
 
     def conn(self, user: str = security.ADMIN) -> security.KafkaConn:
         return security.kafka_conn(self.config, user)
@@ -77,24 +88,33 @@ class Stack:
         security.save(self.home, creds)
         return creds
 
-    def spawn(self, name: str, *argv: str) -> subprocess.Popen:
+    def spawn(self, name: str, *argv: str, env: dict[str, str] | None = None) -> subprocess.Popen:
         log = open(self.home / f"{name}.log", "ab")
         proc = subprocess.Popen([sys.executable, "-m", "agents.cli", *argv], stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, env={**os.environ, **self.env}, start_new_session=True)
+                                stdin=subprocess.DEVNULL, env={**os.environ, **self.env, **(env or {})},
+                                start_new_session=True)
         self.procs[name] = proc
         return proc
 
-    def start_worker(self, timeout: float = 120.0, *extra: str) -> None:
-        proc = self.spawn("worker", "worker", *extra)
+    def start_worker(self, timeout: float = 120.0, *extra: str, name: str = "worker") -> None:
+        """A worker; one named otherwise than "worker" is another of the same app (its own HTTP port, no sink:
+        the embedded ClickHouse is the first worker's), sharing the partitions with the first."""
+        env = None
+        if name != "worker":
+            self.web_ports.setdefault(name, kafka_local.free_port())
+            env = {"GPUPOOL_WEB_PORT": str(self.web_ports[name])}
+            extra = ("--no-sink", "--name", name, *extra)
+        self.web_ports.setdefault("worker", self.web_port)
+        proc = self.spawn(name, "worker", *extra, env=env)
         deadline = time.monotonic() + timeout
-        c = self.client()
+        c = self.client(worker=name)
         while time.monotonic() < deadline:
             if proc.poll() is not None:
-                raise RuntimeError(f"worker exited {proc.returncode}: {self.log('worker')[-3000:]}")
+                raise RuntimeError(f"{name} exited {proc.returncode}: {self.log(name)[-3000:]}")
             if c.healthy():
                 return
             time.sleep(0.5)
-        raise TimeoutError(f"worker did not answer: {self.log('worker')[-3000:]}")
+        raise TimeoutError(f"{name} did not answer: {self.log(name)[-3000:]}")
 
     def start_agent(self, fleet: str, *extra: str) -> None:
         self.spawn("agent", "agent", "--simulate", fleet, *extra)
@@ -109,8 +129,8 @@ class Stack:
         """One read-only statement through the worker's API (the worker owns the embedded ClickHouse)."""
         return self.client(user).records(sql, parameters)
 
-    def stats(self) -> dict:
-        return self.client().api("/stats/")
+    def stats(self, worker: str = "worker") -> dict:
+        return self.client(worker=worker).api("/stats/")
 
     def stop_process(self, name: str, sig: int = signal.SIGTERM, timeout: float = 30.0) -> None:
         proc = self.procs.pop(name, None)

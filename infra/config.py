@@ -1,6 +1,7 @@
 """Configuration from the environment; every process reads the same variables (docs/security.md for the Kafka ones)."""
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -20,13 +21,28 @@ class Config:
     kafka_cafile: str | None = None  # CA bundle for SASL_SSL (None: the system's, or the local broker's own CA)
     max_skew_ms: int = 5 * 60_000  # a request whose client time is further off is flagged (docs/security.md)
     sql_timeout_s: int = 10  # ClickHouse's max_execution_time for people's own SQL
+    kafka_brokers: int = 1  # the local cluster's size (`gpupool up --brokers N` records it under the home)
 
     @property
     def bootstrap(self) -> str:
-        return self.kafka or f"127.0.0.1:{self.kafka_port}"
+        """GPUPOOL_KAFKA, else every broker of the local cluster (ports kafka_port, +2, +4...): a client finds the
+        cluster through any one of them."""
+        return self.kafka or ",".join(f"127.0.0.1:{self.kafka_port + 2 * i}" for i in range(self.kafka_brokers))
 
     def acting_as(self, user: str | None) -> "Config":
         return self if not user or user == self.user else replace(self, user=user)
+
+
+def cluster_file(home: Path) -> Path:
+    return home / "kafka" / "cluster.json"
+
+
+def local_brokers(home: Path) -> int:
+    """How many local brokers this home runs: what `gpupool up --brokers N` recorded, else one."""
+    try:
+        return int(json.loads(cluster_file(home).read_text())["brokers"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return 1
 
 
 def load() -> Config:
@@ -44,4 +60,5 @@ def load() -> Config:
         kafka_cafile=os.environ.get("GPUPOOL_KAFKA_CAFILE") or None,
         max_skew_ms=int(os.environ.get("GPUPOOL_MAX_SKEW_MS", str(5 * 60_000))),
         sql_timeout_s=int(os.environ.get("GPUPOOL_SQL_TIMEOUT_S", "10")),
+        kafka_brokers=local_brokers(home),
     )

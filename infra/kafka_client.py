@@ -1,6 +1,8 @@
 """Small aiokafka helpers shared by the edges."""
 from __future__ import annotations
 
+import functools
+
 import asyncio
 
 
@@ -60,3 +62,12 @@ async def consume_commands(conn, group_id: str, stopping: asyncio.Event, execute
                 await commit_or_reread(consumer, None, log)
     finally:
         await stop_consumer(consumer)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def partition_of(key: bytes, partitions: int) -> int:
+    """The partition Kafka's default partitioner (murmur2, as the Java client and aiokafka) gives `key`: where a
+    node's records are, so which worker owns the node."""
+    from aiokafka.partitioner import murmur2
+
+    return (murmur2(key) & 0x7FFFFFFF) % partitions

@@ -1,8 +1,12 @@
-"""A real single-node Apache Kafka 4.x broker (KRaft) from Maven Central, run on 127.0.0.1.
+"""A real Apache Kafka 4.x (KRaft) from Maven Central, run on 127.0.0.1: one node, or a cluster of several.
 
 fetch: resolves org.apache.kafka:kafka_2.13 and its runtime dependencies into $GPUPOOL_HOME/kafka/libs (once).
 start: formats KRaft storage on first use, starts the broker detached, waits until it answers. Idempotent.
 stop: SIGTERM, then waits for a clean shutdown.
+
+`LocalCluster` runs N such nodes (each broker and controller, a static quorum of all of them) that share one
+cluster id and the broker principal's password: replication factor min(3, N) and min.insync.replicas 2 once N >= 3
+(`schemas.topics.TopicSpec.replication`), for the topics and for Kafka's own (offsets, transactions).
 """
 from __future__ import annotations
 
@@ -81,6 +85,11 @@ class LocalBroker:
     port: int
     controller_port: int = 0
     tls: bool = False
+    node_id: int = 1
+    voters: str = ""  # controller.quorum.voters of a cluster ("1@127.0.0.1:PORT,..."); "" = this node alone
+    cluster_size: int = 1  # how many brokers the cluster has (replication of Kafka's own topics)
+    secrets_dir: Path | None = None  # shared by a cluster's nodes (one broker principal); default data/secrets
+    heap: str = "-Xmx768m"
 
     @property
     def bootstrap(self) -> str:
@@ -91,7 +100,7 @@ class LocalBroker:
         return self.data / "broker.pid"
 
     def _secret(self, name: str) -> str:
-        path = self.data / "secrets" / name
+        path = (self.secrets_dir or self.data / "secrets") / name
         if not path.exists():
             path.parent.mkdir(parents=True, exist_ok=True)
             os.chmod(path.parent, 0o700)
@@ -111,8 +120,10 @@ class LocalBroker:
         cport = self.controller_port or self.port + 1
         broker_pw, controller_pw = self._secret(SUPER_USER), self._secret(CONTROLLER_USER)
         protocol = "SASL_SSL" if self.tls else "SASL_PLAINTEXT"
+        rf = replication_for(self.cluster_size)
         lines = [
-            "process.roles=broker,controller", "node.id=1", f"controller.quorum.voters=1@127.0.0.1:{cport}",
+            "process.roles=broker,controller", f"node.id={self.node_id}",
+            f"controller.quorum.voters={self.voters or f'{self.node_id}@127.0.0.1:{cport}'}",
             f"listeners=BROKER://127.0.0.1:{self.port},CONTROLLER://127.0.0.1:{cport}",
             f"advertised.listeners=BROKER://127.0.0.1:{self.port}", "controller.listener.names=CONTROLLER",
             "inter.broker.listener.name=BROKER",
@@ -127,9 +138,10 @@ class LocalBroker:
             f'user_{CONTROLLER_USER}="{controller_pw}";',
             "authorizer.class.name=org.apache.kafka.metadata.authorizer.StandardAuthorizer",
             "allow.everyone.if.no.acl.found=false", f"super.users=User:{SUPER_USER};User:{CONTROLLER_USER}",
-            f"log.dirs={self.data / 'logs'}", "num.partitions=1", "offsets.topic.replication.factor=1",
-            "offsets.topic.num.partitions=8", "transaction.state.log.replication.factor=1",
-            "transaction.state.log.min.isr=1", "group.initial.rebalance.delay.ms=0",
+            f"log.dirs={self.data / 'logs'}", "num.partitions=1", f"offsets.topic.replication.factor={rf.factor}",
+            "offsets.topic.num.partitions=8", f"transaction.state.log.replication.factor={rf.factor}",
+            f"transaction.state.log.min.isr={rf.min_insync}", f"default.replication.factor={rf.factor}",
+            f"min.insync.replicas={rf.min_insync}", "group.initial.rebalance.delay.ms=0",
             # topics are created from the one specification (ensure_topics), never by a client's first write
             "auto.create.topics.enable=false", "log.retention.check.interval.ms=300000",
             "message.max.bytes=2097152",
@@ -154,6 +166,9 @@ class LocalBroker:
     def _java(self, *args: str, **kw) -> subprocess.CompletedProcess:
         return subprocess.run(["java", "-Xmx256m", "-cp", f"{self.libs}/*", *args], **kw)
 
+    def all_running(self) -> bool:
+        return self.running_pid() is not None
+
     def running_pid(self) -> int | None:
         try:
             pid = int(self.pidfile.read_text())
@@ -162,24 +177,10 @@ class LocalBroker:
             return None
         return pid if _is_kafka(pid) else None  # a stale pid file must never make us signal another process
 
-    def start(self, timeout: float = 90.0) -> "LocalBroker":
+    def start(self, timeout: float = 90.0, cluster_id: str | None = None) -> "LocalBroker":
         if self.running_pid() and port_open("127.0.0.1", self.port):
             return self
-        self.data.mkdir(parents=True, exist_ok=True)
-        props = self._properties()
-        if not (self.data / "logs" / "meta.properties").exists():
-            # The broker principal's SCRAM credential goes into the metadata log at format time (KIP-900): the
-            # broker needs it to authenticate to itself before any admin request could create it.
-            self._java("kafka.tools.StorageTool", "format", "-t", str(uuid.uuid4().hex[:22]), "-c", str(props),
-                       "--add-scram", f"SCRAM-SHA-512=[name={SUPER_USER},password={self._secret(SUPER_USER)}]",
-                       check=True, capture_output=True)
-        log4j = resources.files("infra").joinpath("log4j2.yaml")
-        with open(self.data / "broker.log", "ab") as log:
-            proc = subprocess.Popen(
-                ["java", "-Xmx768m", "-XX:+UseG1GC", f"-Dlog4j2.configurationFile={log4j}",
-                 "-cp", f"{self.libs}/*", "kafka.Kafka", str(props)],
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
-        self.pidfile.write_text(str(proc.pid))
+        proc = self.launch(cluster_id)
         deadline = time.monotonic() + timeout
         conn = self.bootstrap_conn()
         while time.monotonic() < deadline:
@@ -190,6 +191,37 @@ class LocalBroker:
             time.sleep(0.3)
         self.stop()
         raise TimeoutError(f"Kafka did not answer on {self.bootstrap} within {timeout}s")
+
+    def launch(self, cluster_id: str | None = None) -> subprocess.Popen:
+        """Format the storage on first use (a cluster's nodes with its one id) and start the process detached."""
+        self.data.mkdir(parents=True, exist_ok=True)
+        props = self._properties()
+        if not (self.data / "logs" / "meta.properties").exists():
+            # The broker principal's SCRAM credential goes into the metadata log at format time (KIP-900): the
+            # broker needs it to authenticate to itself before any admin request could create it.
+            self._java("kafka.tools.StorageTool", "format", "-t", cluster_id or str(uuid.uuid4().hex[:22]), "-c",
+                       str(props), "--add-scram",
+                       f"SCRAM-SHA-512=[name={SUPER_USER},password={self._secret(SUPER_USER)}]",
+                       check=True, capture_output=True)
+        log4j = resources.files("infra").joinpath("log4j2.yaml")
+        with open(self.data / "broker.log", "ab") as log:
+            proc = subprocess.Popen(
+                ["java", self.heap, "-XX:+UseG1GC", f"-Dlog4j2.configurationFile={log4j}",
+                 "-cp", f"{self.libs}/*", "kafka.Kafka", str(props)],
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        self.pidfile.write_text(str(proc.pid))
+        return proc
+
+    def kill(self) -> None:
+        """SIGKILL (a fault test's crash): no clean shutdown."""
+        pid = self.running_pid()
+        if pid is not None:
+            os.kill(pid, signal.SIGKILL)
+            _reap(pid)
+            deadline = time.monotonic() + 10
+            while self.running_pid() is not None and time.monotonic() < deadline:
+                time.sleep(0.1)
+        self.pidfile.unlink(missing_ok=True)
 
     def stop(self, timeout: float = 30.0) -> None:
         pid = self.running_pid()
@@ -226,6 +258,97 @@ def _reap(pid: int) -> None:
         pass
 
 
+def replication_for(brokers: int):
+    from schemas.topics import replication
+
+    return replication(brokers)
+
+
+@dataclass
+class LocalCluster:
+    """N KRaft nodes on 127.0.0.1, each broker and controller (a static quorum of all N). Node i lives in
+    `home/node-i`, listens on `base_port + 2(i-1)` (clients) and the port after it (controller). `bootstrap` names
+    every broker, so clients find the cluster with any one of them down."""
+    libs: Path
+    home: Path
+    size: int
+    base_port: int = 0
+    heap: str = "-Xmx384m"  # three JVMs share the machine with everything else
+    ports: list[tuple[int, int]] | None = None  # (client, controller) per node; default from base_port
+
+    def __post_init__(self):
+        if self.size < 1:
+            raise ValueError("a cluster has at least one broker")
+        ports = self.ports or [(self.base_port + 2 * i, self.base_port + 2 * i + 1) for i in range(self.size)]
+        voters = ",".join(f"{i}@127.0.0.1:{c}" for i, (_, c) in enumerate(ports, start=1))
+        self.nodes = [LocalBroker(self.libs, self.home / f"node-{i}", p, controller_port=c, node_id=i, voters=voters,
+                                  cluster_size=self.size, secrets_dir=self.home / "secrets", heap=self.heap)
+                      for i, (p, c) in enumerate(ports, start=1)]
+
+    @property
+    def bootstrap(self) -> str:
+        return ",".join(n.bootstrap for n in self.nodes)
+
+    @property
+    def tls(self) -> bool:
+        return False
+
+    @property
+    def data(self) -> Path:
+        return self.home
+
+    def bootstrap_conn(self):
+        from infra.security import KafkaConn
+
+        return KafkaConn(self.bootstrap, SUPER_USER, self.nodes[0]._secret(SUPER_USER))
+
+    def cluster_id(self) -> str:
+        path = self.home / "cluster.id"
+        if not path.exists():
+            self.home.mkdir(parents=True, exist_ok=True)
+            path.write_text(uuid.uuid4().hex[:22])
+        return path.read_text().strip()
+
+    def running_pid(self) -> int | None:
+        """A node's pid while any node runs."""
+        return next((pid for n in self.nodes if (pid := n.running_pid()) is not None), None)
+
+    def all_running(self) -> bool:
+        return all(n.running_pid() is not None for n in self.nodes)
+
+    def start(self, timeout: float = 180.0) -> "LocalCluster":
+        """Start every node that is not running (they need each other for a quorum), then wait for all."""
+        cid = self.cluster_id()
+        procs = {n.node_id: n.launch(cid) for n in self.nodes
+                 if not (n.running_pid() and port_open("127.0.0.1", n.port))}
+        deadline = time.monotonic() + timeout
+        from infra.security import KafkaConn
+
+        password = self.nodes[0]._secret(SUPER_USER)
+        for n in self.nodes:
+            one = KafkaConn(n.bootstrap, SUPER_USER, password)  # each node on its own, not the cluster's bootstrap
+            while True:
+                proc = procs.get(n.node_id)
+                if proc is not None and proc.poll() is not None:
+                    raise RuntimeError(f"Kafka node {n.node_id} exited with {proc.returncode}; see "
+                                       f"{n.data / 'broker.log'}")
+                if port_open("127.0.0.1", n.port) and asyncio.run(_answers(one)):
+                    break
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise TimeoutError(f"Kafka node {n.node_id} did not answer on {n.bootstrap} within {timeout}s")
+                time.sleep(0.5)
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        for n in self.nodes:  # SIGTERM each, then wait: the last of a quorum cannot shut down cleanly alone
+            pid = n.running_pid()
+            if pid is not None:
+                os.kill(pid, signal.SIGTERM)
+        for n in self.nodes:
+            n.stop(timeout)
+
+
 async def _answers(conn) -> bool:
     from aiokafka.admin import AIOKafkaAdminClient
 
@@ -252,9 +375,10 @@ async def ensure_topics(conn, specs: tuple[TopicSpec, ...] = ALL_TOPICS) -> list
         existing = set(await admin.list_topics())
         missing = [s for s in specs if s.name not in existing]
         if missing:
+            brokers = len((await admin.describe_cluster())["brokers"])
             try:
-                await admin.create_topics([NewTopic(s.name, s.partitions, 1, topic_configs=s.config())
-                                           for s in missing])
+                await admin.create_topics([NewTopic(s.name, s.partitions, s.replication(brokers).factor,
+                                                    topic_configs=s.config(brokers)) for s in missing])
             except TopicAlreadyExistsError:
                 pass
         return [s.name for s in missing]
@@ -262,7 +386,25 @@ async def ensure_topics(conn, specs: tuple[TopicSpec, ...] = ALL_TOPICS) -> list
         await admin.close()
 
 
-def default_broker(cfg) -> LocalBroker:
-    """The project's own broker under $GPUPOOL_HOME; GPUPOOL_KAFKA_SECURITY=SASL_SSL gives it a TLS listener."""
+async def cluster_size(conn) -> int:
+    """How many brokers the cluster behind `conn` has."""
+    from aiokafka.admin import AIOKafkaAdminClient
+
+    admin = AIOKafkaAdminClient(**conn.options())
+    await admin.start()
+    try:
+        return len((await admin.describe_cluster())["brokers"])
+    finally:
+        await admin.close()
+
+
+def default_broker(cfg) -> LocalBroker | LocalCluster:
+    """The project's own broker under $GPUPOOL_HOME (GPUPOOL_KAFKA_SECURITY=SASL_SSL gives it a TLS listener), or
+    its cluster when the home was brought up with `gpupool up --brokers N` (N > 1; cfg.kafka_brokers)."""
+    if cfg.kafka_brokers > 1:
+        if cfg.kafka_protocol == "SASL_SSL":
+            raise SystemExit("a local cluster runs SASL_PLAINTEXT on loopback; TLS is for the one-node broker")
+        return LocalCluster(libs=libs_dir(cfg.home), home=cfg.home / "kafka" / "cluster", size=cfg.kafka_brokers,
+                            base_port=cfg.kafka_port)
     return LocalBroker(libs=libs_dir(cfg.home), data=cfg.home / "kafka" / "data", port=cfg.kafka_port,
                        tls=cfg.kafka_protocol == "SASL_SSL")

@@ -21,14 +21,35 @@ class TopicSpec:
     retention_ms: int = -1  # -1: keep forever (the log is the truth)
     writer: str = "service"  # the one role whose principals may write it (infra/principals.py turns this into ACLs)
     log_append_time: bool = False  # the broker stamps each record's time: readers take time from the log
+    extra: tuple[tuple[str, str], ...] = ()  # further topic configs
 
-    def config(self) -> dict[str, str]:
-        cfg = {"cleanup.policy": self.cleanup}
+    def replication(self, brokers: int) -> "Replication":
+        return replication(brokers)
+
+    def config(self, brokers: int = 1) -> dict[str, str]:
+        cfg = {"cleanup.policy": self.cleanup, "min.insync.replicas": str(replication(brokers).min_insync)}
         if self.cleanup == "delete":
             cfg["retention.ms"] = str(self.retention_ms)
         if self.log_append_time:
             cfg["message.timestamp.type"] = "LogAppendTime"
+        cfg.update(self.extra)
         return cfg
+
+
+@dataclass(frozen=True)
+class Replication:
+    factor: int
+    min_insync: int
+
+
+def replication(brokers: int) -> Replication:
+    """How many copies each partition keeps on a cluster of `brokers`: three where there are three or more (and a
+    write, acks=all, needs two in sync: one broker may fail without losing an acknowledged record or stopping the
+    writers), else one each on the brokers there are."""
+    if brokers < 1:
+        raise ValueError("a cluster has at least one broker")
+    factor = min(3, brokers)
+    return Replication(factor, 2 if factor >= 3 else 1)
 
 
 # Written by node agents (role `node`)
@@ -48,6 +69,11 @@ TELEMETRY_MINUTES = TopicSpec("gpupool.telemetry-minutes", 8, key="node id", ret
 # One partition: the scheduler needs a single, totally ordered, replayable input (docs/architecture.md); its clock is
 # the broker's append time of each record, so no producer's clock moves it.
 SCHEDULER_INPUT = TopicSpec("gpupool.scheduler-input", 1, key="source", log_append_time=True)
+# the scheduler's state every N input records or T s of log time, keyed by the input offset it covers
+# (agents/scheduler/snapshot.py); compacted: older snapshots are deleted by tombstones
+SCHEDULER_SNAPSHOTS = TopicSpec("gpupool.scheduler-snapshots", 1, key="input offset (20 digits)", cleanup="compact",
+                                extra=(("max.message.bytes", str(64 << 20)), ("segment.ms", str(600_000)),
+                                       ("min.cleanable.dirty.ratio", "0.1")))
 COMMANDS = TopicSpec("gpupool.commands", 8, key="node id")
 LEDGER = TopicSpec("gpupool.ledger", 4, key="tenant")
 DEAD_LETTERS = TopicSpec("gpupool.dead-letters", 1, key="source topic", retention_ms=30 * DAY_MS)
@@ -66,7 +92,7 @@ JOB_VIEW_CHANGELOG = TopicSpec("gpupool-job-view-changelog", 4, key="job id", cl
 # them; job-requests, decisions and job-events likewise.
 ALL_TOPICS: tuple[TopicSpec, ...] = (
     INVENTORY, TELEMETRY, JOB_EVENTS, JOB_REQUESTS, DECISIONS, NODE_CONTROL, SCHEDULER_INPUT, COMMANDS, LEDGER,
-    DEAD_LETTERS, CLOCK, PRINCIPALS, NODE_VIEW_CHANGELOG, JOB_VIEW_CHANGELOG, TELEMETRY_MINUTES,
+    DEAD_LETTERS, CLOCK, PRINCIPALS, NODE_VIEW_CHANGELOG, JOB_VIEW_CHANGELOG, TELEMETRY_MINUTES, SCHEDULER_SNAPSHOTS,
 )
 
 INBOX_PREFIX = "gpupool.in."

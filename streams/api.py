@@ -8,6 +8,7 @@ the event loop that folds and schedules; people's own SQL goes through infra/sql
 from __future__ import annotations
 
 import asyncio
+import inspect
 import base64
 import re
 import threading
@@ -44,6 +45,9 @@ ENDPOINTS: dict[str, tuple[str, tuple[str, ...], str]] = {
                      "after each; without `service`, the services (a tenant: its own)"),
     "/cluster/": ("GET", ALL_READERS, "allocation, fragmentation and free capacity (no job names)"),
     "/stats/": ("GET", ("operator", "auditor", "service"), "the worker's counters"),
+    "/internal/views": ("GET", ("service",),
+                        "this worker's partitions of the node and job views (workers answer for the whole pool by "
+                        "asking each other)"),
     "/metrics": ("GET", ("operator", "auditor", "service"), "Prometheus metrics (text exposition format)"),
     "/ui/": ("GET", (), "the dashboard's static files: code, no data (no token needed; every request they make "
              "carries the signed-in principal's token)"),
@@ -366,16 +370,22 @@ class QueryRunner:
     """Runs queries in threads: the project's own (one reader session, one at a time) and people's (a fresh
     read-only session each, through sql_guard)."""
 
-    def __init__(self, dsn: str, timeout_s: int = 30, sql_timeout_s: int = 10):
+    def __init__(self, dsn: str | None, timeout_s: int = 30, sql_timeout_s: int = 10):
         self.dsn = dsn
         self.timeout_s = timeout_s
         self.sql_timeout_s = sql_timeout_s
         self._reader = None
         self._lock = threading.Lock()
 
+    def _no_clickhouse(self) -> None:
+        if self.dsn is None:
+            raise ApiError(503, "this worker does not hold ClickHouse (the embedded engine lives in the worker with "
+                                "the sink): ask that one")
+
     def _ours(self, sql: str, params: dict) -> tuple[list[str], list[list]]:
         from infra.clickhouse import connect
 
+        self._no_clickhouse()
         with self._lock:
             if self._reader is None:
                 self._reader = connect(self.dsn, apply_ddl=False)
@@ -387,6 +397,7 @@ class QueryRunner:
         return await asyncio.to_thread(self._ours, sql, params or {})
 
     async def theirs(self, sql: str, params: dict | None = None) -> tuple[list[str], list[list]]:
+        self._no_clickhouse()
         return await asyncio.to_thread(sql_guard.run_readonly, self.dsn, sql, params or {},
                                        {"max_execution_time": self.sql_timeout_s})
 
@@ -553,6 +564,8 @@ async def answer(path: str, principal: Principal, params: dict, body: bytes, run
             raise ApiError(400, str(exc).splitlines()[0][:2000]) from None
         return {"columns": cols, "rows": _plain(rows)}
     doc = (extra or {})[path]()
+    if inspect.isawaitable(doc):  # pages that ask the other workers for their partitions
+        doc = await doc
     if path == "/api/nodes" and principal.role == "tenant":
         return redact(doc, principal.tenant)
     return doc

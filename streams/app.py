@@ -12,17 +12,19 @@ import faust
 from faust.web import View
 
 from infra.config import Config
-from infra.kafka_client import commit_or_reread, stop_consumer
+from infra.kafka_client import commit_or_reread, partition_of, stop_consumer
 from infra.security import SERVICE, KafkaConn, kafka_conn
 from schemas.envelope import DecodeError, Envelope, decode, encode, envelope
 from schemas.events import GpuHealth, NodeLiveness, PoolMinute, SchedulerTick
 from schemas.routing import at_home, route
+from schemas.topics import replication
 from schemas.topics import (
     CLOCK, COMMANDS, DEAD_LETTERS, DECISIONS, INBOX_PREFIX, INVENTORY, JOB_EVENTS, JOB_REQUESTS, JOB_VIEW_CHANGELOG, LEDGER,
     NODE_CONTROL, NODE_VIEW_CHANGELOG, PRINCIPALS, SCHEDULER_INPUT, TELEMETRY, TELEMETRY_MINUTES, inbox_owner,
 )
 from streams import api, cluster_metrics, codec, gateway, job_view, metrics, node_view, telemetry_history, ui
 from streams.liveness import Liveness
+from streams.telemetry import TelemetryFold
 
 log = logging.getLogger("gpupool.worker")
 
@@ -72,8 +74,9 @@ class Worker:
     """Holds the app and the in-process counters the API reports."""
 
     def __init__(self, cfg: Config, *, with_scheduler: bool = True, with_sink: bool = True,
-                 app_id: str = "gpupool"):
+                 app_id: str = "gpupool", name: str = "worker", brokers: int = 1):
         self.cfg = cfg
+        self.name = name
         self.conn = kafka_conn(cfg, SERVICE)
         self.dead_letters: Counter[str] = Counter()
         self.folded: Counter[str] = Counter()
@@ -81,7 +84,9 @@ class Worker:
         self.registry: dict[str, gateway.Principal] = {}
         self.app = faust.App(
             app_id, broker=f"kafka://{cfg.bootstrap}", broker_credentials=self.conn.faust_credentials(),
-            store="memory://", datadir=str(cfg.home / "faust"),
+            store="memory://", datadir=str(cfg.home / ("faust" if name == "worker" else f"faust-{name}")),
+            # Faust's own topics (the assignor's leader topic) replicated as ours are (schemas/topics.replication)
+            topic_replication_factor=replication(brokers).factor,
             web_port=cfg.web_port, web_host="127.0.0.1", web_bind=cfg.web_bind, web_in_thread=False,
             topic_partitions=8, table_standby_replicas=0, producer_acks=-1,
             broker_commit_every=500, broker_commit_interval=0.5, stream_buffer_maxsize=16384,
@@ -95,13 +100,15 @@ class Worker:
         self.node_table.value_serializer = "node-view"
         self.job_table.value_serializer = "job-view"
         raw = dict(key_serializer="raw", value_serializer="raw")
-        self.node_topics = self.app.topic(INVENTORY.name, TELEMETRY.name, COMMANDS.name, NODE_CONTROL.name, **raw)
+        # telemetry is folded in batches by its own task (streams/telemetry.py), on the same table partitions
+        self.node_topics = self.app.topic(INVENTORY.name, COMMANDS.name, NODE_CONTROL.name, **raw)
         self.job_topics = self.app.topic(JOB_REQUESTS.name, JOB_EVENTS.name, DECISIONS.name, **raw)
         self.ledger_topic = self.app.topic(LEDGER.name, **raw)
         self.scheduler_input = self.app.topic(SCHEDULER_INPUT.name, **raw)
         self.dead_letter_topic = self.app.topic(DEAD_LETTERS.name, **raw)
         self.clock_topic = self.app.topic(CLOCK.name, **raw)
         self.liveness = Liveness(interval_ms=int(HEARTBEAT_INTERVAL_S * 1000))
+        self._declared_silent: dict[str, int] = {}  # node -> the last heartbeat its silence was declared after
         self.home_topics = {s.name: self.app.topic(s.name, **raw)
                             for s in (INVENTORY, TELEMETRY, JOB_EVENTS, NODE_CONTROL, JOB_REQUESTS, DECISIONS,
                                       LEDGER, TELEMETRY_MINUTES)}
@@ -115,6 +122,8 @@ class Worker:
         self.app.timer(TICK_INTERVAL_S, on_leader=True)(self.tick)
         self.app.timer(LAG_INTERVAL_S)(self.measure_lag)
         self.app.task(self.follow_registry)
+        self.telemetry = TelemetryFold(self, self.minutes)
+        self.app.task(self.telemetry.run)
         self.app.task(self.run_gateway)
         self._registry_position = 0
         self.registry_ready = asyncio.Event()  # the registry was read to its end once: the API can authenticate
@@ -127,9 +136,11 @@ class Worker:
             from streams.sink import Sink
             self.sink = Sink(cfg, self.conn)
             self.app.task(self.sink.run)
-        self.queries = api.QueryRunner(cfg.clickhouse, sql_timeout_s=cfg.sql_timeout_s)
-        self.metrics.source("nodes", self._node_views)
-        self.metrics.source("cluster", self.cluster)
+        # chDB: one process per data path, so only the worker with the sink answers from ClickHouse
+        self.queries = api.QueryRunner(cfg.clickhouse if with_sink or not cfg.clickhouse.startswith("chdb://")
+                                       else None, sql_timeout_s=cfg.sql_timeout_s)
+        self.metrics.source("nodes", lambda: [v for _, v in self.own_views(self.node_table, TELEMETRY.partitions)])
+        self.metrics.source("cluster", self.local_cluster)
         self.metrics.source("queue", self._queue)
         self.metrics.source("sink", lambda: self.sink.stats() if self.sink else None)
         self.metrics.source("scheduler", lambda: self.scheduler.stats() if self.scheduler else None)
@@ -231,11 +242,30 @@ class Worker:
     # ---------------------------------------------------------------- ingest
 
     async def _reject(self, event, code: str, detail: str) -> None:
-        m = event.message
+        await self.dead_letter(event.message, code, detail, event.value)
+
+    async def dead_letter(self, m, code: str, detail: str, raw: bytes | None = None) -> None:
+        """`m`: a Faust message or an aiokafka record (topic, partition, offset; `raw` defaults to its value)."""
         self.dead_letters[code] += 1
         self.metrics.dead_letters.labels(code).inc()
-        await self.dead_letter_topic.send(
-            key=m.topic.encode(), value=codec.dead_letter(code, detail, m.topic, m.partition, m.offset, event.value))
+        await self.dead_letter_topic.send(key=m.topic.encode(), value=codec.dead_letter(
+            code, detail, m.topic, m.partition, m.offset, m.value if raw is None else raw))
+
+    def view_of(self, node: str):
+        return _as_view(node_view, self.node_table.data.get(node))  # the store itself: no per-read sensors
+
+    def node_partitions(self) -> frozenset[int]:
+        """The node-view partitions Faust assigned to this worker (inventory is co-partitioned with the table)."""
+        return frozenset(tp.partition for tp in self.app.consumer.assignment() if tp.topic == INVENTORY.name)
+
+    def own_views(self, table, partitions_of: int) -> list:
+        """This worker's views: with workers sharing the partitions, the memory store can still hold keys of a
+        partition a rebalance took away."""
+        mine = self.node_partitions() if table is self.node_table else frozenset(
+            tp.partition for tp in self.app.consumer.assignment() if tp.topic == JOB_REQUESTS.name)
+        mod = node_view if table is self.node_table else job_view
+        return [(k, v) for k, v in ((k, _as_view(mod, v)) for k, v in list(table.items()))
+                if v is not None and partition_of(k.encode(), partitions_of) in mine]
 
     async def _decode(self, event) -> Envelope | None:
         try:
@@ -269,7 +299,7 @@ class Worker:
         self.folded[env.kind] += 1
         return env, before, after
 
-    async def _send(self, env: Envelope) -> None:
+    async def send(self, env: Envelope) -> None:
         spec, key = route(env)
         await self.home_topics[spec.name].send(key=key, value=encode(env))
 
@@ -281,37 +311,18 @@ class Worker:
                                                                    decoded)
             if decoded is not None and m.topic == COMMANDS.name:
                 self.metrics.command(decoded, round(m.timestamp * 1000), self._model_of(decoded))
-            if m.topic == TELEMETRY.name:  # the broker's time of what this node said, for judging its liveness
-                log_ms = round(m.timestamp * 1000)  # Faust gives the record's time in seconds
-                if folded is not None and folded[0].kind in ("gpu.telemetry", "node.heartbeat"):
-                    self.liveness.heard_from(folded[2].node, m.partition, m.offset, log_ms)
-                else:
-                    self.liveness.folded(m.partition, m.offset, log_ms)
             if folded is None:
                 continue
             env, before, after = folded
-            key = after.node
-            if env.kind == "gpu.telemetry":
-                inv = after.inventory
-                await self._emit_minutes(self.minutes.add(
-                    key, round(m.timestamp * 1000), env.payload.samples,
-                    models={g.uuid: g.model for g in after.cards()}, datacenter=inv.datacenter if inv else ""))
             if env.kind in NODE_FACTS_FOR_SCHEDULER:
                 await self.scheduler_input.send(key=env.source.encode(), value=event.value)
-            for gpu, why in sorted(after.unhealthy.items()):
-                if before is None or gpu not in before.unhealthy:
-                    # A card leaves service on the sample that showed the error; the derived fact reaches the
-                    # scheduler through the same path as any other.
-                    await self._send(envelope(GpuHealth(node=key, gpu_uuid=gpu, healthy=False, reason=why),
-                                              source=f"{key}/health", seq=env.seq, time_ms=env.event_time_ms,
-                                              causation_id=env.event_id))
             if before is not None and not before.alive and after.alive and env.kind != "node.liveness":
-                # alive again: a later position than the silence it answers, whatever the clocks said
-                await self._send(envelope(NodeLiveness(node=key, alive=True,
-                                                       last_heartbeat_ms=after.last_heartbeat_ms),
-                                          source=f"{key}/liveness",
-                                          seq=self.liveness.next_seq(key, round(m.timestamp * 1000)),
-                                          time_ms=env.event_time_ms, causation_id=env.event_id))
+                # alive again (an inventory from a node that was silent): a later position than the silence
+                await self.send(envelope(NodeLiveness(node=after.node, alive=True,
+                                                      last_heartbeat_ms=after.last_heartbeat_ms),
+                                         source=f"{after.node}/liveness",
+                                         seq=self.liveness.next_seq(after.node, round(event.message.timestamp * 1000)),
+                                         time_ms=env.event_time_ms, causation_id=env.event_id))
 
     async def fold_jobs(self, stream):
         async for event in stream.events():
@@ -347,51 +358,42 @@ class Worker:
         fut = await self.clock_topic.send(key=self.app.conf.id.encode(), value=b"")
         return (await fut).timestamp
 
-    async def _telemetry_highwaters(self) -> dict[int, int | None]:
-        from faust.types import TP
-
-        mine = [tp.partition for tp in self.app.consumer.assignment() if tp.topic == TELEMETRY.name]
-        if any(p not in self.liveness.start for p in mine):
-            # where this worker began reading a newly assigned partition: its group's committed offset
-            from aiokafka.admin import AIOKafkaAdminClient
-
-            admin = AIOKafkaAdminClient(**self.conn.options())
-            await admin.start()
-            try:
-                committed = await admin.list_consumer_group_offsets(self.app.conf.id)
-            finally:
-                await admin.close()
-            for p in mine:
-                meta = committed.get(_tp(TELEMETRY.name, p))
-                self.liveness.start.setdefault(p, max(meta.offset, 0) if meta is not None else 0)
-        return {p: self.app.consumer.highwater(TP(TELEMETRY.name, p)) for p in mine}
+    def _telemetry_highwaters(self) -> dict[int, int | None]:
+        """How far each telemetry partition this worker owns goes (from the telemetry task's last fetch)."""
+        consumer = self.telemetry.consumer
+        assigned = consumer.assignment() if consumer is not None else set()
+        return {p: consumer.highwater(tp) for p in self.telemetry.partitions
+                if (tp := _tp(TELEMETRY.name, p)) in assigned}
 
     async def check_liveness(self):
         """Judge silence on log time (streams/liveness.py): no stall of this worker, of the broker or of a query
-        makes a live node look dead."""
+        makes a live node look dead. Each worker judges the nodes of the telemetry partitions it owns."""
         try:
             log_now = await self._log_now()
-            highwaters = await self._telemetry_highwaters()
         except Exception as exc:  # noqa: BLE001 - the broker is away: no log time passes, nobody is judged
             log.warning("liveness not judged: %s", exc)
             return
         await self._emit_minutes(self.minutes.close_before(log_now))  # minutes of nodes gone silent
-        await self._pool_minute(log_now)
-        alive = {}
-        for key, view in list(self.node_table.items()):
-            view = _as_view(node_view, view)
-            if view and view.alive and view.inventory is not None:
-                alive[key] = view
+        if self.app.is_leader():  # one pool minute for the whole pool, from the leader among several workers
+            await self._pool_minute(log_now)
+        if not self.telemetry.partitions:
+            return
+        highwaters = self._telemetry_highwaters()
+        alive = {key: view for key, view in self.own_views(self.node_table, TELEMETRY.partitions)
+                 if view.alive and view.inventory is not None and self.telemetry.owns(key)}
         for key in self.liveness.silent(sorted(alive), log_now, highwaters):
             view = alive[key]
-            await self._send(envelope(NodeLiveness(node=key, alive=False, last_heartbeat_ms=view.last_heartbeat_ms),
-                                      source=f"{key}/liveness", seq=self.liveness.next_seq(key, log_now),
-                                      time_ms=log_now))
+            if self._declared_silent.get(key) == view.last_heartbeat_ms:
+                continue  # said already; the view turns silent when fold-nodes reads it back
+            self._declared_silent[key] = view.last_heartbeat_ms
+            await self.send(envelope(NodeLiveness(node=key, alive=False, last_heartbeat_ms=view.last_heartbeat_ms),
+                                     source=f"{key}/liveness", seq=self.liveness.next_seq(key, log_now),
+                                     time_ms=log_now))
 
     # ---------------------------------------------------------------- observability (docs/observability.md)
 
     def _job_info(self, job_id: str) -> tuple[str, str]:
-        view = _as_view(job_view, self.job_table.get(job_id))
+        view = _as_view(job_view, self.job_table.data.get(job_id))  # the store itself: no per-read sensors
         tier = view.request.tier.value if view is not None and view.request is not None else ""
         return telemetry_history.tenant_of(job_id), tier
 
@@ -405,7 +407,7 @@ class Worker:
     async def _emit_minutes(self, minutes) -> None:
         for tm in minutes:
             if tm.cards:
-                await self._send(envelope(tm, source=f"{tm.node}/telemetry-minutes", seq=tm.minute_ms,
+                await self.send(envelope(tm, source=f"{tm.node}/telemetry-minutes", seq=tm.minute_ms,
                                           time_ms=tm.minute_ms + self.minutes.minute_ms))
                 self.metrics.telemetry_minutes.inc()
 
@@ -417,8 +419,8 @@ class Worker:
         first, self._pool_minute_ms = self._pool_minute_ms < 0, minute
         if first:
             return  # started mid-minute: nothing was measured for the minute that ended
-        views = self._node_views()
-        doc = self.cluster()
+        views, _, _ = await self.all_views()
+        doc = await self.cluster(views)
         by_cap: Counter[str] = Counter()
         by_alloc: Counter[str] = Counter()
         for v in views:
@@ -435,11 +437,7 @@ class Worker:
                         free_milli=doc["free_milli"], fragmentation_milli=doc["fragmentation_milli"],
                         allocated_milli_by_model=dict(by_alloc), capacity_milli_by_model=dict(by_cap),
                         queue_by_tier=dict(queue), oldest_wait_ms_by_tier=oldest)
-        await self._send(envelope(pm, source=f"{self.app.conf.id}/pool-minutes", seq=minute, time_ms=log_now))
-
-    def _node_views(self) -> list:
-        return sorted((v for v in (_as_view(node_view, v) for _, v in list(self.node_table.items())) if v),
-                      key=lambda v: v.node)
+        await self.send(envelope(pm, source=f"{self.app.conf.id}/pool-minutes", seq=minute, time_ms=log_now))
 
     def _queue(self) -> tuple[int, list[tuple[str, int]]]:
         """(now, [(tier, waiting since)]): the scheduler's queue when it decides in this worker, else the jobs the
@@ -542,24 +540,87 @@ class Worker:
     @property
     def _memory_pages(self) -> dict:
         return {"/cluster/": self.cluster, "/stats/": self.stats, "/api/nodes": self.nodes,
+                "/internal/views": self.internal_views,
                 "/api/principals": lambda: {"principals": [
                     {"name": p.name, "role": p.role, "tenant": p.tenant} for p in sorted(
                         self.registry.values(), key=lambda p: p.name)]}}
 
-    def nodes(self) -> dict:
-        return {"nodes": [api.node_doc(v) for v in self._node_views()]}
+    def internal_views(self) -> dict:
+        return {"worker": self.name,
+                "nodes": [codec.NODE_VIEW.dump_python(v, mode="json")
+                          for _, v in self.own_views(self.node_table, TELEMETRY.partitions)],
+                "jobs": [codec.JOB_VIEW.dump_python(v, mode="json")
+                         for _, v in self.own_views(self.job_table, JOB_REQUESTS.partitions)]}
 
-    def cluster(self) -> dict:
-        """The materialized view's metrics over this worker's table partitions (all of them with one worker)."""
-        views = [_as_view(node_view, v) for _, v in list(self.node_table.items())]
-        jobs = [_as_view(job_view, v) for _, v in list(self.job_table.items())]
-        requests = [v.request for v in jobs if v is not None and v.request is not None]
-        out = cluster_metrics.metrics([v for v in views if v], cluster_metrics.typical_from_requests(requests))
-        out["busy_cards"] = {c.uuid: c.release_ms for v in views if v for c in v.card_free() if c.milli < 1000}
+    def _peer_urls(self) -> list[str]:
+        """The other workers of this app, by the URL each gave Faust's assignor (one per member)."""
+        mine = str(self.app.conf.canonical_url).rstrip("/")
+        urls = set()
+        for table in ("node-view", "job-view"):
+            try:
+                urls |= {str(u).rstrip("/") for u in self.app.router.table_metadata(table)}
+            except (KeyError, AttributeError):
+                continue
+        return sorted(urls - {mine})
+
+    async def all_views(self) -> tuple[list, list, list[str]]:
+        """Node and job views of the whole pool: this worker's partitions and each peer's, asked over HTTP as the
+        service principal; the URLs of peers that did not answer (their partitions are missing meanwhile)."""
+        import aiohttp
+
+        nodes = [v for _, v in self.own_views(self.node_table, TELEMETRY.partitions)]
+        jobs = [v for _, v in self.own_views(self.job_table, JOB_REQUESTS.partitions)]
+        peers = self._peer_urls()
+        missing = []
+        if peers:
+            from infra import security
+
+            creds = security.load(self.cfg, SERVICE)
+            auth = aiohttp.BasicAuth(creds.name, creds.token)
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5), auth=auth) as session:
+                for url in peers:
+                    try:
+                        async with session.get(f"{url}/internal/views") as resp:
+                            resp.raise_for_status()
+                            doc = await resp.json()
+                    except Exception as exc:  # noqa: BLE001 - a peer going away: say so, answer with the rest
+                        log.warning("worker %s did not give its views: %s", url, exc)
+                        missing.append(url)
+                        continue
+                    nodes += [codec.load_view(codec.NODE_VIEW, d) for d in doc["nodes"]]
+                    jobs += [codec.load_view(codec.JOB_VIEW, d) for d in doc["jobs"]]
+        return nodes, jobs, missing
+
+    async def nodes(self) -> dict:
+        views, _, missing = await self.all_views()
+        doc = {"nodes": [api.node_doc(v) for v in sorted(views, key=lambda v: v.node)]}
+        if missing:
+            doc["unanswered_workers"] = missing
+        return doc
+
+    async def cluster(self, views=None) -> dict:
+        """The materialized view's metrics over the whole pool (every worker's partitions)."""
+        got, jobs, missing = await self.all_views()
+        return self._cluster_doc(got if views is None else views, jobs, missing)
+
+    def local_cluster(self) -> dict:
+        """The same over this worker's own partitions (the whole pool with one worker): for /metrics, which does
+        not wait on the other workers."""
+        return self._cluster_doc([v for _, v in self.own_views(self.node_table, TELEMETRY.partitions)],
+                                 [v for _, v in self.own_views(self.job_table, JOB_REQUESTS.partitions)], [])
+
+    @staticmethod
+    def _cluster_doc(views, jobs, missing) -> dict:
+        requests = [v.request for v in jobs if v.request is not None]
+        out = cluster_metrics.metrics(views, cluster_metrics.typical_from_requests(requests))
+        out["busy_cards"] = {c.uuid: c.release_ms for v in views for c in v.card_free() if c.milli < 1000}
+        if missing:
+            out["unanswered_workers"] = missing
         return out
 
     def stats(self) -> dict:
         return {
+            "worker": self.name, "partitions": sorted(self.node_partitions()),
             "dead_letters": dict(self.dead_letters), "folded": dict(self.folded),
             "gateway": dict(self.gateway_counts), "principals": len(self.registry),
             "liveness": {"heard": {n: list(v) for n, v in sorted(self.liveness.heard.items())},
@@ -568,5 +629,6 @@ class Worker:
                          "started_ms": self.liveness.started_ms},
             "scheduler": self.scheduler.stats() if self.scheduler else None,
             "sink": self.sink.stats() if self.sink else None,
+            "telemetry": self.telemetry.stats(),
         }
 

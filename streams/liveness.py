@@ -77,3 +77,10 @@ class Liveness:
         seq = max(log_ms * 1000, self.seq.get(node, -1) + 1)
         self.seq[node] = seq
         return seq
+
+    def forget(self, partitions: set[int]) -> None:
+        """Partitions another worker owns now: their nodes are its to judge."""
+        self.heard = {n: v for n, v in self.heard.items() if v[0] not in partitions}
+        for p in partitions:
+            self.read.pop(p, None)
+            self.start.pop(p, None)

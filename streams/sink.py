@@ -28,6 +28,40 @@ SINK_TOPICS = (JOB_REQUESTS.name, JOB_EVENTS.name, DECISIONS.name, COMMANDS.name
                NODE_CONTROL.name, TELEMETRY_MINUTES.name)
 
 
+CHAOS_ENV = "GPUPOOL_CHAOS"  # fault tests only: with it set, a file switches ClickHouse off for the sink
+
+
+def outage_switch(home) -> "Path":
+    """While this file exists (and GPUPOOL_CHAOS=1 is in the worker's environment), every ClickHouse call of the
+    sink fails as if the server were down (docs/reliability.md: ClickHouse unavailable for 60 s)."""
+    from pathlib import Path
+
+    return Path(home) / "chaos" / "clickhouse-down"
+
+
+class SwitchedOff:
+    """A ClickHouse client that fails while the outage switch is on."""
+
+    def __init__(self, real, switch):
+        self.real, self.switch = real, switch
+
+    def _check(self) -> None:
+        if self.switch.exists():
+            raise ConnectionError("ClickHouse unavailable (fault test: outage switch on)")
+
+    def insert(self, *a, **kw):
+        self._check()
+        return self.real.insert(*a, **kw)
+
+    def query(self, *a, **kw):
+        self._check()
+        return self.real.query(*a, **kw)
+
+    def command(self, *a, **kw):
+        self._check()
+        return self.real.command(*a, **kw)
+
+
 def batch_rows(topic: str, partition: int, msgs) -> dict[str, list]:
     tables: dict[str, list] = {t: [] for t in COLUMNS}
     for msg in msgs:
@@ -112,25 +146,56 @@ class Sink:
                                  "GROUP BY topic, partition").result_rows
         return {(t, p): o for t, p, o in rows}
 
+    async def _progress_when_up(self) -> dict[tuple[str, int], int]:
+        while True:
+            try:
+                return self._progress()
+            except Exception as exc:  # noqa: BLE001 - ClickHouse away: wait, as for an insert
+                self.retries += 1
+                log.warning("ClickHouse unavailable (%s); retrying", exc)
+                await asyncio.sleep(self.retry_s)
+
     async def _connect(self) -> None:
+        import os
+
         while self.client is None:
             try:
                 self.client = connect(self.cfg.clickhouse)
+                if os.environ.get(CHAOS_ENV) == "1":
+                    self.client = SwitchedOff(self.client, outage_switch(self.cfg.home))
             except Exception as exc:  # noqa: BLE001 - wait for ClickHouse, never crash
                 self.retries += 1
                 log.warning("ClickHouse unavailable (%s); retrying", exc)
                 await asyncio.sleep(self.retry_s)
 
     async def run(self) -> None:
+        from aiokafka.abc import ConsumerRebalanceListener
+
         await self._connect()
-        consumer = AIOKafkaConsumer(*SINK_TOPICS, **self.conn.options(), group_id=GROUP,
-                                    enable_auto_commit=False, auto_offset_reset="earliest", max_poll_records=5000)
-        await consumer.start()
-        progress = self._progress()
         resumed: set[TopicPartition] = set()
+        sink = self
+
+        class Reassigned(ConsumerRebalanceListener):
+            """A partition this sink gets (again) may have been written meanwhile by another worker's sink: its
+            progress and any open intent are read afresh before its first batch."""
+
+            async def on_partitions_revoked(self, revoked):
+                pass
+
+            async def on_partitions_assigned(self, assigned):
+                for tp in assigned:
+                    resumed.discard(tp)
+                    sink._intents.pop((tp.topic, tp.partition), None)
+
+        consumer = AIOKafkaConsumer(**self.conn.options(), group_id=GROUP,
+                                    enable_auto_commit=False, auto_offset_reset="earliest", max_poll_records=5000)
+        consumer.subscribe(list(SINK_TOPICS), listener=Reassigned())
+        await consumer.start()
         try:
             while True:
                 batches = await consumer.getmany(timeout_ms=500, max_records=5000)
+                if any(tp not in resumed for tp in batches):
+                    progress = await self._progress_when_up()
                 for tp, msgs in sorted(batches.items(), key=lambda kv: (kv[0].topic, kv[0].partition)):
                     if tp not in resumed:
                         resumed.add(tp)

@@ -50,19 +50,29 @@ class _Bucket:
     jobs: dict[str, list[int]] = field(default_factory=dict)  # job -> [samples, util permille sum, mem MiB sum]
 
     def add(self, s: GpuSample) -> None:
+        # comparisons inline, not max(): this runs for every sample of every card (the telemetry task's hot loop)
         self.n += 1
-        self.util_sum += s.util_pct
-        self.util_max = max(self.util_max, s.util_pct)
-        self.mem_sum += s.mem_used_mib
-        self.mem_max = max(self.mem_max, s.mem_used_mib)
-        self.mem_total = max(self.mem_total, s.mem_total_mib)
-        self.temp_sum += s.temperature_c
-        self.temp_max = max(self.temp_max, s.temperature_c)
-        self.power_sum += s.power_mw
-        self.power_max = max(self.power_max, s.power_mw)
-        self.ecc_corrected = max(self.ecc_corrected, s.ecc_corrected)
-        self.ecc_uncorrected = max(self.ecc_uncorrected, s.ecc_uncorrected)
-        self.xids.update(s.xid_errors)
+        u, m, t, w = s.util_pct, s.mem_used_mib, s.temperature_c, s.power_mw
+        self.util_sum += u
+        if u > self.util_max:
+            self.util_max = u
+        self.mem_sum += m
+        if m > self.mem_max:
+            self.mem_max = m
+        if s.mem_total_mib > self.mem_total:
+            self.mem_total = s.mem_total_mib
+        self.temp_sum += t
+        if t > self.temp_max:
+            self.temp_max = t
+        self.power_sum += w
+        if w > self.power_max:
+            self.power_max = w
+        if s.ecc_corrected > self.ecc_corrected:
+            self.ecc_corrected = s.ecc_corrected
+        if s.ecc_uncorrected > self.ecc_uncorrected:
+            self.ecc_uncorrected = s.ecc_uncorrected
+        if s.xid_errors:
+            self.xids.update(s.xid_errors)
         if s.job_ids:
             k = len(s.job_ids)
             for job in s.job_ids:

@@ -61,7 +61,9 @@ def parser() -> argparse.ArgumentParser:
     w = add("worker", stack.cmd_worker,
             help="run the Faust worker (gateway, folds, scheduler, ClickHouse sink, API) in the foreground")
     w.add_argument("--no-scheduler", action="store_true")
-    w.add_argument("--no-sink", action="store_true")
+    w.add_argument("--no-sink", action="store_true",
+                   help="no ClickHouse sink and no SQL here (chDB: one process per data path; another worker has it)")
+    w.add_argument("--name", default="worker", help="this worker's name among several (its Faust data directory)")
     w.add_argument("--loglevel", default="warn", choices=["crit", "error", "warn", "info", "debug"])
     a = add("agent", stack.cmd_agent, help="run node agents: real GPUs through NVML, or --simulate FLEET; "
                                            "`agent inject FAULT...` breaks the supervised simulated fleet")
@@ -80,10 +82,16 @@ def parser() -> argparse.ArgumentParser:
                    "$GPUPOOL_AGENT_METRICS_PORT, else none)")
     u = add("up", stack.cmd_up, help="start broker, worker and a simulated fleet in the background, supervised")
     u.add_argument("--simulate", metavar="FLEET", default="demo:4", help="fleet to simulate ('' for none)")
+    u.add_argument("--brokers", type=int, default=None,
+                   help="local Kafka brokers: 1, or a KRaft cluster of N on loopback (replication min(3, N), "
+                        "min.insync.replicas 2 from 3); remembered for this home")
+    u.add_argument("--workers", type=int, default=1,
+                   help="Faust workers sharing the partitions (the first holds the sink and the API's ClickHouse)")
     add("down", stack.cmd_down, help="stop what `up` started, and nothing else")
     sv = add("supervise", stack.cmd_supervise, help=argparse.SUPPRESS)
     sv.add_argument("--home", required=True)
     sv.add_argument("--simulate")
+    sv.add_argument("--workers", type=int, default=1)
 
     # ---- requests
     s = add("submit", requests.cmd_submit, help="submit a job request (a tenant principal: for its own tenant)")

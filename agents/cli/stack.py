@@ -105,10 +105,14 @@ def _up(cfg, args, say) -> int:
         return 0
     if args.simulate:
         fleet_size(args.simulate)  # a bad fleet file is said now, in one line, before anything starts
+    if args.workers < 1:
+        raise SystemExit("gpupool up: --workers must be at least 1")
+    if args.brokers is not None and not cfg.kafka:
+        cfg = remember_brokers(cfg, args.brokers)
     ensure_broker(cfg, say)
     rd = run_dir(cfg)
     (rd / "state.json").unlink(missing_ok=True)
-    argv = [sys.executable, "-m", "agents.cli", "supervise", "--home", str(cfg.home)]
+    argv = [sys.executable, "-m", "agents.cli", "supervise", "--home", str(cfg.home), "--workers", str(args.workers)]
     if args.simulate:
         argv += ["--simulate", args.simulate]
     with open(rd / "supervisor.log", "ab") as log:
@@ -122,9 +126,25 @@ def _up(cfg, args, say) -> int:
         (rd / "supervisor.pid").unlink(missing_ok=True)
         raise
     _default_prices(cfg, say)
-    print(f"gpupool up: kafka {cfg.bootstrap} (SASL), worker http://{cfg.web_bind}:{cfg.web_port}, home {cfg.home}; "
-          f"acting as {cfg.user}; a supervisor (pid {proc.pid}) restarts what crashes")
+    others = "".join(f", worker-{i + 1} on port {cfg.web_port + i}" for i in range(1, args.workers))
+    print(f"gpupool up: kafka {cfg.bootstrap} (SASL{f', {cfg.kafka_brokers} brokers' if cfg.kafka_brokers > 1 else ''}), "
+          f"worker http://{cfg.web_bind}:{cfg.web_port}{others}, home {cfg.home}; acting as {cfg.user}; a supervisor "
+          f"(pid {proc.pid}) restarts what crashes")
     return 0
+
+
+def remember_brokers(cfg, brokers: int):
+    """Record the local cluster's size under the home: later commands (down, the CLI's clients) find it there."""
+    from dataclasses import replace
+
+    from infra.config import cluster_file
+
+    if brokers < 1:
+        raise SystemExit("gpupool up: --brokers must be at least 1")
+    path = cluster_file(cfg.home)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"brokers": brokers}))
+    return replace(cfg, kafka_brokers=brokers)
 
 
 def _fail_if_died(cfg, proc) -> None:
@@ -210,9 +230,14 @@ def cmd_down(cfg, args) -> int:
 class Supervisor:
     """Runs the stack's long-lived processes and restarts each that exits, with backoff; writes run/state.json."""
 
-    def __init__(self, cfg, simulate: str | None):
+    def __init__(self, cfg, simulate: str | None, workers: int = 1):
         self.cfg = cfg
         self.components = {"worker": ["worker"]}
+        self.env: dict[str, dict[str, str]] = {"worker": {}}
+        for i in range(2, workers + 1):  # they share the partitions; the first alone has the sink and ClickHouse
+            name = f"worker-{i}"
+            self.components[name] = ["worker", "--no-sink", "--name", name]
+            self.env[name] = {"GPUPOOL_WEB_PORT": str(cfg.web_port + i - 1)}
         if simulate:
             control = run_dir(cfg) / "faults"
             control.touch()
@@ -224,7 +249,8 @@ class Supervisor:
     def _spawn(self, name: str) -> None:
         log = open(run_dir(self.cfg) / f"{name}.log", "ab")
         self.procs[name] = subprocess.Popen([sys.executable, "-m", "agents.cli", *self.components[name]], stdout=log,
-                                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                            env={**os.environ, **self.env.get(name, {})})
         self.state[name].update(pid=self.procs[name].pid, started=time.time())
 
     def _save(self) -> None:
@@ -260,8 +286,8 @@ class Supervisor:
                 self._save()
             if not self.cfg.kafka:
                 broker = kafka_local.default_broker(self.cfg)
-                if broker.running_pid() is None:
-                    print("supervisor: the local broker is not running; starting it", flush=True)
+                if not broker.all_running():
+                    print("supervisor: a local broker is not running; starting it", flush=True)
                     try:
                         broker.start()
                     except (RuntimeError, TimeoutError) as exc:
@@ -279,7 +305,7 @@ class Supervisor:
 
 
 def cmd_supervise(cfg, args) -> int:
-    return Supervisor(cfg, args.simulate).run()
+    return Supervisor(cfg, args.simulate, args.workers).run()
 
 
 # ---------------------------------------------------------------- single processes
@@ -303,9 +329,15 @@ def cmd_worker(cfg, args) -> int:
 
     from streams.app import Worker
 
-    asyncio.run(kafka_local.ensure_topics(security.kafka_conn(cfg, security.SERVICE)))
-    w = Worker(cfg, with_scheduler=not args.no_scheduler, with_sink=not args.no_sink)
-    FaustWorker(w.app, loglevel=args.loglevel, quiet=True).execute_from_commandline()
+    conn = security.kafka_conn(cfg, security.SERVICE)
+    asyncio.run(kafka_local.ensure_topics(conn))
+    w = Worker(cfg, with_scheduler=not args.no_scheduler, with_sink=not args.no_sink, name=args.name,
+               brokers=asyncio.run(kafka_local.cluster_size(conn)))
+    worker = FaustWorker(w.app, loglevel=args.loglevel, quiet=True)
+    # Faust's start-up spinner sets the root logger to DEBUG for as long as the process lives (every library's debug
+    # record is then made and handed to it): without the spinner the root logger stays at --loglevel
+    worker.spinner = None
+    worker.execute_from_commandline()
     return 0
 
 

@@ -1,8 +1,11 @@
 """The scheduler agent: the single writer of scheduling decisions.
 
 Exclusivity comes from Kafka: the scheduler input has one partition, and only the member of consumer group
-`gpupool-scheduler` that owns it decides. On taking ownership it rebuilds its state by replaying the input up to the
-group's committed offset without emitting (the outputs of those records are already in the log), then goes live.
+`gpupool-scheduler` that owns it decides. On taking ownership it rebuilds its state from the latest snapshot at or
+below the group's committed offset (agents/scheduler/snapshot.py), replaying only the input after it up to the
+committed offset, without emitting (the outputs of those records are already in the log), then goes live. The
+rebuild yields to the event loop as it goes, so the worker's other agents (folds, sink, API) go on meanwhile. While
+live it writes a snapshot every N input records or T s of log time, after the offsets it covers are committed.
 Outputs are produced (acks=all, idempotent producer) before the input offset is committed; a crash in between
 re-emits identical envelopes (same ids), which every consumer ignores as duplicates.
 """
@@ -17,6 +20,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from infra.kafka_client import stop_consumer
 from aiokafka.abc import ConsumerRebalanceListener
 
+from agents.scheduler import snapshot
 from agents.scheduler.core import Scheduler, live_config, replay
 from infra.config import Config
 from schemas.envelope import DecodeError, decode, encode
@@ -42,9 +46,11 @@ class _Ownership(ConsumerRebalanceListener):
         self.changed.set()
 
 
-async def read_partition(conn, tp: TopicPartition, until: int | None = None, on_record=None) -> int:
-    """Read one partition from offset 0 up to `until` (exclusive; None = its end now); returns records read.
-    `conn`: the reader's connection (infra.security.KafkaConn).
+async def read_partition(conn, tp: TopicPartition, until: int | None = None, on_record=None, start: int = 0,
+                         yield_every: int = 0) -> int:
+    """Read one partition from offset `start` (0: its beginning) up to `until` (exclusive; None = its end now);
+    returns records read. `conn`: the reader's connection (infra.security.KafkaConn). `yield_every` > 0: hand the
+    event loop to other tasks every that many records.
 
     Progress is tracked from the records themselves: aiokafka's position() after a seek can wait on a reset that
     never comes."""
@@ -53,11 +59,11 @@ async def read_partition(conn, tp: TopicPartition, until: int | None = None, on_
     try:
         consumer.assign([tp])
         end = (await consumer.end_offsets([tp]))[tp] if until is None else until
-        if end <= 0:
+        if end <= start:
             return 0
-        consumer.seek(tp, 0)  # reset to earliest if retention removed offset 0
+        consumer.seek(tp, start)  # from 0: reset to earliest if retention removed offset 0
         n = 0
-        next_offset = 0
+        next_offset = start
         while next_offset < end:
             batch = await consumer.getmany(tp, timeout_ms=1000, max_records=5000)
             for msg in batch.get(tp, []):
@@ -67,14 +73,28 @@ async def read_partition(conn, tp: TopicPartition, until: int | None = None, on_
                 next_offset = msg.offset + 1
                 if on_record:
                     on_record(msg)
+                if yield_every and n % yield_every == 0:
+                    await asyncio.sleep(0)
         return n
     finally:
         await stop_consumer(consumer)
 
 
-async def replay_input(conn, until: int | None = None, on_record=None) -> int:
-    """The scheduler input from offset 0 up to `until`."""
-    return await read_partition(conn, TP, until, on_record)
+async def replay_input(conn, until: int | None = None, on_record=None, start: int = 0, yield_every: int = 0) -> int:
+    """The scheduler input from offset `start` (default 0) up to `until`."""
+    return await read_partition(conn, TP, until, on_record, start, yield_every)
+
+
+def snapshot_every_records() -> int:
+    import os
+
+    return int(os.environ.get("GPUPOOL_SNAPSHOT_EVERY", snapshot.EVERY_RECORDS))
+
+
+def snapshot_every_log_ms() -> int:
+    import os
+
+    return int(float(os.environ.get("GPUPOOL_SNAPSHOT_EVERY_S", snapshot.EVERY_LOG_MS / 1000)) * 1000)
 
 
 def tune_gc() -> None:
@@ -94,9 +114,15 @@ class SchedulerAgent:
         self.emitted = 0
         self.bad_input = 0
         self.live = False
+        self.snapshots: snapshot.Writer | None = None
+        self.takeover: dict = {}  # the last rebuild: from which snapshot, how many records replayed, how long
+        self.last_log_ms = 0
 
     def stats(self) -> dict:
         return {"position": self.position, "emitted": self.emitted, "live": self.live, "cycle": self.state.cycle,
+                "takeover": self.takeover,
+                "snapshots": {"written": self.snapshots.count, "last_offset": self.snapshots.last_offset,
+                              "last_bytes": self.snapshots.last_bytes} if self.snapshots else None,
                 "nodes": len(self.state.nodes),
                 "bad_input": self.bad_input,
                 "pending": [r.request.job_id for r in self.state.pending_order()][:50]}
@@ -109,36 +135,42 @@ class SchedulerAgent:
             return []
         return self.state.step(env, msg.timestamp)  # the broker's append time is the scheduler's clock
 
+    def _replayed(self, msg) -> None:
+        """One record of the tail after the snapshot, through the one replay (core.replay) the audit uses."""
+        stepped = []
+        replay([msg.value], [msg.timestamp], scheduler=self.state, on_outputs=lambda i, _outs: stepped.append(i))
+        self.bad_input += 1 - len(stepped)  # the folds dead-lettered it; the scheduler only skips
+        self.last_log_ms = msg.timestamp
+
     async def _rebuild(self, committed: int) -> None:
-        """The state at the committed offset: the input replayed (`core.replay`, as the audit does) in batches as it
-        is read, without emitting (those outputs are in the log already)."""
-        self.state = Scheduler(**live_config())
-        batch: list = []
+        """The state at the committed offset: the latest usable snapshot at or below it, then the input after it
+        replayed without emitting (those outputs are in the log already), yielding to the loop as it goes."""
+        import time
 
-        def flush() -> None:
-            stepped = []
-            replay([m.value for m in batch], [m.timestamp for m in batch], scheduler=self.state,
-                   on_outputs=lambda i, _outs: stepped.append(i))
-            self.bad_input += len(batch) - len(stepped)  # the folds dead-lettered them; the scheduler only skips
-            batch.clear()
-
-        def keep(msg) -> None:
-            batch.append(msg)
-            if len(batch) >= 5000:
-                flush()
-
-        await replay_input(self.conn, committed, keep)
-        flush()
+        t0 = time.monotonic()
+        snap, existing = await snapshot.latest(self.conn, committed)
+        start = snap.offset if snap is not None else 0
+        self.state = snap.state if snap is not None else Scheduler(**live_config())
+        self.last_log_ms = snap.log_ms if snap is not None else 0
+        t1 = time.monotonic()
+        n = await replay_input(self.conn, committed, self._replayed, start=start, yield_every=200)
         self.position = committed
+        if self.snapshots is not None:
+            self.snapshots.start_at(start if snap is not None else -1, self.last_log_ms, existing)
+        self.takeover = {"committed": committed, "snapshot_offset": snap.offset if snap is not None else None,
+                         "replayed": n, "load_s": round(t1 - t0, 3), "replay_s": round(time.monotonic() - t1, 3)}
+        log.info("scheduler rebuilt: %s", self.takeover)
         tune_gc()
 
     async def run(self) -> None:
         ownership = _Ownership()
         consumer = AIOKafkaConsumer(**self.conn.options(), group_id=GROUP, enable_auto_commit=False,
                                     auto_offset_reset="earliest", max_poll_records=1000)
-        producer = AIOKafkaProducer(**self.conn.options(), acks="all", enable_idempotence=True, linger_ms=5)
+        producer = AIOKafkaProducer(**self.conn.options(), acks="all", enable_idempotence=True, linger_ms=5,
+                                    max_request_size=64 << 20)  # a snapshot is one record
         await consumer.start()
         await producer.start()
+        self.snapshots = snapshot.Writer(producer, snapshot_every_records(), snapshot_every_log_ms())
         consumer.subscribe([SCHEDULER_INPUT.name], listener=ownership)
         try:
             while True:
@@ -163,10 +195,16 @@ class SchedulerAgent:
                         spec, key = route(out)
                         sends.append(await producer.send(spec.name, key=key, value=encode(out)))
                     self.position = msg.offset + 1
+                    self.last_log_ms = msg.timestamp
                 for fut in sends:
                     await fut
                 self.emitted += len(sends)
                 await consumer.commit({TP: self.position})
+                if self.snapshots.due(self.position, self.last_log_ms) and ownership.owned:
+                    try:
+                        await self.snapshots.write(self.state, self.position, self.last_log_ms)
+                    except Exception as exc:  # noqa: BLE001 - no snapshot: the next takeover replays longer
+                        log.warning("scheduler snapshot at %d not written: %s", self.position, exc)
         finally:
             await stop_consumer(consumer)
             await producer.stop()

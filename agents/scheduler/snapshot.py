@@ -1,0 +1,177 @@
+"""Scheduler snapshots: the scheduler's state at an input offset, so a takeover replays only the tail.
+
+A snapshot at offset k is the state after the input records 0..k-1 (exactly what `replay` of them gives): taking over
+at committed offset c from the latest snapshot k <= c and replaying k..c-1 gives the same state, and replaying on
+from there the same outputs, as replaying 0..c-1 (tests/test_scheduler_snapshot.py, a hypothesis property test).
+
+The record (topic `gpupool.scheduler-snapshots`, compacted, key = the offset as 20 digits, written by the service
+principal only) is an orjson document:
+
+    {"v": FORMAT, "code": CODE, "offset": k, "log_ms": ..., "records": k, "state": base64(zlib(pickle(state)))}
+
+The state itself is a pickle of the scheduler object graph (hundreds of classes of the core: pickle is the one
+encoding that covers every one of them without a second, hand-kept schema); the envelope around it is versioned
+twice: `v`, the format of the document (older formats are upcast by UPCASTERS, none exist yet), and `code`, a digest
+of the scheduler's sources (agents/scheduler/*.py and the event schemas). A snapshot whose `code` differs was made by
+other code: it is ignored, and the takeover replays from the newest snapshot this code made, or from 0 — a longer
+replay, never a wrong one. Only the service principal may write the topic (infra/principals.py), and the pickle is
+only ever loaded from there.
+
+Older snapshots are deleted by tombstones (the writer keeps the latest KEEP), so compaction bounds the topic.
+"""
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import logging
+import pickle
+import zlib
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+log = logging.getLogger("gpupool.scheduler.snapshot")
+
+FORMAT = 1
+KEEP = 2  # snapshots kept (older ones get a tombstone)
+EVERY_RECORDS = 2_000  # a snapshot at least every this many input records ...
+EVERY_LOG_MS = 120_000  # ... or this much log time, whichever comes first (and something was read)
+UPCASTERS: dict[int, Any] = {}  # format -> fn(doc) -> doc of format+1
+
+
+@lru_cache(maxsize=1)
+def code_version() -> str:
+    root = Path(__file__).resolve().parents[2]
+    h = hashlib.sha256()
+    for p in sorted((root / "agents" / "scheduler").glob("*.py")) + [root / "schemas" / "events.py",
+                                                                     root / "schemas" / "envelope.py"]:
+        h.update(p.name.encode())
+        h.update(p.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def key_of(offset: int) -> bytes:
+    return f"{offset:020d}".encode()
+
+
+@dataclass
+class Snapshot:
+    offset: int
+    log_ms: int
+    state: Any
+
+
+def dump(state, offset: int, log_ms: int) -> bytes:
+    blob = zlib.compress(pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL), 1)
+    return orjson.dumps({"v": FORMAT, "code": code_version(), "offset": offset, "log_ms": log_ms,
+                         "state": base64.b64encode(blob).decode()})
+
+
+def load(value: bytes | None) -> Snapshot | None:
+    """The snapshot in `value`, or None when it is not one this code can use (another format nobody upcasts, other
+    code, damage): the caller then replays further back."""
+    if not value:
+        return None
+    try:
+        doc = orjson.loads(value)
+        v = doc.get("v")
+        while isinstance(v, int) and v < FORMAT and v in UPCASTERS:
+            doc = UPCASTERS[v](doc)
+            v = doc.get("v")
+        if v != FORMAT or doc.get("code") != code_version():
+            return None
+        state = pickle.loads(zlib.decompress(base64.b64decode(doc["state"])))
+        return Snapshot(int(doc["offset"]), int(doc["log_ms"]), state)
+    except Exception as exc:  # noqa: BLE001 - a snapshot that does not load is no snapshot: replay longer
+        log.warning("snapshot not usable: %s", exc)
+        return None
+
+
+def header(value: bytes) -> dict:
+    """The document without its state (cheap checks: offset, format, code)."""
+    doc = orjson.loads(value)
+    doc.pop("state", None)
+    return doc
+
+
+# ---------------------------------------------------------------- the topic
+
+async def latest(conn, at_most: int) -> tuple[Snapshot | None, list[int]]:
+    """The newest usable snapshot at or below input offset `at_most`, read from the snapshot topic, and the offsets
+    of every snapshot there (the writer's to tombstone in time)."""
+    from aiokafka import AIOKafkaConsumer, TopicPartition
+
+    from infra.kafka_client import stop_consumer
+    from schemas.topics import SCHEDULER_SNAPSHOTS
+
+    tp = TopicPartition(SCHEDULER_SNAPSHOTS.name, 0)
+    consumer = AIOKafkaConsumer(**conn.options(), enable_auto_commit=False, auto_offset_reset="earliest",
+                                max_partition_fetch_bytes=64 << 20, fetch_max_bytes=64 << 20)
+    await consumer.start()
+    try:
+        consumer.assign([tp])
+        end = (await consumer.end_offsets([tp]))[tp]
+        live: dict[int, bytes] = {}  # offset covered -> value, tombstones applied
+        if end > 0:
+            consumer.seek(tp, 0)
+            next_offset = 0
+            while next_offset < end:
+                batch = await consumer.getmany(tp, timeout_ms=1000)
+                for msg in batch.get(tp, []):
+                    next_offset = msg.offset + 1
+                    k = int(msg.key)
+                    if msg.value is None:
+                        live.pop(k, None)
+                    elif k <= at_most:
+                        live[k] = msg.value
+    finally:
+        await stop_consumer(consumer)
+    for k in sorted(live, reverse=True):
+        snap = await asyncio.to_thread(load, live[k])  # unpickling a large state must not hold the event loop
+        if snap is not None and snap.offset == k:
+            return snap, sorted(live)
+    return None, sorted(live)
+
+
+class Writer:
+    """Writes the scheduler's snapshots when due; tombstones those older than the latest KEEP."""
+
+    def __init__(self, producer, every_records: int = EVERY_RECORDS, every_log_ms: int = EVERY_LOG_MS):
+        self.producer = producer
+        self.every_records = every_records
+        self.every_log_ms = every_log_ms
+        self.last_offset = -1
+        self.last_log_ms = -1
+        self.written: list[int] = []
+        self.count = 0
+        self.last_bytes = 0
+
+    def start_at(self, offset: int, log_ms: int, existing: list[int] = ()) -> None:
+        self.last_offset, self.last_log_ms = offset, log_ms
+        self.written = sorted(existing)
+
+    def due(self, offset: int, log_ms: int) -> bool:
+        if offset <= self.last_offset:
+            return False
+        if self.last_offset < 0:
+            return offset >= self.every_records
+        return offset - self.last_offset >= self.every_records or log_ms - self.last_log_ms >= self.every_log_ms
+
+    async def write(self, state, offset: int, log_ms: int) -> None:
+        from schemas.topics import SCHEDULER_SNAPSHOTS
+
+        # The scheduler's own loop waits here, so nothing changes the state while the thread pickles it; the
+        # worker's other agents run meanwhile.
+        value = await asyncio.to_thread(dump, state, offset, log_ms)
+        await (await self.producer.send(SCHEDULER_SNAPSHOTS.name, key=key_of(offset), value=value, partition=0))
+        self.written.append(offset)
+        self.count += 1
+        self.last_bytes = len(value)
+        self.last_offset, self.last_log_ms = offset, log_ms
+        while len(self.written) > KEEP:
+            old = self.written.pop(0)
+            await self.producer.send(SCHEDULER_SNAPSHOTS.name, key=key_of(old), value=None, partition=0)

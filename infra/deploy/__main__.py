@@ -1,0 +1,5 @@
+import sys
+
+from infra.deploy import main
+
+raise SystemExit(main(sys.argv[1:]))

@@ -1,0 +1,301 @@
+"""The telemetry fold, off Faust's per-message path (issue #16 item 3).
+
+Telemetry is most of what the node agents send (a record a node a second), and through a Faust agent every record
+was a stream event handed over one at a time that rewrote the node's whole view to the changelog. Here one task of
+the worker reads `gpupool.telemetry` with its own aiokafka consumer, `getmany` batches at a time, and folds each
+node's records of a batch at once (`node_view.fold_telemetry`) into the same `node-view` table the `fold-nodes`
+agent keeps:
+
+* **Which partitions.** Exactly the telemetry partitions whose node-view partitions Faust assigned to this worker
+  (telemetry is co-partitioned with inventory, commands and node control: same key, same count), so a node's view,
+  its telemetry and the judge of its liveness live in one process however many workers share the partitions. While
+  Faust rebalances or recovers the table, this task reads nothing and writes nothing; afterwards it reassigns its
+  consumer and resumes each partition from its own committed offset (group `gpupool-telemetry`, offsets committed,
+  never a member).
+* **What is written when.** Every batch updates the table's in-memory view at once (the API, the liveness judge and
+  the next inventory or command fold read it). The durable copy, the table's changelog, is written at once only
+  when telemetry changed something durable (`node_view.durable_change`: a new card fault, the node's liveness, a new
+  view); otherwise the view is marked dirty and written with the others every `flush_s` (default 5 s). The
+  telemetry offset is committed only after the changelog writes that cover it are acknowledged, so a worker that
+  crashes re-reads at most `flush_s` of telemetry from that offset into views restored from the changelog, and the
+  sequence numbers make the repeat a no-op where the view already had it: the restored view is the one it had.
+* **Derived facts** are as before: a card with a new fault gives `gpu.health` (node control), a node heard again
+  after a silence gives `node.liveness` alive; the liveness judge (streams/app.py, streams/liveness.py) learns from
+  here which node was heard when, in log time, and how far each partition is read.
+* **Per-minute history** (docs/observability.md): the samples of each node's new records of a batch go, in runs of
+  one minute of log time, to the worker's `telemetry_history.TelemetryMinutes`; the minutes they close are published
+  by the worker (`gpupool.telemetry-minutes`), and the liveness timer closes those of nodes gone silent.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import defaultdict
+from typing import Iterable, Protocol
+
+from infra.kafka_client import partition_of, stop_consumer
+from schemas.envelope import DecodeError, decode, encode, envelope
+from schemas.events import GpuHealth, GpuSample, NodeLiveness
+from schemas.routing import at_home, route
+from schemas.topics import INVENTORY, TELEMETRY
+from streams import node_view
+
+log = logging.getLogger("gpupool.telemetry")
+GROUP = "gpupool-telemetry"
+FLUSH_INTERVAL_S = 5.0
+MAX_RECORDS = 2000
+YIELD_EVERY = 250  # records decoded between two yields to the event loop (the scheduler and the API share it)
+
+
+class MinuteFeed(Protocol):
+    """Where a batch's samples go for the per-minute history: `add` returns the minutes it closed (payloads to
+    publish), `close_before` those the log's time has passed."""
+
+    def add(self, node: str, log_ms: int, samples: Iterable[GpuSample], *, models=None,
+            datacenter: str = "") -> list: ...
+
+    def close_before(self, log_ms: int) -> list: ...
+
+    def minute_of(self, t_ms: int) -> int: ...
+
+
+class NoMinutes:
+    def add(self, node, log_ms, samples, *, models=None, datacenter=""):
+        return []
+
+    def close_before(self, log_ms):
+        return []
+
+    def minute_of(self, t_ms):
+        return t_ms
+
+
+class TelemetryFold:
+    def __init__(self, worker, minutes: MinuteFeed | None = None, flush_s: float = FLUSH_INTERVAL_S):
+        self.w = worker
+        self.minutes = minutes or NoMinutes()
+        self.feeds_minutes = not isinstance(self.minutes, NoMinutes)
+        self.flush_s = flush_s
+        self.partitions: frozenset[int] = frozenset()
+        self.positions: dict[int, int] = {}  # partition -> next offset folded
+        self.dirty: dict[int, set[str]] = defaultdict(set)
+        self.unacked: list = []  # changelog writes not yet known to be acknowledged
+        self.consumer = None
+        self.records = 0
+        self.batches = 0
+        self.changelog_writes = 0
+        self.flushes = 0
+        self.first_batch_at: float | None = None  # wall clock of the first and the latest batch (benchmarks)
+        self.last_batch_at: float | None = None
+
+    def stats(self) -> dict:
+        return {"partitions": sorted(self.partitions), "records": self.records, "batches": self.batches,
+                "changelog_writes": self.changelog_writes, "flushes": self.flushes,
+                "dirty": sum(len(v) for v in self.dirty.values()), "first_batch_at": self.first_batch_at,
+                "last_batch_at": self.last_batch_at}
+
+    # ---------------------------------------------------------------- which partitions
+
+    def _table_ready(self) -> bool:
+        app = self.w.app
+        return not app.rebalancing and bool(getattr(app.tables, "actives_ready", True))
+
+    def _faust_partitions(self) -> frozenset[int]:
+        return frozenset(tp.partition for tp in self.w.app.consumer.assignment() if tp.topic == INVENTORY.name)
+
+    def owns(self, node: str) -> bool:
+        return partition_of(node.encode(), TELEMETRY.partitions) in self.partitions
+
+    async def _follow_assignment(self) -> bool:
+        """Reassign the consumer when Faust's assignment changed; False while the table is not ready."""
+        if not self._table_ready():
+            if self.partitions:
+                self._drop(self.partitions)  # another worker may own them now: never write what it recovers
+                self.consumer.assign([])
+                self.partitions = frozenset()
+            return False
+        want = self._faust_partitions()
+        if want != self.partitions:
+            self._drop(self.partitions - want)
+            tps = [_tp(p) for p in sorted(want)]
+            self.consumer.assign(tps)
+            for tp in tps:  # resume from what this group committed: every view restored covers the offsets before it
+                committed = await self.consumer.committed(tp)
+                start = max(committed or 0, 0)
+                self.consumer.seek(tp, start)
+                self.positions[tp.partition] = start
+                self.w.liveness.start[tp.partition] = start
+            if not self.partitions:
+                from agents.scheduler.agent import tune_gc
+
+                tune_gc()  # what exists now (Faust, the recovered table) is long-lived: out of the collector's sight
+            self.partitions = want
+            log.info("telemetry partitions %s", sorted(want))
+        return True
+
+    def _drop(self, partitions: Iterable[int]) -> None:
+        for p in set(partitions):
+            self.dirty.pop(p, None)  # not flushed: the uncommitted telemetry is read again by whoever owns it
+            self.positions.pop(p, None)
+        self.w.liveness.forget(set(partitions))
+
+    # ---------------------------------------------------------------- the loop
+
+    async def run(self) -> None:
+        from aiokafka import AIOKafkaConsumer
+
+        self.consumer = AIOKafkaConsumer(**self.w.conn.options(), group_id=GROUP, enable_auto_commit=False,
+                                         auto_offset_reset="earliest", max_partition_fetch_bytes=8 << 20,
+                                         fetch_max_bytes=32 << 20)
+        await self.consumer.start()
+        last_flush = time.monotonic()
+        try:
+            while True:
+                if not await self._follow_assignment() or not self.partitions:
+                    await asyncio.sleep(0.1)
+                    continue
+                batches = await self.consumer.getmany(timeout_ms=200, max_records=MAX_RECORDS)
+                if not self._table_ready():
+                    continue  # a rebalance began while fetching: this batch is read again by the owner
+                for tp, msgs in batches.items():
+                    if tp.partition in self.partitions and msgs:
+                        await self.fold_batch(tp.partition, msgs)
+                if time.monotonic() - last_flush >= self.flush_s:
+                    await self.flush()
+                    last_flush = time.monotonic()
+        finally:
+            await stop_consumer(self.consumer)
+
+    async def fold_batch(self, partition: int, msgs) -> None:
+        """One partition's records of a batch: decode, group by node (log order kept), fold, derive, mark."""
+        w = self.w
+        self.first_batch_at = self.first_batch_at or time.time()
+        by_node: dict[str, list] = {}
+        last_log_ms: dict[str, int] = {}  # node -> the broker's append time of its last record here (ms)
+        log_times: dict[str, list[int]] = {}  # node -> the append time of each of its records (ms)
+        for i, msg in enumerate(msgs, start=1):
+            if i % YIELD_EVERY == 0:
+                await asyncio.sleep(0)  # a batch must not hold the loop: the scheduler and the API wait on it
+            try:
+                env = decode(msg.value)
+            except DecodeError as exc:
+                await w.dead_letter(msg, exc.code, exc.detail)
+                continue
+            if not at_home(env, TELEMETRY.name):
+                await w.dead_letter(msg, "wrong_topic", f"{env.kind} does not belong on {TELEMETRY.name}")
+                continue
+            node = env.payload.node
+            runs = by_node.get(node)
+            if runs is None:
+                by_node[node] = [env]
+                log_times[node] = [msg.timestamp]
+            else:
+                runs.append(env)
+                log_times[node].append(msg.timestamp)
+            last_log_ms[node] = msg.timestamp  # aiokafka: the broker's append time, in ms
+        last = msgs[-1]
+        for node, log_ms in last_log_ms.items():
+            w.liveness.heard_from(node, partition, last.offset, log_ms)  # heard at its last record in the batch
+        w.liveness.folded(partition, last.offset, last.timestamp)
+        self.positions[partition] = last.offset + 1
+        self.records += len(msgs)
+        self.batches += 1
+        self.last_batch_at = time.time()
+        table = w.node_table
+        folded = 0
+        for node, envs in by_node.items():
+            before = w.view_of(node)
+            try:
+                after = node_view.fold_telemetry(before, envs)
+            except Exception as exc:  # noqa: BLE001 - a record that breaks the fold must not stop the others
+                log.warning("telemetry fold of %s failed: %s", node, exc)
+                continue
+            if after is before:
+                continue
+            table.data[node] = after  # in memory now; the changelog below
+            folded += len(envs)
+            if node_view.durable_change(before, after):
+                self._write(partition, node, after)
+                self.dirty[partition].discard(node)
+            else:
+                self.dirty[partition].add(node)
+            await self._derive(node, envs[-1], before, after, last_log_ms[node])
+            if self.feeds_minutes:
+                await self._feed_minutes(node, envs, log_times[node], before, after)
+        w.folded["gpu.telemetry"] += folded  # records of the telemetry topic that changed a view
+
+    def _write(self, partition: int, node: str, view) -> None:
+        self.changelog_writes += 1
+        self.unacked.append(self.w.node_table.send_changelog(partition, node, view))
+
+    async def _derive(self, node: str, env, before, after, log_ms: int) -> None:
+        w = self.w
+        for gpu, why in sorted(after.unhealthy.items()):
+            if before is None or gpu not in before.unhealthy:
+                await w.send(envelope(GpuHealth(node=node, gpu_uuid=gpu, healthy=False, reason=why),
+                                      source=f"{node}/health", seq=env.seq, time_ms=env.event_time_ms,
+                                      causation_id=env.event_id))
+        if before is not None and not before.alive and after.alive:
+            await w.send(envelope(NodeLiveness(node=node, alive=True, last_heartbeat_ms=after.last_heartbeat_ms),
+                                  source=f"{node}/liveness", seq=w.liveness.next_seq(node, log_ms),
+                                  time_ms=env.event_time_ms, causation_id=env.event_id))
+
+    async def _feed_minutes(self, node: str, envs, log_times: list[int], before, view) -> None:
+        """The samples of the records that were new to the view (a record read again after a restart is not
+        counted twice), each at its own log time: a run that crosses a minute's end closes that minute."""
+        applied = dict(before.applied) if before is not None else {}
+        inv = view.inventory
+        models = {g.uuid: g.model for g in view.cards()}
+        dc = inv.datacenter if inv is not None else ""
+        minute_of = self.minutes.minute_of
+        run: list = []
+        run_ms = None
+        closed: list = []
+        for env, log_ms in zip(envs, log_times):
+            if env.kind != "gpu.telemetry" or env.seq <= applied.get(env.source, -1):
+                continue
+            applied[env.source] = env.seq
+            if run and minute_of(log_ms) != minute_of(run_ms):
+                closed += self.minutes.add(node, run_ms, run, models=models, datacenter=dc)
+                run = []
+            run.extend(env.payload.samples)
+            run_ms = log_ms
+        if run:
+            closed += self.minutes.add(node, run_ms, run, models=models, datacenter=dc)
+        if closed:
+            await self.w._emit_minutes(closed)  # the minutes a batch closed, as the worker publishes them
+
+    async def flush(self) -> None:
+        """Write every dirty view to the changelog, wait for the broker, then commit what those writes cover."""
+        if not self._table_ready():
+            return
+        positions = dict(self.positions)
+        pending = {p: nodes for p, nodes in self.dirty.items() if nodes}
+        self.dirty = defaultdict(set)
+        try:
+            for p, nodes in pending.items():
+                for node in nodes:
+                    if (view := self.w.node_table.data.get(node)) is not None:
+                        self._write(p, node, view)
+            futures, self.unacked = self.unacked, []
+            for fut in futures:  # every changelog write since the last commit, the immediate ones included
+                await fut
+            if not self._table_ready():
+                return  # revoked meanwhile: the new owner re-reads from the last commit
+            offsets = {_tp(p): o for p, o in positions.items() if p in self.partitions}
+            if offsets:
+                await self.consumer.commit(offsets)
+            self.flushes += 1
+        except Exception as exc:  # noqa: BLE001 - not committed: read again after a crash, nothing lost
+            log.warning("telemetry flush failed (%s); the offsets stay where they were", exc)
+            for p, nodes in pending.items():
+                if p in self.partitions:
+                    self.dirty[p] |= nodes
+
+
+def _tp(partition: int):
+    from aiokafka import TopicPartition
+
+    return TopicPartition(TELEMETRY.name, partition)
+

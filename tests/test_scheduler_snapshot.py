@@ -1,0 +1,145 @@
+"""Scheduler snapshots (#16 item 1, agents/scheduler/snapshot.py): a snapshot at k, then the replay of k..n, gives
+the same outputs and the same state as the replay of 0..n, for random inputs (the scheduler invariants' state
+machine drives the inputs: users, operators, node agents, lost nodes, ticks); a snapshot of another format or of
+other code is not used (the replay is longer, never wrong)."""
+from __future__ import annotations
+
+import functools
+
+import orjson
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import rule
+
+from agents.scheduler import snapshot
+from agents.scheduler.elastic import ElasticScheduler
+from agents.scheduler.node_index import NodeIndex  # noqa: F401 - the state graph's classes import
+from tests import test_scheduler_invariants as inv
+
+
+def canonical(obj, seen=None):
+    """A comparable form of an object graph: the same for two states that are equal field by field (sets and
+    dicts regardless of the order they were built in)."""
+    seen = set() if seen is None else seen
+    if obj is None or isinstance(obj, (bool, int, float, str, bytes)):
+        return obj
+    if isinstance(obj, (list, tuple)):
+        return (type(obj).__name__, [canonical(x, seen) for x in obj])
+    if isinstance(obj, (set, frozenset)):
+        return ("set", sorted((canonical(x, seen) for x in obj), key=repr))
+    if isinstance(obj, dict):
+        return ("dict", sorted(((canonical(k, seen), canonical(v, seen)) for k, v in obj.items()), key=repr))
+    if id(obj) in seen:
+        return ("cycle", type(obj).__name__)
+    seen = seen | {id(obj)}
+    fields = {}
+    if hasattr(obj, "__dict__"):
+        fields.update(vars(obj))
+    for cls in type(obj).__mro__:
+        for name in getattr(cls, "__slots__", ()):
+            if hasattr(obj, name):
+                fields[name] = getattr(obj, name)
+    # memos of derived values (functools.cached_property) are not state: one side may have computed one already
+    fields = {k: v for k, v in fields.items() if not k.startswith("__pydantic")
+              and not isinstance(getattr(type(obj), k, None), functools.cached_property)}
+    if not fields and not callable(obj):
+        return (type(obj).__name__, repr(obj))
+    return (type(obj).__qualname__, sorted(((k, canonical(v, seen)) for k, v in fields.items()), key=repr))
+
+
+def first_difference(a, b, path="state"):
+    """Where two canonical forms part (for the failure message)."""
+    if type(a) is not type(b) or not isinstance(a, (tuple, list)):
+        return None if a == b else f"{path}: {a!r:.300} != {b!r:.300}"
+    if len(a) != len(b):
+        return f"{path}: lengths {len(a)} != {len(b)}: {a!r:.300} / {b!r:.300}"
+    for i, (x, y) in enumerate(zip(a, b)):
+        label = x[0] if isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], str) else i
+        d = first_difference(x, y, f"{path}.{label}")
+        if d:
+            return d
+    return None
+
+
+def replay_from(state, inputs, times):
+    outs = []
+    for env, t in zip(inputs, times):
+        outs.extend(state.step(env, t))
+    return state, outs
+
+
+class SnapshotMachine(inv.SchedulerMachine):
+    """The invariants' machine on the worker's scheduler (ElasticScheduler), snapshotting where hypothesis says."""
+
+    def __init__(self):
+        super().__init__()
+        self.s = ElasticScheduler(**inv.config())
+        # the constructor of the parent fed the fleet and quotas to its own core scheduler: feed them again
+        inputs, self.inputs, self.outputs = self.inputs, [], []
+        for env in inputs:
+            self.inputs.append(env)
+            self.outputs.extend(self.s.step(env))
+        self.snaps: list[tuple[int, int, bytes]] = []  # (k inputs, outputs so far, the snapshot record)
+
+    @rule()
+    def take_snapshot(self):
+        k = len(self.inputs)
+        self.snaps.append((k, len(self.outputs), snapshot.dump(self.s, k, 0)))
+
+    def teardown(self):
+        n = len(self.inputs)
+        times = [None] * n
+        # replay 0..n from scratch
+        full, full_out = replay_from(ElasticScheduler(**inv.config()), self.inputs, times)
+        assert [e.model_dump() for e in full_out] == [e.model_dump() for e in self.outputs]
+        want = canonical(full)
+        for k, outs_before, value in self.snaps + [(n, len(self.outputs), snapshot.dump(self.s, n, 0))]:
+            snap = snapshot.load(value)
+            assert snap is not None and snap.offset == k
+            state, tail = replay_from(snap.state, self.inputs[k:], times[k:])
+            assert [e.model_dump() for e in tail] == [e.model_dump() for e in self.outputs[outs_before:]]
+            got = canonical(state)
+            assert got == want, first_difference(got, want)
+            # and the input goes on the same from either: one tick more
+            tick = self.clock.env(inv.SchedulerTick(now_ms=self.clock.now), "ticker", dt=1000)
+            assert [e.model_dump() for e in state.step(tick)] == [e.model_dump() for e in
+                                                                  snapshot.load(snapshot.dump(full, n, 0)).state.step(tick)]
+
+
+SnapshotMachine.TestCase.settings = settings(max_examples=40, stateful_step_count=40, deadline=None)
+TestSnapshotThenTailEqualsFullReplay = SnapshotMachine.TestCase
+
+
+def test_a_negative_control_the_comparison_sees_a_different_state():
+    a = ElasticScheduler(**inv.config())
+    b = snapshot.load(snapshot.dump(a, 0, 0)).state
+    assert canonical(a) == canonical(b)
+    b.now_ms += 1
+    assert canonical(a) != canonical(b)
+
+
+def test_snapshots_of_another_format_or_other_code_are_not_used():
+    value = snapshot.dump(ElasticScheduler(**inv.config()), 7, 0)
+    assert snapshot.load(value).offset == 7
+    doc = orjson.loads(value)
+    assert snapshot.load(orjson.dumps({**doc, "code": "0" * 16})) is None
+    assert snapshot.load(orjson.dumps({**doc, "v": 0})) is None  # no upcaster from format 0
+    assert snapshot.load(orjson.dumps({**doc, "state": doc["state"][:-8]})) is None  # damaged
+    assert snapshot.load(None) is None
+
+
+def test_an_older_format_is_upcast_when_an_upcaster_exists(monkeypatch):
+    doc = orjson.loads(snapshot.dump(ElasticScheduler(**inv.config()), 9, 0))
+    old = {**doc, "v": 0, "at": doc["offset"]}
+    del old["offset"]
+    monkeypatch.setitem(snapshot.UPCASTERS, 0, lambda d: {**{k: v for k, v in d.items() if k != "at"},
+                                                        "offset": d["at"], "v": 1})
+    assert snapshot.load(orjson.dumps(old)).offset == 9
+
+
+def test_the_writer_is_due_every_n_records_or_t_of_log_time():
+    w = snapshot.Writer(None, every_records=100, every_log_ms=10_000)
+    assert not w.due(99, 0) and w.due(100, 0)
+    w.start_at(100, 5_000)
+    assert not w.due(100, 60_000)  # nothing new read
+    assert not w.due(150, 14_999) and w.due(150, 15_000) and w.due(200, 5_000)
