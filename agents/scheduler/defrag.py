@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from agents.scheduler.node_index import cards_needed
 from agents.scheduler.placement import Placement, allowed_models, place
-from agents.scheduler.preemption import fits, protected, released
+from agents.scheduler.preemption import fits, placed, protected, released
 from schemas.events import TIER_RANK, Assignment, Tier
 from schemas.gpu_models import model
 
@@ -113,18 +113,19 @@ def _clear(s, rec, view, m: str, n: int, free: dict[str, int], exclude) -> Plan 
         return None
     movers.sort(key=lambda o: (o.held_milli, o.request.job_id))
     chosen: list[Move] = []
-    used = set(exclude) | {view.node}
+    used = frozenset(exclude) | {view.node}
+    scratch = dict(s.nodes)  # the targets as the moves chosen so far leave them: several moves may share one
     for o in movers:
         t = o.request.tenant
         if t not in budget:
             budget[t] = s.preemption.migrations_per_hour - recent_moves(s.h.migrated, t, s.now_ms)
         if budget[t] <= 0:
             continue
-        got = place(s.index, s.nodes, o.request, s.workload, s.candidates, exclude=frozenset(used))
+        got = place(s.index, scratch, o.request, s.workload, s.candidates, exclude=used)
         if not isinstance(got, Placement) or len(got.parts) != 1:
             continue
         part = got.parts[0]
-        used.add(part.node)  # one move per target node: each target's room is the room it has now
+        scratch[part.node] = placed(scratch[part.node], o.request, part.assignments)
         budget[t] -= 1
         chosen.append(Move(o.request.job_id, part.node, part.assignments, o.held_milli))
         after = released(view, [c.job_id for c in chosen])
