@@ -103,7 +103,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--cpu", type=int, default=1000, help="milli-CPU")
     s.add_argument("--host-memory-mib", type=int, default=1024)
     s.add_argument("--duration", type=int, help="simulated run time in seconds")
-    s.add_argument("--checkpoint-every", type=int, default=0, metavar="SECONDS",
+    s.add_argument("--checkpoint-every", "--checkpoint-interval", type=int, default=0, metavar="SECONDS",
                    help="checkpoint interval (a preempted or interrupted job resumes from its last checkpoint)")
     s.add_argument("--model", action="append", help="allowed card model (repeatable)")
     s.add_argument("--latency-sensitive", action="store_true", help="inference: prefer the newest generation")
