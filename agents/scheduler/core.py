@@ -666,6 +666,19 @@ class Scheduler:
         self.victim_index.sync(self.nodes, self.jobs)
         return self.victim_index.in_order(self.nodes, self.victim_index.nodes_for(search.groups(key)))
 
+    def _victim(self, o, node: str, search, key) -> Victim | None:
+        """`o` as a candidate victim of the claim search on `node`, or None (protected, or the claim order lets
+        nothing stop it): its tier, whether it stands as borrowed, the work it would lose, the rule that allows it."""
+        if o.preempted_at and protected(o.preempted_at, self.now_ms, self.preemption):
+            return None
+        rule = search.rule(o, key)
+        if rule is None:
+            return None
+        since = max(o.started_ms, o.checkpoint_ms) if o.state == "running" else self.now_ms
+        return Victim(o.request.job_id, node, TIER_RANK[o.request.tier],
+                      rule == "reclaim" or not search.victim_claim(o, search.mine)[0], max(0, self.now_ms - since),
+                      rule)
+
     def _victims_on(self, view: node_view.NodeView, search: Search, key=None) -> list[Victim]:
         """Who on this node may be stopped for the search's job: work whose claim is below the job's (claims.py:
         the one order for tier preemption and reclaim); never a reservation hold, never a protected job, never
@@ -679,15 +692,9 @@ class Scheduler:
             other = self.jobs[j]
             if other.state not in ("placed", "running") or other.placement is None:
                 continue
-            if other.preempted_at and protected(other.preempted_at, self.now_ms, self.preemption):
-                continue
-            rule = search.rule(other, key)
-            if rule is None:
-                continue
-            since = max(other.started_ms, other.checkpoint_ms) if other.state == "running" else self.now_ms
-            borrowed = rule == "reclaim" or not search.victim_claim(other, search.mine)[0]
-            out.append(Victim(j, view.node, TIER_RANK[other.request.tier], borrowed,
-                              max(0, self.now_ms - since), rule))
+            v = self._victim(other, view.node, search, key)
+            if v is not None:
+                out.append(v)
         return out
 
     def _preempt_for(self, out: list[Envelope], cause: Envelope, rec: JobRecord) -> bool:
@@ -811,15 +818,9 @@ class Scheduler:
                 continue
             if project and o.request.project != r.project:
                 continue
-            if o.preempted_at and protected(o.preempted_at, self.now_ms, self.preemption):
-                continue
-            rule = search.rule(o, key)
-            if rule is None:
-                continue
-            since = max(o.started_ms, o.checkpoint_ms) if o.state == "running" else self.now_ms
-            cands.append(Victim(o.request.job_id, o.node, TIER_RANK[o.request.tier],
-                                rule == "reclaim" or not search.victim_claim(o, search.mine)[0],
-                                max(0, self.now_ms - since), rule))
+            v = self._victim(o, o.node, search, key)
+            if v is not None:
+                cands.append(v)
         chosen: list[Victim] = []
         freed: dict[tuple[str, str | None], list[int]] = {}
 
