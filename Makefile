@@ -38,7 +38,7 @@ test: kafka browser
 # the fault tests of docs/reliability.md: a local 3-broker KRaft cluster, two workers, kill -9, a broker down,
 # ClickHouse away for 60 s, the whole stack stopped and started (heavy: three JVMs; about ten minutes here)
 chaos: kafka
-	$(BIN)/python -m pytest -q -p no:cacheprovider -m chaos tests/test_cluster_live.py
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m chaos tests/test_cluster_live.py tests/test_up_cluster.py
 
 # seed 004's four acceptance groups against a live stack of their own; the report a buyer reads lands in docs/acceptance
 acceptance: kafka
