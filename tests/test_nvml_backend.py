@@ -15,8 +15,8 @@ from agents.node.nvml_agent import Executor, JobProc, job_argv, visible_devices
 from agents.node.nvml_backend import NvmlBackend, model_name
 from schemas.envelope import envelope
 from schemas.events import (
-    Assignment, JobCheckpointed, JobCompleted, JobFailed, JobStarted, JobStopped, MigInstance, MigReconfigure,
-    PlaceJob, PreemptJob, ReleaseJob,
+    Assignment, JobCheckpointed, JobCompleted, JobFailed, JobStarted, JobStopped, MigInstance, MigrateJob,
+    MigReconfigure, PlaceJob, PreemptJob, ReleaseJob,
 )
 from tests.fake_pynvml import (
     NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR, FakeCard, FakeMig,
@@ -640,3 +640,42 @@ def test_preempt_during_a_release_still_reports_the_stop():
 
     rec = run(go())
     assert rec.kinds() == ["job.started", "job.stopped"] and rec.events[1][0].command_id == "c3"
+
+
+def test_migrate_checkpoints_and_stops_on_the_node_it_leaves_and_resumes_on_the_planned_one(tmp_path):
+    """cmd.migrate (defragmentation, #14 item 4) on a real node: the node the job leaves sends SIGTERM (the job's own
+    checkpoint handler), reports checkpointed and stopped with reason "migrated" under the move's command id; the
+    planned node ignores the move itself and starts the job from that checkpoint when the scheduler places it there;
+    a redelivered move, and a move naming an older attempt, change nothing."""
+    async def go():
+        now = [10_000]
+        rec1, rec2 = Recorder(), Recorder()
+        n1 = Executor("n1", rec1, argv_for=lambda p: ["sleep", "30"], clock=lambda: now[0])
+        n2 = Executor("n2", rec2, log_dir=tmp_path, clock=lambda: now[0], argv_for=lambda p: py(
+            "import os; print(os.environ['GPUPOOL_RESUME_FROM'], os.environ['GPUPOOL_PROGRESS_MS'])"))
+        await n1.execute(cmd(place("j", "c1", attempt=2)))
+        now[0] = 12_500
+        stale = MigrateJob(command_id="m0", job_id="j", from_node="n1", to_node="n2", assignments=(), attempt=1)
+        await n1.execute(cmd(stale))  # planned for the run before this one: this run goes on
+        await asyncio.gather(*n1.tasks)
+        still = "j" in n1.running
+        move = MigrateJob(command_id="m1", job_id="j", from_node="n1", to_node="n2", attempt=2,
+                          assignments=(Assignment(gpu_uuid="GPU-bbbb", milli=1000, memory_mib=1024),))
+        await n2.execute(cmd(move))  # the planned node: nothing to do until the placement comes
+        await n1.execute(cmd(move))
+        await n1.execute(cmd(move))  # redelivered
+        await n1.drain()
+        stopped = [p for p, _, _ in rec1.events if isinstance(p, JobStopped)]
+        await n2.execute(cmd(place("j", "c2", node="n2", attempt=3, resume_from=stopped[0].checkpoint,
+                                   assignments=move.assignments)))
+        await n2.drain()
+        return rec1, rec2, still, n1
+
+    rec1, rec2, still, n1 = run(go())
+    assert still and n1.running == {}
+    assert rec1.kinds() == ["job.started", "job.checkpointed", "job.stopped"]
+    ck, st = rec1.events[1][0], rec1.events[2][0]
+    assert (ck.command_id, st.command_id, st.reason) == ("m1", "m1", "migrated")  # a move, not a preemption
+    assert (st.progress_ms, st.checkpoint) == (2_500, "ckpt:j:2500") == (ck.progress_ms, ck.checkpoint)
+    assert rec2.kinds() == ["job.started", "job.completed"]  # nothing for the move itself
+    assert (tmp_path / "j.log").read_text().split() == ["ckpt:j:2500", "2500"]
