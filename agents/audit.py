@@ -49,7 +49,7 @@ from schemas.envelope import DecodeError, Envelope, decode
 from schemas.topics import (
     COMMANDS, DECISIONS, INVENTORY, JOB_REQUESTS, LEDGER, NODE_CONTROL, SCHEDULER_INPUT, TELEMETRY,
 )
-from streams.rows import COLUMNS, rows_for
+from streams.core.rows import COLUMNS, rows_for
 
 SCHEDULER_GROUP = "gpupool-scheduler"
 OUTPUT_TOPICS = (COMMANDS, DECISIONS, LEDGER, JOB_REQUESTS)  # the autoscaler's replica requests are outputs too
@@ -253,7 +253,7 @@ async def _committed(conn, group: str, topic: str, partition: int = 0) -> int:
 async def _read_topic(conn, spec, on_record) -> int:
     from aiokafka import TopicPartition
 
-    from agents.scheduler.agent import read_partition
+    from streams.scheduler_agent import read_partition
 
     n = 0
     for p in range(spec.partitions):

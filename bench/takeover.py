@@ -37,7 +37,7 @@ def history(n_records: int, nodes: int, snapshot_at: int, seed: int = 7):
     from schemas.envelope import envelope
     from schemas.events import JobCompleted, JobRequested, JobStarted, QuotaSet, SchedulerTick, Tier
 
-    from agents.scheduler import snapshot
+    from streams import scheduler_snapshot as snapshot
 
     rng = random.Random(seed)
     s = ElasticScheduler()
@@ -115,7 +115,7 @@ async def produce(conn, topic, values, timestamps=None) -> None:
 async def commit(conn, group, offset) -> None:
     from aiokafka import AIOKafkaConsumer, TopicPartition
 
-    from agents.scheduler.agent import TP
+    from streams.scheduler_agent import TP
 
     c = AIOKafkaConsumer(**conn.options(), group_id=group, enable_auto_commit=False)
     await c.start()
@@ -134,8 +134,8 @@ def main() -> int:
     ap.add_argument("--libs-home", default=str(ROOT / ".gpupool"))
     args = ap.parse_args()
 
-    from agents.scheduler import snapshot
-    from agents.scheduler.agent import GROUP, SchedulerAgent
+    from streams import scheduler_snapshot as snapshot
+    from streams.scheduler_agent import GROUP, SchedulerAgent
     from agents.stack import Stack
     from schemas.envelope import encode
     from schemas.topics import SCHEDULER_INPUT, SCHEDULER_SNAPSHOTS

@@ -39,7 +39,8 @@ from schemas.events import GpuSample, GpuTelemetry
 from schemas.routing import route
 from schemas.topics import TELEMETRY
 from bench.procs import cpu_seconds, exit_on_signal
-from streams import codec, node_view
+from streams import codec
+from streams.core import node_view
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = ("A100-80GB", "H100-80GB", "A10", "T4")

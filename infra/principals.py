@@ -153,7 +153,7 @@ def access_table() -> str:
     """The table of docs/security.md: each role's rights on Kafka (from acls_for), the requests the gateway takes
     from it, and the HTTP endpoints it may use; tests/test_security.py checks the doc shows exactly this."""
     from streams.api import ENDPOINTS
-    from streams.gateway import KINDS_BY_ROLE
+    from streams.core.gateway import KINDS_BY_ROLE
 
     def ops(acls: list[Acl], *wanted: str) -> str:
         names = sorted({(a.name + ("*" if a.pattern == "prefixed" else ""))

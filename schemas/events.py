@@ -569,7 +569,7 @@ class CardMinute(Frozen):
 
 
 class TelemetryMinute(Frozen):
-    """One node's closed minute of telemetry, downsampled by the worker's fold (streams/telemetry_history.py) on the
+    """One node's closed minute of telemetry, downsampled by the worker's fold (streams/core/telemetry_history.py) on the
     log's time: the minute [minute_ms, minute_ms + 60 s) of broker append times of its telemetry records."""
     kind: Literal["telemetry.minute"] = "telemetry.minute"
     node: Ident
@@ -580,7 +580,7 @@ class TelemetryMinute(Frozen):
 
 class PoolMinute(Frozen):
     """The pool at the end of one minute of log time, as the worker's node and job views held it: capacity,
-    allocation, free and fragmented GPU milli (FGD's measure, streams/cluster_metrics.py), by card model too, and the
+    allocation, free and fragmented GPU milli (FGD's measure, streams/core/cluster_metrics.py), by card model too, and the
     queue by tier (jobs waiting, and how long the longest has waited)."""
     kind: Literal["pool.minute"] = "pool.minute"
     worker: Ident  # the worker that measured it (one per pool)

@@ -17,7 +17,7 @@ import orjson
 
 from infra import sql_guard
 from infra.security import same_token
-from streams.gateway import Principal
+from streams.core.gateway import Principal
 
 ALL_READERS = ("tenant", "operator", "finance", "auditor", "service")
 # path -> (method, roles allowed, what it answers): the table docs/security.md shows and the tests walk

@@ -22,8 +22,9 @@ from schemas.topics import (
     CLOCK, COMMANDS, DEAD_LETTERS, DECISIONS, INBOX_PREFIX, INVENTORY, JOB_EVENTS, JOB_REQUESTS, JOB_VIEW_CHANGELOG, LEDGER,
     NODE_CONTROL, NODE_VIEW_CHANGELOG, PRINCIPALS, SCHEDULER_INPUT, TELEMETRY, TELEMETRY_MINUTES, inbox_owner,
 )
-from streams import api, cluster_metrics, codec, gateway, job_view, metrics, node_view, telemetry_history, ui
-from streams.liveness import Liveness
+from streams import api, codec, metrics, ui
+from streams.core import cluster_metrics, gateway, job_view, node_view, telemetry_history
+from streams.core.liveness import Liveness
 from streams.telemetry import TelemetryFold
 
 log = logging.getLogger("gpupool.worker")
@@ -113,7 +114,7 @@ class Worker:
                             for s in (INVENTORY, TELEMETRY, JOB_EVENTS, NODE_CONTROL, JOB_REQUESTS, DECISIONS,
                                       LEDGER, TELEMETRY_MINUTES)}
         self.metrics = metrics.WorkerMetrics()
-        # per card and minute, on the log's time of the telemetry records (streams/telemetry_history.py)
+        # per card and minute, on the log's time of the telemetry records (streams/core/telemetry_history.py)
         self.minutes = telemetry_history.TelemetryMinutes(job_info=self._job_info)
         self.app.agent(self.node_topics, name="fold-nodes")(self.fold_nodes)
         self.app.agent(self.job_topics, name="fold-jobs")(self.fold_jobs)
@@ -129,7 +130,7 @@ class Worker:
         self.registry_ready = asyncio.Event()  # the registry was read to its end once: the API can authenticate
         self.scheduler = self.sink = None
         if with_scheduler:
-            from agents.scheduler.agent import SchedulerAgent
+            from streams.scheduler_agent import SchedulerAgent
             self.scheduler = SchedulerAgent(cfg, self.conn)
             self.app.task(self.scheduler.run)
         if with_sink:
@@ -366,7 +367,7 @@ class Worker:
                 if (tp := _tp(TELEMETRY.name, p)) in assigned}
 
     async def check_liveness(self):
-        """Judge silence on log time (streams/liveness.py): no stall of this worker, of the broker or of a query
+        """Judge silence on log time (streams/core/liveness.py): no stall of this worker, of the broker or of a query
         makes a live node look dead. Each worker judges the nodes of the telemetry partitions it owns."""
         try:
             log_now = await self._log_now()

@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, disable_cre
 from prometheus_client.core import GaugeMetricFamily, CounterMetricFamily
 
 from schemas.envelope import Envelope
-from streams.node_view import NodeView
+from streams.core.node_view import NodeView
 
 # Latency buckets in seconds: from a decision within a tick to a wait of an hour.
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900, 3600)

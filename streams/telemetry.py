@@ -20,7 +20,7 @@ agent keeps:
   crashes re-reads at most `flush_s` of telemetry from that offset into views restored from the changelog, and the
   sequence numbers make the repeat a no-op where the view already had it: the restored view is the one it had.
 * **Derived facts** are as before: a card with a new fault gives `gpu.health` (node control), a node heard again
-  after a silence gives `node.liveness` alive; the liveness judge (streams/app.py, streams/liveness.py) learns from
+  after a silence gives `node.liveness` alive; the liveness judge (streams/app.py, streams/core/liveness.py) learns from
   here which node was heard when, in log time, and how far each partition is read.
 * **Per-minute history** (docs/observability.md): the samples of each node's new records of a batch go, in runs of
   one minute of log time, to the worker's `telemetry_history.TelemetryMinutes`; the minutes they close are published
@@ -39,7 +39,7 @@ from schemas.envelope import DecodeError, decode, encode, envelope
 from schemas.events import GpuHealth, GpuSample, NodeLiveness
 from schemas.routing import at_home, route
 from schemas.topics import INVENTORY, TELEMETRY
-from streams import node_view
+from streams.core import node_view
 
 log = logging.getLogger("gpupool.telemetry")
 GROUP = "gpupool-telemetry"
@@ -127,7 +127,7 @@ class TelemetryFold:
                 self.positions[tp.partition] = start
                 self.w.liveness.start[tp.partition] = start
             if not self.partitions:
-                from agents.scheduler.agent import tune_gc
+                from streams.scheduler_agent import tune_gc
 
                 tune_gc()  # what exists now (Faust, the recovered table) is long-lived: out of the collector's sight
             self.partitions = want

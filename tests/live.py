@@ -10,7 +10,7 @@ import time
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
-from agents.scheduler.agent import read_partition
+from streams.scheduler_agent import read_partition
 from infra.kafka_client import stop_consumer
 from infra.security import SERVICE
 from schemas.topics import by_name

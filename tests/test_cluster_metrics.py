@@ -1,6 +1,6 @@
 from schemas.events import Assignment, PlaceJob
-from streams.cluster_metrics import metrics, typical_from_requests
-from streams.node_view import evolve
+from streams.core.cluster_metrics import metrics, typical_from_requests
+from streams.core.node_view import evolve
 from tests.builders import Clock, inventory, job
 
 

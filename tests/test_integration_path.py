@@ -15,7 +15,8 @@ from schemas.envelope import decode
 from schemas.topics import (
     COMMANDS, DEAD_LETTERS, DECISIONS, INVENTORY, JOB_EVENTS, JOB_REQUESTS, NODE_CONTROL, TELEMETRY,
 )
-from streams import codec, job_view, node_view
+from streams import codec
+from streams.core import job_view, node_view
 from tests.live import caught_up, cli, job_states, produce, quotas, read_topic, wait_for
 
 pytestmark = pytest.mark.broker

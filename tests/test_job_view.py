@@ -1,5 +1,5 @@
 from schemas.events import JobCompleted, JobPending, JobStarted, JobStopped, Reason
-from streams.job_view import evolve
+from streams.core.job_view import evolve
 from tests.builders import Clock, job
 
 
@@ -31,7 +31,7 @@ def test_duplicate_is_a_no_op():
 def test_reports_of_an_interrupted_run_do_not_change_the_job():
     from schemas.envelope import envelope
     from schemas.events import JobCompleted, JobInterrupted, JobStarted
-    from streams.job_view import evolve
+    from streams.core.job_view import evolve
     from tests.builders import job
 
     v = evolve(None, envelope(job("j"), source="cli", seq=1, time_ms=1))

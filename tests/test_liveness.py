@@ -1,7 +1,7 @@
-"""Liveness on the log's time (streams/liveness.py): no stall of the worker, the broker or a query makes a live node
+"""Liveness on the log's time (streams/core/liveness.py): no stall of the worker, the broker or a query makes a live node
 look dead; a dead node is found; an "alive again" always comes after the "silent" it answers. The worker probes the
 log's clock every second (`watch` plays those probes)."""
-from streams.liveness import Liveness
+from streams.core.liveness import Liveness
 
 T = 1_000_000
 

@@ -1,7 +1,7 @@
 from schemas.events import (
     Assignment, GpuHealth, GpuSample, GpuTelemetry, NodeCordon, NodeHeartbeat, NodeLiveness, PlaceJob, ReleaseJob,
 )
-from streams.node_view import evolve
+from streams.core.node_view import evolve
 from tests.builders import Clock, inventory
 
 

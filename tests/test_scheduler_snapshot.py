@@ -1,4 +1,4 @@
-"""Scheduler snapshots (#16 item 1, agents/scheduler/snapshot.py): a snapshot at k, then the replay of k..n, gives
+"""Scheduler snapshots (#16 item 1, streams/scheduler_snapshot.py): a snapshot at k, then the replay of k..n, gives
 the same outputs and the same state as the replay of 0..n, for random inputs (the scheduler invariants' state
 machine drives the inputs: users, operators, node agents, lost nodes, ticks); a snapshot of another format or of
 other code is not used (the replay is longer, never wrong)."""
@@ -11,7 +11,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import rule
 
-from agents.scheduler import snapshot
+from streams import scheduler_snapshot as snapshot
 from agents.scheduler.elastic import ElasticScheduler
 from agents.scheduler.node_index import NodeIndex  # noqa: F401 - the state graph's classes import
 from tests import test_scheduler_invariants as inv

@@ -14,7 +14,7 @@ from schemas.events import (
     MigrateJob, MigReconfigure, NodeInventory, PlaceJob, PreemptJob, ReleaseJob, ResizeJob,
 )
 from schemas.topics import INVENTORY, JOB_EVENTS, TELEMETRY
-from streams.node_view import evolve
+from streams.core.node_view import evolve
 from tests.builders import Clock
 
 SPEEDUP = 50  # one simulated second = 20 ms

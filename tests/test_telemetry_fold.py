@@ -21,8 +21,8 @@ from hypothesis import strategies as st
 
 from schemas.envelope import encode, envelope
 from schemas.events import GpuSample, GpuTelemetry, JobRequested, NodeHeartbeat, NodeLiveness
-from streams import node_view
-from streams.liveness import Liveness
+from streams.core import node_view
+from streams.core.liveness import Liveness
 from streams.telemetry import TelemetryFold
 from tests.builders import inventory
 from tests.test_fold_properties import CARDS, delivery, fold, payloads_for, per_source_streams
@@ -297,7 +297,7 @@ def test_a_rebalance_stops_writes_and_forgets_the_partitions():
 
 
 def test_minutes_get_each_new_record_at_its_own_log_time_and_a_record_read_again_is_not_counted_twice():
-    from streams.telemetry_history import TelemetryMinutes
+    from streams.core.telemetry_history import TelemetryMinutes
 
     w = FakeWorker()
     _with_inventory(w)

@@ -1,4 +1,4 @@
-"""Telemetry history (streams/telemetry_history.py): per card and minute on the log's time, each job's part of a card,
+"""Telemetry history (streams/core/telemetry_history.py): per card and minute on the log's time, each job's part of a card,
 rows for ClickHouse, and the tables and view behind the dashboards (infra/ddl.sql) on the embedded engine."""
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from schemas.envelope import envelope
 from schemas.events import GpuSample
 from schemas.routing import route
 from schemas.topics import TELEMETRY_MINUTES
-from streams.rows import COLUMNS, rows_for
-from streams.telemetry_history import TelemetryMinutes
+from streams.core.rows import COLUMNS, rows_for
+from streams.core.telemetry_history import TelemetryMinutes
 
 T0 = int(time.time()) // 60 * 60_000  # a minute boundary, recent enough for the tables' 30-day TTL
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from schemas.events import GpuCard, GpuHealth, GpuSample, GpuTelemetry, MigInstance, NodeInventory
 from schemas.gpu_models import MIG_MEMORY_SLICES, MODELS
-from streams.node_view import FATAL_XIDS
+from streams.core.node_view import FATAL_XIDS
 
 log = logging.getLogger("gpupool.nvml")
 

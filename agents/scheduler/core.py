@@ -31,7 +31,7 @@ from schemas.events import (
     ReservationRequested, NodeCordon, NodeInventory, NodeLiveness, NodeRemoved, PlaceJob, PreemptJob, QuotaRejected,
     QuotaSet, Reason, Rejected, ReleaseJob, ResizeJob, SchedulerTick, UsageAccrued,
 )
-from streams import node_view
+from streams.core import node_view
 
 SOURCE = "scheduler"
 

@@ -23,7 +23,7 @@ from agents.scheduler.placement import FILTERS, _card_allowed, fit_cards, gang_r
 from schemas.envelope import envelope
 from schemas.events import JobRequested, PlaceJob, ReleaseJob
 from schemas.gpu_models import model, share_for
-from streams import node_view
+from streams.core import node_view
 
 
 @dataclass(frozen=True)

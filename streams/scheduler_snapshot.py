@@ -45,10 +45,11 @@ UPCASTERS: dict[int, Any] = {}  # format -> fn(doc) -> doc of format+1
 
 @lru_cache(maxsize=1)
 def code_version() -> str:
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[1]
     h = hashlib.sha256()
-    for p in sorted((root / "agents" / "scheduler").glob("*.py")) + [root / "schemas" / "events.py",
-                                                                     root / "schemas" / "envelope.py"]:
+    # the state is the scheduler's, holding the views the stream core folds
+    for p in (sorted((root / "agents" / "scheduler").glob("*.py")) + sorted((root / "streams" / "core").glob("*.py"))
+              + [root / "schemas" / "events.py", root / "schemas" / "envelope.py"]):
         h.update(p.name.encode())
         h.update(p.read_bytes())
     return h.hexdigest()[:16]

@@ -13,7 +13,7 @@ from typing import Iterable
 from agents.scheduler.fgd_measure import TypicalPod, fragmentation
 from schemas.events import JobRequested
 from schemas.gpu_models import model, share_for
-from streams.node_view import NodeView
+from streams.core.node_view import NodeView
 
 
 def typical_from_requests(requests: Iterable[JobRequested], coverage_pct: int = 95) -> tuple[TypicalPod, ...]:
