@@ -29,7 +29,6 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from fractions import Fraction
 from typing import Iterable, Sequence
 
 import numpy as np
@@ -483,10 +482,13 @@ def oversubscribed_types(typical: Sequence[TypicalPod], state: ClusterState, dem
     for t in multi:
         if not hosts[t] or not demand_milli:
             continue
-        # load = sum_u d_u * shared_u / S_u, compared exactly: load * C >= factor * D * S_t, over a common denominator.
-        load = sum(Fraction(u.weight * u.num_gpu * u.gpu_milli * int(state.gpu_count[masks[u] & masks[t]].sum()),
-                            hosts[u]) for u in multi if hosts[u])
-        if load * fleet >= factor * demand_milli * hosts[t]:
+        # load = sum_u d_u * shared_u / S_u = num / den, compared exactly: load * C >= factor * D * S_t.
+        num, den = 0, 1
+        for u in multi:
+            if hosts[u]:
+                shared = int(state.gpu_count[masks[u] & masks[t]].sum())
+                num, den = num * hosts[u] + u.weight * u.num_gpu * u.gpu_milli * shared * den, den * hosts[u]
+        if num * fleet >= factor * demand_milli * hosts[t] * den:
             out.add(t)
     return frozenset(out)
 
