@@ -258,3 +258,57 @@ def test_demand_coverage_adds_rare_multi_gpu_types_that_hold_the_gpus():
     assert policy.typical == typical
     policy.bind(few)
     assert policy.typical == got
+
+
+def _oversubscribed_case(n_small=20):
+    """Heavy and light one-GPU pods, a few 32-core 4-GPU pods and many 8-GPU pods, on ``n_small`` 2-GPU nodes with
+    plenty of CPU, one CPU-limited 4-GPU node (32 cores, 128 GiB) and one 8-GPU node (nodes 0.. are 2-GPU ones)."""
+    pods = [PodRequest(11300, 49152, 1, 1000)] * 60 + [PodRequest(3152, 5600, 1, 810)] * 30 \
+        + [PodRequest(32000, 131072, 4, 1000)] * 3 + [PodRequest(64000, 262144, 8, 1000)] * 12
+
+    def fleet():
+        return ClusterState([104000] * n_small + [32000, 64000], [524288] * n_small + [131072, 262144],
+                            [2] * n_small + [4, 8], ["T4"] * (n_small + 2))
+    return pods, fleet
+
+
+def test_oversubscribed_types_are_judged_by_the_multi_gpu_load_on_their_hosts():
+    """20 2-GPU nodes, one 4-GPU and one 8-GPU node (52 GPUs; 192.3 GPUs of demand). The 8-GPU type's hosts (8 GPUs,
+    0.15 of the fleet) get its 96 GPUs and 8/12 of the 4-GPU type's 12: 104 GPUs, 0.54 of the demand, 3.5 times their
+    share. The 4-GPU type's own demand is 0.06 of the total on 0.23 of the fleet (0.27 times), but its hosts also get
+    all of the 8-GPU pods: 108 GPUs, 2.4 times their share. Both are oversubscribed at 2 (neither at 4). With 10 2-GPU
+    nodes (32 GPUs) the 8-GPU type's hosts see 2.2 times their share, the 4-GPU type's 1.5: only the 8-GPU type is."""
+    from agents.sim.packing import oversubscribed_types, with_demand_types
+    pods, fleet = _oversubscribed_case()
+    demand = sum(p.gpu_demand for p in pods)
+    typical = with_demand_types(pods, typical_pods(pods), state=fleet())
+    got = oversubscribed_types(typical, fleet(), demand)
+    assert sorted((t.num_gpu, t.cpu_milli) for t in got) == [(4, 32000), (8, 64000)]
+    assert oversubscribed_types(typical, fleet(), demand, factor=4) == frozenset()
+    _, few = _oversubscribed_case(n_small=10)
+    assert sorted((t.num_gpu, t.cpu_milli) for t in oversubscribed_types(typical, few(), demand)) == [(8, 64000)]
+    # weights: the oversubscribed types weigh x GPUs per pod on top of their scarcity weight, the others do not
+    new, old = make_policy("gpupool", typical_pods(pods), pods), make_policy("gpupool-demand", typical_pods(pods), pods)
+    new.bind(fleet()), old.bind(fleet())
+    assert sorted(int(w) for w in new._w) == sorted(int(w) * (k if k > 1 else 1) for w, k in zip(old._w, old._k))
+
+
+def test_a_light_pod_no_longer_takes_the_cpu_limited_4_gpu_node_the_oversubscribed_4_gpu_pods_need():
+    """The capped measure already counts two of the 32-core 4-GPU node's GPUs as lost to the heavy one-GPU pods (its
+    CPU hosts two of them), so a light pod there looks cheaper than on a 2-GPU node, and the count weight of the
+    4-GPU type (3 pods in 105) does not outweigh that: the previous policy (``gpupool-demand``) puts it there, the
+    4-GPU pod then breaks the 8-GPU node, and the 8-GPU pod fails. With the 4- and 8-GPU types weighed by their GPUs
+    (their hosts are oversubscribed), the light pod goes to a 2-GPU node and all three are placed."""
+    pods, fleet = _oversubscribed_case()
+    light, four, eight = PodRequest(3152, 5600, 1, 810), PodRequest(32000, 131072, 4, 1000), pods[-1]
+    got = {}
+    for name in ("gpupool-demand", "gpupool"):
+        st = fleet()
+        policy = make_policy(name, typical_pods(pods), pods)
+        policy.bind(st)
+        prio = np.arange(st.n_nodes)[::-1].copy()  # 2-GPU nodes first on ties: the scores decide, not priority
+        rng = np.random.default_rng(0)
+        got[name] = [None if p is None else p.node for p in (schedule(st, pod, policy, prio, rng)
+                                                             for pod in (light, four, eight))]
+    assert got["gpupool-demand"] == [20, 21, None]
+    assert got["gpupool"][0] < 20 and got["gpupool"][1:] == [20, 21]

@@ -90,7 +90,9 @@ def test_live_weights_scale_with_how_scarce_a_shapes_hosts_are():
     w.fleet(index)
     small, big = (500, 10 * 1024, 4_000, 0), (8000, 600 * 1024, 120_000, 0)
     assert w.multiplier(small) == 1000 and w.multiplier(big) == 4000
-    assert w.weight == 6 * 1000 + 2 * 4000
+    # the 8-card shape's 16 of 19 cards of demand fall on 8 of 32 cards: 3.4 times their share, so it also weighs its
+    # 8 cards per job (oversubscribed hosts)
+    assert w.weight == 6 * 1000 + 2 * 4000 * 8
     before = w.version()
     w.fleet(index)
     assert w.version() == before  # same inventories: nothing recomputed, cached fragmentation still good
@@ -122,3 +124,41 @@ def test_a_rare_many_card_shape_is_typical_because_it_holds_the_gpu_demand():
     assert isinstance(forced, Placement) and forced.node == "big"
     # the 8-card shape loses the big node's other 7 cards: a fragmentation increase, where the small node's is not
     assert forced.reasons[0].data["frag_delta_milli"] > 0 >= got.reasons[0].data["frag_delta_milli"]
+
+
+def test_a_light_job_keeps_off_the_cpu_limited_4_card_node_when_many_card_demand_oversubscribes_it(monkeypatch):
+    """20 two-card nodes with CPU to spare, one 4-card node with 32 cores and 128 GiB, one 8-card node; heavy one-card
+    jobs (11.3 cores, 48 GiB), light shares, three 4-card jobs (32 cores) and twelve 8-card jobs. The 4-card node's
+    CPU hosts only two heavy jobs, so the capped measure already counts two of its cards as lost to them and a light
+    share there looks cheaper than on a two-card node; the 4-card shape's weight (3 of 105 jobs, x 52/12 for its
+    hosts) does not outweigh that. The many-card demand on its hosts (the 4- and 8-card nodes, 12 of 52 cards) is 108
+    of 192.3 cards, 2.4 times their share: the 4- and 8-card shapes weigh their cards too, and the share goes to a
+    two-card node. With the rule off (a factor no load reaches) the share takes the 4-card node."""
+    from agents.scheduler import scoring
+    views, index = {}, NodeIndex()
+    specs = [(f"two{i}", 2, 104_000, 512) for i in range(20)] + [("four", 4, 32_000, 128), ("eight", 8, 64_000, 256)]
+    for name, cards, cpu, gib in specs:
+        views[name] = node_view.evolve(None, envelope(inventory(name, gpus=cards, cpu_milli=cpu,
+                                                                memory_mib=gib * 1024), source=f"{name}/inv", seq=1,
+                                                      time_ms=1))
+        index.update(views[name])
+
+    def workload():
+        w = Workload()
+        for prefix, n, compute, cpu, mem in (("h", 60, 1000, 11_300, 48 * 1024), ("l", 30, 810, 3_152, 5_600),
+                                             ("f", 3, 4000, 32_000, 128 * 1024), ("e", 12, 8000, 64_000, 256 * 1024)):
+            for i in range(n):
+                w.observe(job(f"{prefix}{i}", compute=compute, cpu_milli=cpu, memory_mib=mem))
+        return w
+
+    light = job("new", compute=810, cpu_milli=3_152, memory_mib=5_600)
+    w = workload()
+    got = place(index, views, light, w, k=50)
+    assert sorted((s.cards, s.weight) for s in w.shapes("A100-80GB") if s.cards > 1) == [(4, 4 * 3 * 4333),
+                                                                                         (8, 8 * 12 * 6500)]
+    assert isinstance(got, Placement) and got.node.startswith("two")
+    monkeypatch.setattr(scoring, "OVERSUBSCRIBED", 1000)
+    w = workload()
+    before = place(index, views, light, w, k=50)
+    assert sorted((s.cards, s.weight) for s in w.shapes("A100-80GB") if s.cards > 1) == [(4, 3 * 4333), (8, 12 * 6500)]
+    assert isinstance(before, Placement) and before.node == "four"

@@ -14,7 +14,9 @@ that no typical type fits any more count once more in full (lost to every later 
 nodes the one whose placement adds the least fragmentation wins. Types weigh their count times how scarce their hosts
 are (see `Workload`), as in the offline policy. Typical types are learned from the requests the scheduler has seen
 (most frequent shapes first, then the shapes that hold most of the GPU demand, so a rare many-card shape is one of
-them). Integer arithmetic throughout.
+them). A many-card shape whose hosts the many-card demand oversubscribes (twice their share of the cards or more)
+weighs its cards per job too: there a host card another job breaks is a card of many-card demand with nowhere else to
+go (`oversubscribed_types` of agents/sim/packing.py). Integer arithmetic throughout.
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ from schemas.gpu_models import model, share_for
 _BIG = 1 << 40
 SCARCITY_SCALE = 1000
 DEMAND_PRESSURE_INV = 10  # a shape joins by GPU demand where that demand is >= 1/10 of its hosts' cards
+OVERSUBSCRIBED = 2  # a many-card shape weighs its cards too where the many-card demand on its hosts is >= 2x theirs
 
 
 @dataclass(frozen=True)
@@ -67,6 +70,7 @@ class Workload:
         self.coverage_pct = coverage_pct
         self.max_types = max_types
         self._typical: tuple = ()
+        self._oversubscribed: dict[tuple, int] = {}  # shape -> its fewest cards per job
         self._typical_at = 0
         self._epoch = 0  # changes whenever the typical set or the fleet's hosts do
         self._fleet_version = -1
@@ -84,12 +88,44 @@ class Workload:
             self._typical_at = 0  # which shapes join by demand depends on the hosts
             self._epoch += 1
 
+    def _host_cards(self, shape: tuple) -> dict:
+        """Per inventory that could host the shape: the cards of all its nodes."""
+        compute, gpu_mem, cpu, host = shape
+        return {inv: sum(c for _, c in inv[0]) * n for inv, n in self._hosts.items()
+                if cpu <= inv[1] and host <= inv[2] and any(cards_needed(compute, gpu_mem, m) <= c for m, c in inv[0])}
+
     def _hosting(self, shape: tuple) -> int:
         """Cards on nodes whose inventory could host the shape."""
-        compute, gpu_mem, cpu, host = shape
-        return sum(sum(c for _, c in per_model) * n for (per_model, hcpu, hmem), n in self._hosts.items()
-                   if cpu <= hcpu and host <= hmem and any(cards_needed(compute, gpu_mem, m) <= c
-                                                           for m, c in per_model))
+        return sum(self._host_cards(shape).values())
+
+    def _cards(self, shape: tuple) -> int:
+        """The fewest cards the shape takes on a card model of its hosts that fits it (0: no host)."""
+        compute, gpu_mem, _, _ = shape
+        return min((cards_needed(compute, gpu_mem, m) for inv in self._host_cards(shape) for m, c in inv[0]
+                    if cards_needed(compute, gpu_mem, m) <= c), default=0)
+
+    def _oversubscribed_of(self, typical: list, demand: int) -> dict:
+        """The many-card typical shapes whose hosts the many-card demand oversubscribes OVERSUBSCRIBED times or more.
+        Each many-card shape u spreads its demand d_u (count x compute) evenly over its hosts' cards (S_u); the load
+        on t's hosts is sum_u d_u x (cards hosting both) / S_u, and t is oversubscribed when load / D >= 2 x S_t / C
+        (D the demand of all requests, C all cards): its hosts would see at least twice their share of the demand
+        from many-card jobs alone, so keeping them whole is worth a job of t's cards, not one job's count."""
+        if not self._hosts or not demand:
+            return {}
+        many = [(shape, n * shape[0], self._host_cards(shape)) for shape, n in typical if self._cards(shape) >= 2]
+        total = sum(sum(c for _, c in per_model) * k for (per_model, _, _), k in self._hosts.items())
+        out = {}
+        for shape, _, hosts_t in many:
+            s_t = sum(hosts_t.values())
+            # load = sum_u d_u * shared_u / S_u; compared exactly over the common denominator prod_u S_u.
+            den, num = 1, 0
+            for _, d_u, hosts_u in many:
+                s_u = sum(hosts_u.values())
+                shared = sum(c for inv, c in hosts_u.items() if inv in hosts_t)
+                num, den = num * s_u + d_u * shared * den, den * s_u
+            if num * total >= OVERSUBSCRIBED * demand * s_t * den:
+                out[shape] = self._cards(shape)
+        return out
 
     def multiplier(self, shape: tuple) -> int:
         got = self._multiplier.get(shape)
@@ -102,7 +138,7 @@ class Workload:
     @property
     def weight(self) -> int:
         self._refresh()
-        return sum(n * self.multiplier(shape) for shape, n in self._typical)
+        return sum(n * self.multiplier(shape) * self._oversubscribed.get(shape, 1) for shape, n in self._typical)
 
     def version(self) -> int:
         """Which typical set and fleet are in force: results that depend on them are reused only while this is the
@@ -151,6 +187,7 @@ class Workload:
                         n * shape[0] * self.multiplier(shape) * DEMAND_PRESSURE_INV >= demand * SCARCITY_SCALE:
                     out.append((shape, n))
                     added += 1
+            self._oversubscribed = self._oversubscribed_of(out, demand)
             self._typical, self._typical_at, self._per_model = tuple(out), self.total, {}
             self._epoch += 1
 
@@ -164,7 +201,8 @@ class Workload:
                 compute, mem, cpu, host = shape
                 cards = max(-(-compute // m.cu_milli), -(-mem // m.memory_mib))
                 milli = min(1000, share_for(compute, m)) if cards == 1 else 1000
-                out.append(Shape(milli, cards, cpu, host, n * self.multiplier(shape)))
+                weight = n * self.multiplier(shape) * (cards if shape in self._oversubscribed else 1)
+                out.append(Shape(milli, cards, cpu, host, weight))
             got = self._per_model[model_name] = tuple(out)
         return got
 

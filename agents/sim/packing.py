@@ -37,14 +37,17 @@ from agents.scheduler.fgd_measure import GPU_MILLI, FragIndex, TypicalPod
 
 DEFAULT_POLICY = "gpupool"
 # The product policy and its ablations:
-# name -> (scarcity weights, stranded GPUs counted again, typical set also covers the GPU demand).
+# name -> (scarcity weights, stranded GPUs counted again, typical set also covers the GPU demand,
+#          multi-GPU types on oversubscribed hosts weigh their GPU count too).
 GPUPOOL_VARIANTS = {
-    "gpupool": (True, True, "pressure"),  # demand types whose hosts are under pressure (``with_demand_types``)
-    "gpupool-demand-all": (True, True, "all"),  # every demand type (ablation)
-    "gpupool-count": (True, True, None),  # the product policy before demand coverage (typical set by count only)
-    "gpupool-cap": (False, False, None),  # the product policy before scarcity and stranding
-    "gpupool-cap-stranded": (False, True, None),
-    "gpupool-cap-scarce": (True, False, None),
+    "gpupool": (True, True, "pressure", True),  # demand types whose hosts are under pressure (``with_demand_types``),
+    # multi-GPU types whose hosts the multi-GPU demand oversubscribes weigh x GPUs per pod (``oversubscribed_types``)
+    "gpupool-demand": (True, True, "pressure", False),  # the product policy before oversubscription (at 5fd82cc)
+    "gpupool-demand-all": (True, True, "all", False),  # every demand type (ablation)
+    "gpupool-count": (True, True, None, False),  # the product policy before demand coverage (typical set by count)
+    "gpupool-cap": (False, False, None, False),  # the product policy before scarcity and stranding
+    "gpupool-cap-stranded": (False, True, None, False),
+    "gpupool-cap-scarce": (True, False, None, False),
 }
 POLICY_NAMES = ("random", "bestfit", "fgd", *GPUPOOL_VARIANTS)
 
@@ -448,6 +451,48 @@ def host_gpus(t: TypicalPod, state: ClusterState) -> int:
     return int(state.gpu_count[ok].sum())
 
 
+# A multi-GPU type weighs its GPU count too where the multi-GPU demand its hosts see is at least this many times what
+# they hold (their share of the fleet's GPUs); see ``oversubscribed_types``.
+OVERSUBSCRIBED = 2
+
+
+def host_mask(t: TypicalPod, state: ClusterState) -> np.ndarray:
+    """Bool per node: could it host a pod of type ``t`` were it empty?"""
+    ok = (state.cpu_total >= t.cpu_milli) & (state.mem_total >= t.memory_mib) & (state.gpu_count >= t.num_gpu)
+    allowed = state.allowed(t.models) if t.num_gpu else None
+    return ok & allowed if allowed is not None else ok
+
+
+def oversubscribed_types(typical: Sequence[TypicalPod], state: ClusterState, demand_milli: int,
+                         factor: int = OVERSUBSCRIBED) -> frozenset[TypicalPod]:
+    """The multi-GPU types whose hosts the workload's multi-GPU demand oversubscribes ``factor`` times or more.
+
+    Each multi-GPU typical type u spreads its GPU demand d_u (count x GPUs x milli) evenly over the GPUs of its hosts
+    (S_u GPUs). The load on t's hosts is what falls on them, sum_u d_u * |H_u & H_t| / S_u; t is oversubscribed when
+    load / D >= factor * S_t / C (D: the workload's GPU demand, ``demand_milli``; C: the fleet's GPUs), i.e. its hosts
+    would see at least ``factor`` times their share of the demand from multi-GPU pods alone. A type is judged by the
+    load on its hosts, not by its own demand: on a fleet of mostly 2-GPU nodes the 32-core 4-GPU type's own demand is
+    0.3 of its hosts' share, but the 8-GPU pods want the 4- and 8-GPU nodes it shares with them six times over, and
+    the 4-GPU nodes only it fits are where it has to go."""
+    multi = [t for t in typical if t.num_gpu > 1]
+    masks = {t: host_mask(t, state) for t in multi}
+    hosts = {t: int(state.gpu_count[masks[t]].sum()) for t in multi}
+    fleet = int(state.gpu_count.sum())
+    out = set()
+    for t in multi:
+        if not hosts[t] or not demand_milli:
+            continue
+        # load = sum_u d_u * shared_u / S_u = num / den, compared exactly: load * C >= factor * D * S_t.
+        num, den = 0, 1
+        for u in multi:
+            if hosts[u]:
+                shared = int(state.gpu_count[masks[u] & masks[t]].sum())
+                num, den = num * hosts[u] + u.weight * u.num_gpu * u.gpu_milli * shared * den, den * hosts[u]
+        if num * fleet >= factor * demand_milli * hosts[t] * den:
+            out.add(t)
+    return frozenset(out)
+
+
 def scarcity_weights(typical: Sequence[TypicalPod], state: ClusterState) -> dict[TypicalPod, int]:
     """Integer weight per type: its popularity times C / S_t.
 
@@ -501,6 +546,15 @@ class GpupoolPolicy(Policy):
        count) where their demand is at least a tenth of the GPUs that could
        host them (``with_demand_types``).
 
+    5. **Oversubscribed hosts** (``oversubscribed``): a multi-GPU type whose
+       hosts the workload's multi-GPU demand oversubscribes (at least twice
+       their share of the fleet, ``oversubscribed_types``) weighs its GPU
+       count too. There every host GPU another pod breaks is a GPU of
+       multi-GPU demand that has nowhere else to go, and a lost pod of t loses
+       k_t GPUs, not one: a count weight prices a 4-GPU node kept whole as one
+       arrival's worth, and the capped measure lets a small pod take a
+       CPU-limited 4-GPU node for almost nothing (older-2gpu x multigpu50).
+
     ``scarcity=False, stranded=False`` is the earlier product policy
     (``gpupool-cap``); the other two combinations are ablations.
     """
@@ -508,11 +562,12 @@ class GpupoolPolicy(Policy):
     name = "gpupool"
 
     def __init__(self, typical: Sequence[TypicalPod], scarcity: bool = True, stranded: bool = True,
-                 demand_pods: Sequence[PodRequest] = ()) -> None:
+                 demand_pods: Sequence[PodRequest] = (), oversubscribed: bool = False) -> None:
         self.typical = tuple(typical)
         self.scarcity = scarcity
         self.stranded = stranded
         self.demand_pods = demand_pods
+        self.oversubscribed = oversubscribed
 
     def bind(self, state):
         super().bind(state)
@@ -524,6 +579,9 @@ class GpupoolPolicy(Policy):
             weights = scarcity_weights(self.typical, state)
         else:
             weights = {t: t.weight for t in self.typical}
+        if self.oversubscribed and self.demand_pods:
+            for t in oversubscribed_types(self.typical, state, sum(p.gpu_demand for p in self.demand_pods)):
+                weights[t] *= t.num_gpu
         self.weight_total = max(1, sum(weights.values()))
         self._m = np.array([t.gpu_milli for t in gpu_types], dtype=np.int64)
         self._k = np.array([t.num_gpu for t in gpu_types], dtype=np.int64)
@@ -628,9 +686,9 @@ def make_policy(name: str, typical: Sequence[TypicalPod] = (), pods: Sequence[Po
     if name == "fgd":
         return FGDPolicy(typical)
     if name in GPUPOOL_VARIANTS:
-        scarcity, stranded, demand = GPUPOOL_VARIANTS[name]
+        scarcity, stranded, demand, oversubscribed = GPUPOOL_VARIANTS[name]
         policy = GpupoolPolicy(typical, scarcity=scarcity, stranded=stranded,
-                               demand_pods=pods if demand == "pressure" else ())
+                               demand_pods=pods if demand == "pressure" else (), oversubscribed=oversubscribed)
         if demand == "all" and pods:
             policy.typical = with_demand_types(pods, typical)
         policy.name = name
