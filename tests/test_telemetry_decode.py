@@ -57,15 +57,6 @@ def damaged(draw, doc: dict) -> dict:
     return doc
 
 
-def huge(v) -> bool:
-    """An integer beyond 64 bits anywhere in the document."""
-    if isinstance(v, dict):
-        return any(huge(x) for x in v.values())
-    if isinstance(v, list):
-        return any(huge(x) for x in v)
-    return type(v) is int and v >= 2**64
-
-
 def outcome(fn, raw: bytes):
     try:
         env = fn(raw)
@@ -80,14 +71,8 @@ def test_the_fast_path_says_what_decode_says(data):
     doc = data.draw(telemetry_doc())
     if data.draw(st.booleans()):
         doc = data.draw(damaged(doc))
-    raw = json.dumps(doc).encode()
-    fast, slow = outcome(decode_telemetry, raw), outcome(decode, raw)
-    if huge(doc) and fast[0] == slow[0] == "decoded":
-        # the one difference: orjson rounds such an integer through a float, the fast path keeps it exact
-        assert fast[2].model_dump(mode="json") == doc and type(fast[2]) is type(slow[2])
-    else:
-        assert fast == slow
-
+    raw = json.dumps(doc).encode()  # orjson cannot write integers beyond 64 bits
+    assert outcome(decode_telemetry, raw) == outcome(decode, raw)
 
 @pytest.mark.parametrize("raw", [
     b"", b"not json", b"[1, 2]", b'{"schema_version": 3}', b"x" * (2 << 20), b'{"a": NaN}',
