@@ -89,7 +89,7 @@ def decode(raw: bytes | bytearray | memoryview | None) -> Envelope:
     doc = upcast(doc)
     payload = doc.get("payload")
     kind = payload.get("kind") if isinstance(payload, dict) else None
-    if kind not in KINDS:
+    if not isinstance(kind, str) or kind not in KINDS:  # a list or an object as the kind: unknown, not a crash
         raise DecodeError("unknown_kind", f"kind {kind!r}")
     try:
         return Envelope.model_validate(doc)
