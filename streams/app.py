@@ -201,7 +201,8 @@ class Worker:
         await self._registry_caught_up()
         consumer = AIOKafkaConsumer(**self.conn.options(), group_id=GATEWAY_GROUP, enable_auto_commit=False,
                                     auto_offset_reset="earliest", metadata_max_age_ms=2000)
-        producer = AIOKafkaProducer(**self.conn.options(), acks="all", enable_idempotence=True, linger_ms=2)
+        # linger 0: a request on an idle stack goes on at once; the gateway flushes after each inbox's batch anyway
+        producer = AIOKafkaProducer(**self.conn.options(), acks="all", enable_idempotence=True, linger_ms=0)
         await consumer.start()
         await producer.start()
         consumer.subscribe(pattern=f"^{INBOX_PREFIX.replace('.', chr(92) + '.')}.+")
