@@ -8,9 +8,10 @@
    /stats/ until folded["gpu.telemetry"] reaches N. Wall time is measured from worker-ready (the web page answers)
    to done; the window from the first folded record to done is reported too, as are the worker's and the broker's
    CPU use over that time (from /proc/<pid>/stat).
-   (b) With the worker stopped, reads the same topic from offset 0 with a bare aiokafka consumer, three passes:
-   decode() only; decode + node_view.evolve in process (views kept as objects); decode + evolve + the view's JSON
-   serialization that the worker's node-view changelog write costs per record (no Kafka write).
+   (b) With the worker stopped, reads the same topic from offset 0 with a bare aiokafka consumer, five passes:
+   decode() only (the baseline of the ratio); decode_telemetry() only (the worker's decoder, schemas/envelope.py);
+   decode + the batch fold; decode + node_view.evolve in process (views kept as objects); decode + evolve + the
+   view's JSON serialization that the worker's node-view changelog write costs per record (no Kafka write).
 3. Prints a table and one final JSON line (prefix `RESULT `).
 
 Telemetry event times are anchored a few minutes ahead of the wall clock so the worker's liveness timer does not
@@ -34,7 +35,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
 from agents.node import fleet
 from agents.stack import Stack
-from schemas.envelope import decode, encode, envelope
+from schemas.envelope import decode, decode_telemetry, encode, envelope
 from schemas.events import GpuSample, GpuTelemetry
 from schemas.routing import route
 from schemas.topics import TELEMETRY
@@ -218,7 +219,7 @@ async def bare_pass(conn, n: int, mode: str) -> dict:
             for msgs in batches.values():
                 by_node: dict[str, list] = {}
                 for msg in msgs:
-                    env = decode(msg.value)
+                    env = decode_telemetry(msg.value) if mode == "decode_telemetry" else decode(msg.value)
                     count += 1
                     samples += len(env.payload.samples)
                     if mode == "evolve":
@@ -289,7 +290,7 @@ def main() -> int:
             faust["patch"] = args.patch
             faust["samples_per_s"] = round(faust["rec_per_s"] * args.gpus, 1)
             result["faust"] = faust
-        for mode in ("decode", "batch", "evolve", "fold"):
+        for mode in ("decode", "decode_telemetry", "batch", "evolve", "fold"):
             r = asyncio.run(bare_pass(stack.conn("service"), n, mode))
             print(f"  bare {mode}: {r['records']} records in {r['wall_s']}s", flush=True)
             result[f"bare_{mode}"] = r
@@ -308,7 +309,8 @@ def main() -> int:
         if f.get("rec_per_s_task"):
             rows.append(("worker's telemetry task (1st->last)", f["telemetry_task"]["records"],
                          f["task_first_to_last_batch_s"], f["rec_per_s_task"], round(f["rec_per_s_task"] * args.gpus, 1)))
-    for mode, label in (("decode", "bare aiokafka + decode"), ("batch", "bare + decode + batch fold"),
+    for mode, label in (("decode", "bare aiokafka + decode"), ("decode_telemetry", "bare + decode_telemetry"),
+                        ("batch", "bare + decode + batch fold"),
                         ("evolve", "bare + decode + evolve"),
                         ("fold", "bare + decode + evolve + view JSON")):
         r = result[f"bare_{mode}"]

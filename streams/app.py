@@ -202,7 +202,8 @@ class Worker:
         await self._registry_caught_up()
         consumer = AIOKafkaConsumer(**self.conn.options(), group_id=GATEWAY_GROUP, enable_auto_commit=False,
                                     auto_offset_reset="earliest", metadata_max_age_ms=2000)
-        producer = AIOKafkaProducer(**self.conn.options(), acks="all", enable_idempotence=True, linger_ms=2)
+        # linger 0: a request on an idle stack goes on at once; the gateway flushes after each inbox's batch anyway
+        producer = AIOKafkaProducer(**self.conn.options(), acks="all", enable_idempotence=True, linger_ms=0)
         await consumer.start()
         await producer.start()
         consumer.subscribe(pattern=f"^{INBOX_PREFIX.replace('.', chr(92) + '.')}.+")
@@ -374,12 +375,18 @@ class Worker:
         except Exception as exc:  # noqa: BLE001 - the broker is away: no log time passes, nobody is judged
             log.warning("liveness not judged: %s", exc)
             return
-        await self._emit_minutes(self.minutes.close_before(log_now))  # minutes of nodes gone silent
+        highwaters = self._telemetry_highwaters()
+        clocks = {p: self.liveness.clock(p, log_now, hw) for p, hw in highwaters.items()}
+
+        def clock_of(node: str) -> int | None:  # how far the node's telemetry partition is read (its own if not ours)
+            p = partition_of(node.encode(), TELEMETRY.partitions)
+            return clocks[p] if p in clocks else log_now
+
+        await self._emit_minutes(self.minutes.close_before(log_now, clock_of))  # minutes of nodes gone silent
         if self.app.is_leader():  # one pool minute for the whole pool, from the leader among several workers
             await self._pool_minute(log_now)
         if not self.telemetry.partitions:
             return
-        highwaters = self._telemetry_highwaters()
         alive = {key: view for key, view in self.own_views(self.node_table, TELEMETRY.partitions)
                  if view.alive and view.inventory is not None and self.telemetry.owns(key)}
         for key in self.liveness.silent(sorted(alive), log_now, highwaters):

@@ -166,7 +166,9 @@ class SchedulerAgent:
         ownership = _Ownership()
         consumer = AIOKafkaConsumer(**self.conn.options(), group_id=GROUP, enable_auto_commit=False,
                                     auto_offset_reset="earliest", max_poll_records=1000)
-        producer = AIOKafkaProducer(**self.conn.options(), acks="all", enable_idempotence=True, linger_ms=5,
+        # linger 0: an idle scheduler's command leaves at once (issue #16: request -> cmd.place p99 < 50 ms,
+        # bench/request_latency.py); under load the records of a batch still share requests while one is in flight
+        producer = AIOKafkaProducer(**self.conn.options(), acks="all", enable_idempotence=True, linger_ms=0,
                                     max_request_size=64 << 20)  # a snapshot is one record
         await consumer.start()
         await producer.start()

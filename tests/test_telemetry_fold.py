@@ -16,6 +16,7 @@ import asyncio
 from collections import Counter
 from dataclasses import dataclass, field
 
+import orjson
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -312,5 +313,34 @@ def test_minutes_get_each_new_record_at_its_own_log_time_and_a_record_read_again
         # the same records again (a restart re-reads from the last commit), then one new: minute 1 has 3 records
         await f.fold_batch(3, _recs([_tel("n1", i, 1000 * i) for i in range(1, 6)], t0=58_000))
         assert [(m.minute_ms, [c.samples for c in m.cards]) for m in minutes.flush()] == [(60_000, [3, 3])]
+
+    asyncio.run(go())
+
+
+def test_a_fault_sample_inside_a_batch_marks_its_card_faulted_though_later_samples_are_clean():
+    """The hot path (one-pass decode, one fold per node and batch): a card's fault in the middle of a node's run,
+    among other nodes' records and an older schema version's record, is in the view after the batch, written at
+    once and said as `gpu.health`; the other nodes' views stay clean."""
+    w = FakeWorker()
+    _with_inventory(w, "n1")
+    _with_inventory(w, "n2")
+    f = _fold_task(w)
+    faulty = GpuTelemetry(node="n1", samples=tuple(
+        GpuSample(gpu_uuid=c, util_pct=40, mem_used_mib=10, mem_total_mib=100, fault="nvml: GPU is lost" if i else "")
+        for i, c in enumerate(CARDS)))
+    v2 = orjson.loads(_tel("n2", 2, 4000))
+    v2["schema_version"] = 2
+    for k in ("actor", "claimed_time_ms"):
+        del v2[k]
+
+    async def go():
+        await f.fold_batch(3, _recs([_tel("n1", 1, 2000), _tel("n2", 1, 2000),
+                                     encode(envelope(faulty, source="n1/telemetry", seq=2, time_ms=3000)),
+                                     orjson.dumps(v2), _tel("n1", 3, 4000)]))
+        n1, n2 = w.node_table.data["n1"], w.node_table.data["n2"]
+        assert set(n1.unhealthy) == {CARDS[1]} and n1.last_heartbeat_ms == 4000 and n1.applied["n1/telemetry"] == 3
+        assert n2.unhealthy == {} and n2.applied["n2/telemetry"] == 2 and w.letters == []
+        assert [(p, k) for p, k, _ in w.node_table.changelog] == [(3, "n1")] and f.dirty[3] == {"n2"}
+        assert [(e.kind, e.payload.gpu_uuid, e.payload.healthy) for e in w.sent] == [("gpu.health", CARDS[1], False)]
 
     asyncio.run(go())

@@ -97,3 +97,19 @@ def test_rows_route_and_the_tables_behind_the_dashboards(tmp_path):
     assert by_tenant == {"acme": 80.0, "globex": 40.0}
     (pool,) = client.query(POOL_UTIL_SQL, parameters={"since": 0}).result_rows
     assert pool[1] == 40.0 and pool[2] == 3  # (80 + 40 + 0) / 3 cards
+
+
+def test_a_node_whose_records_are_not_read_that_far_keeps_its_minute_open_until_they_are():
+    """A worker catching up a backlog: the log's time is past the minute, but n1's partition is read only to
+    within it; its minute closes once, whole, when the rest is read (closing it early would publish a partial row
+    and then a second, partial one for the same minute). n2's partition is read to now: it closes on time."""
+    agg = TelemetryMinutes()
+    agg.add("n1", T0 + 1_000, [s("g0", 10)])
+    agg.add("n2", T0 + 1_000, [s("g0", 20)])
+    now = T0 + 200_000
+    read_to = {"n1": T0 + 30_000, "n2": now}
+    assert [m.node for m in agg.close_before(now, read_to.get)] == ["n2"]
+    agg.add("n1", T0 + 50_000, [s("g0", 30)])  # the rest of n1's minute, read later
+    assert agg.close_before(now, lambda n: None) == []  # not known how far: not closed
+    (m,) = agg.close_before(now, lambda n: T0 + 66_000)
+    assert m.node == "n1" and m.cards[0].samples == 2 and m.cards[0].util_mean_permille == 200

@@ -140,9 +140,15 @@ class TelemetryMinutes:
             b.add(s)
         return closed
 
-    def close_before(self, log_ms: int) -> list[TelemetryMinute]:
-        """Close every node's minute that ended at least `grace_ms` before `log_ms`."""
-        due = sorted(n for n, (m, _, _) in self._open.items() if m + self.minute_ms + self.grace_ms <= log_ms)
+    def close_before(self, log_ms: int, clock_of: Callable[[str], int | None] | None = None) -> list[TelemetryMinute]:
+        """Close every node's minute that ended at least `grace_ms` before `log_ms`, or, with `clock_of`, before
+        the log time the node's own records are read to (`clock_of(node)`, at most `log_ms`; None: not known, not
+        closed): a worker catching up a backlog closes a minute once it has read past it, not while that minute's
+        later records are still unread (it would close it again with only those, and the store keeps one row)."""
+        end = self.minute_ms + self.grace_ms
+        due = sorted(n for n, (m, _, _) in self._open.items() if m + end <= log_ms)
+        if clock_of is not None:
+            due = [n for n in due if (c := clock_of(n)) is not None and self._open[n][0] + end <= c]
         return [self._close(n) for n in due]
 
     def flush(self) -> list[TelemetryMinute]:
@@ -151,5 +157,13 @@ class TelemetryMinutes:
 
     def _close(self, node: str) -> TelemetryMinute:
         minute, dc, buckets = self._open.pop(node)
-        cards = tuple(b.close(self.job_info) for _, b in sorted(buckets.items()) if b.n)
+        known: dict[str, tuple[str, str]] = {}  # a job on several cards (a gang) is looked up once a minute
+
+        def job_info(job: str) -> tuple[str, str]:
+            info = known.get(job)
+            if info is None:
+                info = known[job] = self.job_info(job)
+            return info
+
+        cards = tuple(b.close(job_info) for _, b in sorted(buckets.items()) if b.n)
         return TelemetryMinute(node=node, datacenter=dc, minute_ms=minute, cards=cards)

@@ -1,0 +1,96 @@
+"""The telemetry topic's decoder (schemas.envelope.decode_telemetry, the telemetry task's hot path) says what
+`decode` says: for any telemetry record, in its canonical form or damaged by a field changed, removed, retyped,
+an older or a future schema version, another kind or bytes that are not JSON, it returns an Envelope equal to
+`decode`'s (same class, same fields) or raises the DecodeError `decode` raises, with the same code."""
+from __future__ import annotations
+
+import json
+
+import orjson
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from schemas.envelope import SCHEMA_VERSION, DecodeError, decode, decode_telemetry, encode, envelope
+from schemas.events import GpuSample, GpuTelemetry, NodeHeartbeat
+
+ints = st.integers(-5, 2**63)
+text = st.text(max_size=8)
+
+
+@st.composite
+def samples(draw):
+    return GpuSample(gpu_uuid=draw(st.text(min_size=1, max_size=12)), mig_uuid=draw(st.none() | text),
+                     util_pct=draw(st.integers(0, 100)), mem_used_mib=draw(st.integers(0, 2**40)),
+                     mem_total_mib=draw(st.integers(0, 2**40)), temperature_c=draw(st.integers(-50, 150)),
+                     power_mw=draw(st.integers(0, 2**32)), ecc_corrected=draw(st.integers(0, 9)),
+                     ecc_uncorrected=draw(st.integers(0, 9)), xid_errors=tuple(draw(st.lists(st.integers(0, 99),
+                                                                                              max_size=2))),
+                     job_ids=tuple(draw(st.lists(text, max_size=2))), fault=draw(st.sampled_from(["", "xid 79"])))
+
+
+@st.composite
+def telemetry_doc(draw) -> dict:
+    env = envelope(GpuTelemetry(node=draw(st.text(min_size=1, max_size=10)),
+                                samples=tuple(draw(st.lists(samples(), max_size=3)))),
+                   source=draw(st.text(min_size=1, max_size=10)), seq=draw(st.integers(0, 2**62)),
+                   time_ms=draw(st.integers(0, 2**45)))
+    return orjson.loads(encode(env))
+
+
+# what a damaged record may carry instead of a field's value
+odd_values = st.one_of(st.none(), st.booleans(), ints, st.floats(allow_nan=False), text, st.just([]), st.just({}),
+                       st.just([1, "a"]), st.just(5.0), st.just("7"), st.integers(2**64, 2**70))
+
+
+@st.composite
+def damaged(draw, doc: dict) -> dict:
+    """The document with one change: a field set to an odd value or removed, at the envelope, payload or a sample."""
+    doc = orjson.loads(orjson.dumps(doc))
+    where = [doc, doc["payload"], *doc["payload"]["samples"]]
+    target = draw(st.sampled_from(where))
+    key = draw(st.sampled_from(sorted(target) + ["extra_field"]))
+    if draw(st.booleans()) and key in target:
+        del target[key]
+    else:
+        target[key] = draw(odd_values | st.sampled_from([1, 2, SCHEMA_VERSION + 1, "gpu.telemetry", "node.heartbeat"]))
+    return doc
+
+
+def outcome(fn, raw: bytes):
+    try:
+        env = fn(raw)
+    except DecodeError as exc:
+        return ("refused", exc.code)
+    return ("decoded", type(env), env)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_the_fast_path_says_what_decode_says(data):
+    doc = data.draw(telemetry_doc())
+    if data.draw(st.booleans()):
+        doc = data.draw(damaged(doc))
+    raw = json.dumps(doc).encode()  # orjson cannot write integers beyond 64 bits
+    assert outcome(decode_telemetry, raw) == outcome(decode, raw)
+
+@pytest.mark.parametrize("raw", [
+    b"", b"not json", b"[1, 2]", b'{"schema_version": 3, "payload": {"kind": []}}',
+    b'{"schema_version": 3, "payload": {"kind": {"a": 1}}}', b'{"schema_version": 3}', b"x" * (2 << 20), b'{"a": NaN}',
+    encode(envelope(NodeHeartbeat(node="n1"), source="n1/telemetry", seq=2, time_ms=9000)),
+])
+def test_other_bytes_and_kinds_are_decode_s(raw):
+    assert outcome(decode_telemetry, raw) == outcome(decode, raw)
+
+
+def test_an_older_version_is_upcast_and_an_absent_version_is_version_1():
+    doc = orjson.loads(encode(envelope(GpuTelemetry(node="n1", samples=()), source="n1/telemetry", seq=1,
+                                       time_ms=42)))
+    v1 = {k: v for k, v in doc.items() if k not in ("schema_version", "event_time_ms", "actor", "claimed_time_ms")}
+    v1["time_ms"] = 42
+    for d in (v1, {**v1, "schema_version": 1}):
+        env = decode_telemetry(orjson.dumps(d))
+        assert env == decode(orjson.dumps(d)) and env.event_time_ms == 42 and env.schema_version == SCHEMA_VERSION
+    with pytest.raises(DecodeError) as exc:
+        decode_telemetry(orjson.dumps({**doc, "schema_version": SCHEMA_VERSION + 1}))
+    assert exc.value.code == "future_version"
