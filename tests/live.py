@@ -114,3 +114,28 @@ def caught_up(stack, group: str, specs) -> bool:
             await admin.close()
 
     return asyncio.run(go())
+
+
+def replication(conn) -> tuple[dict[str, set[int]], set[str | None]]:
+    """Per topic of the project, the replica counts of its partitions, and the `min.insync.replicas` values of all
+    of them, read back from the brokers (`conn`: a principal that may describe topics, e.g. the service)."""
+    from aiokafka.admin import AIOKafkaAdminClient
+    from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
+
+    from schemas.topics import ALL_TOPICS
+
+    async def go():
+        admin = AIOKafkaAdminClient(**conn.options())
+        await admin.start()
+        try:
+            meta = await admin.describe_topics([s.name for s in ALL_TOPICS])
+            cfgs = await admin.describe_configs([ConfigResource(ConfigResourceType.TOPIC, s.name)
+                                                 for s in ALL_TOPICS])
+        finally:
+            await admin.close()
+        return meta, cfgs
+
+    meta, cfgs = asyncio.run(go())
+    replicas = {t["topic"]: {len(p["replicas"]) for p in t["partitions"]} for t in meta}
+    insync = {dict((c[0], c[1]) for c in res[4]).get("min.insync.replicas") for resp in cfgs for res in resp.resources}
+    return replicas, insync

@@ -7,7 +7,6 @@ Heavy (three JVMs, two workers, an agent on this machine): `make chaos` runs it,
 but bounded; nothing here times anything."""
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 import time
@@ -19,7 +18,7 @@ from agents.stack import Stack
 from schemas.envelope import decode
 from schemas.topics import ALL_TOPICS, COMMANDS, JOB_EVENTS
 from streams.sink import outage_switch
-from tests.live import cli, job_states, quotas, read_topic, wait_for
+from tests.live import cli, job_states, quotas, read_topic, replication, wait_for
 
 pytestmark = [pytest.mark.broker, pytest.mark.chaos]
 
@@ -142,28 +141,9 @@ def scheduler_owner(stack) -> str | None:
 
 
 def test_topics_are_replicated_three_times_with_two_in_sync(cluster):
-    from aiokafka.admin import AIOKafkaAdminClient
-    from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
-
-    async def go():
-        admin = AIOKafkaAdminClient(**cluster.conn("service").options())
-        await admin.start()
-        try:
-            meta = await admin.describe_topics([s.name for s in ALL_TOPICS])
-            cfgs = await admin.describe_configs([ConfigResource(ConfigResourceType.TOPIC, s.name)
-                                                 for s in ALL_TOPICS])
-        finally:
-            await admin.close()
-        return meta, cfgs
-
-    meta, cfgs = asyncio.run(go())
-    assert {t["topic"]: {len(p["replicas"]) for p in t["partitions"]} for t in meta} == \
-        {s.name: {3} for s in ALL_TOPICS}
-    insync = {}
-    for resp in cfgs:
-        for res in resp.resources:
-            insync[res[3]] = {c[0]: c[1] for c in res[4]}.get("min.insync.replicas")
-    assert set(insync.values()) == {"2"}
+    replicas, insync = replication(cluster.conn("service"))
+    assert replicas == {s.name: {3} for s in ALL_TOPICS}
+    assert insync == {"2"}
 
 
 def test_one_worker_owns_the_scheduler_and_the_other_stands_by(cluster):

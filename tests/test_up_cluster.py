@@ -7,7 +7,6 @@ process of the home, the three brokers included.
 Heavy (three JVMs and two workers on this machine): `make chaos` runs it, not `make test`."""
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import signal
@@ -19,7 +18,8 @@ import pytest
 
 from infra import kafka_local
 from schemas.topics import ALL_TOPICS
-from tests.test_stack_lifecycle import _gpupool, _processes_of
+from tests.live import replication
+from tests.test_stack_lifecycle import _gpupool, _processes_of, home  # noqa: F401 - home: the fixture
 
 pytestmark = [pytest.mark.broker, pytest.mark.chaos]
 
@@ -46,19 +46,10 @@ def _port_free(port: int) -> bool:
             return False
 
 
-@pytest.fixture
-def home(tmp_path, libs_home):
+@pytest.fixture(autouse=True)
+def _own_cluster():
     if os.environ.get("GPUPOOL_KAFKA"):
         pytest.skip("this test runs its own local cluster")
-    h = tmp_path / "gp"
-    (h / "kafka").mkdir(parents=True)
-    (h / "kafka" / "libs").symlink_to(kafka_local.fetch(libs_home))  # the shared jar cache
-    yield h
-    for pid in _processes_of(h):  # whatever a failed test left behind
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except OSError:
-            pass
 
 
 def _wait(predicate, what: str, timeout: float = WAIT):
@@ -101,25 +92,8 @@ def test_up_with_three_brokers_and_two_workers_runs_survives_and_down_stops_it_a
         workers = {"worker": Client(cfg), "worker-2": Client(replace(cfg, web_port=web + 1))}
 
         # the topics: three copies, two in sync (the topic specification chose them from the cluster's size)
-        from aiokafka.admin import AIOKafkaAdminClient
-        from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
-
-        async def describe():
-            admin = AIOKafkaAdminClient(**Client(cfg, "service").conn().options())  # the operator may not describe topics
-            await admin.start()
-            try:
-                meta = await admin.describe_topics([s.name for s in ALL_TOPICS])
-                cfgs = await admin.describe_configs([ConfigResource(ConfigResourceType.TOPIC, s.name)
-                                                     for s in ALL_TOPICS])
-            finally:
-                await admin.close()
-            return meta, cfgs
-
-        meta, cfgs = asyncio.run(describe())
-        assert {t["topic"]: {len(p["replicas"]) for p in t["partitions"]} for t in meta} == \
-            {s.name: {3} for s in ALL_TOPICS}
-        assert {dict((c[0], c[1]) for c in res[4]).get("min.insync.replicas")
-                for resp in cfgs for res in resp.resources} == {"2"}
+        replicas, insync = replication(Client(cfg, "service").conn())  # the operator may not describe topics
+        assert replicas == {s.name: {3} for s in ALL_TOPICS} and insync == {"2"}
 
         # one scheduler decides, the other stands by; the two split the node partitions between them
         def split():
