@@ -456,7 +456,11 @@ def place(index: NodeIndex, views: dict[str, NodeView], job: JobRequested, workl
                 plan = mig_plan(v, job, models)
                 if plan is not None:
                     return plan
-    saw = (tuple(sorted((k, tuple(v)) for k, v in rejected.items())), len(seen), len(views), len(index.down))
+    # what it saw, the nodes closed to it aside (claimed by a nominated job, freed for a stronger claim): a waiting
+    # job is not explained afresh only because that set moved (core.Scheduler._unplaced)
+    closed = sum(len(v) for k, v in rejected.items() if k[0] == "Preemption")
+    saw = (tuple(sorted((k, tuple(v)) for k, v in rejected.items() if k[0] != "Preemption")), len(seen) - closed,
+           len(views), len(index.down))
     return Unschedulable(explain=lambda: _unschedulable(index, views, job, rejected, seen).reasons, seen=saw)
 
 
