@@ -921,7 +921,8 @@ class Scheduler:
             if v is not None:
                 cands.append(v)
         chosen: list[Victim] = []
-        freed: dict[tuple[str, str | None], list[int]] = {}
+        # what its victims free, less what is kept for jobs nominated ahead of it (its admission counts that too)
+        freed: dict[tuple[str, str | None], list[int]] = {k: list(f) for k, f in (self._quota_kept(rec) or {}).items()}
 
         def count(v: Victim, sign: int) -> None:
             o = self.jobs[v.job_id]
@@ -948,6 +949,8 @@ class Scheduler:
                 chosen = [c for c in chosen if c is not extra]
             else:
                 count(extra, 1)
+        if not chosen:
+            return False  # admitted without stopping anyone: nothing to wait for
         if holding is None and not self._fits_after(rec, chosen):
             return False  # its quota would admit it, but no node would hold it: stopping its own work gains nothing
         self._stop_for(out, cause, rec, chosen)
