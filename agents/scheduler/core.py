@@ -17,7 +17,7 @@ from agents.scheduler.node_index import cards_needed
 from agents.scheduler.placement import DEFAULT_CANDIDATES, MigPlan, Placement, place
 from agents.scheduler.placement import allowed_models, fit_cards
 from agents.scheduler.preemption import (
-    NODE_FILTERS, PreemptionConfig, Room, Victim, disruption_order, fits, placed, plan_gang, plan_over,
+    NODE_FILTERS, PreemptionConfig, Room, Shape, Victim, disruption_order, fits, placed, plan_gang, plan_over,
     protected, quiet_until, released,
 )
 from agents.scheduler.quota import Admission, Ledger, held
@@ -722,6 +722,14 @@ class Scheduler:
                       rule == "reclaim" or not search.victim_claim(o, search.mine)[0], max(0, self.now_ms - since),
                       rule)
 
+    def _candidates_on(self, view: node_view.NodeView, search: Search, key) -> list[str]:
+        """The jobs on this node of the (tenant, claim group) tables that may hold a victim for claim `key`
+        (Search.groups: a superset of who may be stopped), from the victim index's entries, before any standing is
+        worked out."""
+        self.victim_index.sync(self.nodes, self.jobs)
+        tables = search.tables(key)
+        return [j for j, (g, t) in self.victim_index.held.get(view.node, {}).items() if (t, g) in tables]
+
     def _victims_on(self, view: node_view.NodeView, search: Search, key=None) -> list[Victim]:
         """Who on this node may be stopped for the search's job: work whose claim is below the job's (claims.py:
         the one order for tier preemption and reclaim); never a reservation hold, never a protected job, never
@@ -730,8 +738,7 @@ class Scheduler:
         cards)."""
         key = key or search.node_key(view)
         out: list[Victim] = []
-        self.victim_index.sync(self.nodes, self.jobs)
-        for j in self.victim_index.held.get(view.node, {}):
+        for j in self._candidates_on(view, search, key):
             other = self.jobs[j]
             if other.state not in ("placed", "running") or other.placement is None:
                 continue
@@ -764,11 +771,17 @@ class Scheduler:
         too_big = {m: cards_needed(r.compute_milli, r.gpu_memory_mib, m) > n for m, n in self.index.models.items()}
         plan = None
         plan_key = weakest
+        shape = Shape(r)
         if not all(too_big.values()):  # else no node has cards enough, whoever stops: only a multi-node gang plan
             def pairs():
                 for name in self._victim_nodes(search, strongest):
                     view = self.nodes[name]
                     key = search.node_key(view)  # its claim on this node's cards
+                    # a node where the job would not fit even with every job that may be a victim gone yields no
+                    # plan: passed over before any victim's standing is worked out (what plan_over would find)
+                    ids = self._candidates_on(view, search, key)
+                    if not ids or any(f(view, r) for f in NODE_FILTERS) or not Room(view, r, shape).fits_without(ids):
+                        continue
                     yield view, self._victims_on(view, search, key), (lambda chosen, v, key=key:
                                                                      search.valid(chosen, v, key))
             plan = plan_over(r, pairs(), self.preemption.candidate_nodes)
