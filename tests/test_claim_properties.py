@@ -132,3 +132,16 @@ def test_a_victim_may_not_stop_its_preemptor_back_whatever_the_quota():
         clock.now += PreemptionConfig.victim_quiet_ms
         out = s.step(clock.env(SchedulerTick(now_ms=clock.now), "tick"))
         assert not any(isinstance(o.payload, PreemptJob) for o in out)
+
+
+def test_quota_freed_for_a_waiting_job_is_not_taken_back_by_its_victims():
+    """A tenant's inference waits on its own quota (500, held by its offline and training work) and stops both; the
+    first to stop, requeued, does not take back the quota it freed while the other still stops -- it would, and the
+    inference would stop it again on every tick, without end (found by the property above)."""
+    s, clock, log, n = drive([1, 1], {"c": (500, 100)},
+                             [("c", Tier.OFFLINE, (250, 10), 0), ("c", Tier.ONLINE_TRAINING, (250, 10), 0),
+                              ("c", Tier.INFERENCE, (500, 20), 0)])
+    got = [(type(p).__name__, p.job_id) for _, p in log if isinstance(p, (PlaceJob, PreemptJob))]
+    assert got == [("PlaceJob", "j1"), ("PlaceJob", "j2"), ("PreemptJob", "j1"), ("PreemptJob", "j2"),
+                   ("PlaceJob", "j3")]
+    assert s.jobs["j3"].state == "running" and s.jobs["j1"].state == s.jobs["j2"].state == "pending"

@@ -119,6 +119,7 @@ class Search:
         self._over: dict[tuple[str, int], bool] = {}
         self._bounded: dict[tuple[str, str], bool] = {}  # (tenant, project) -> whether any quota bounds it
         self._back: dict[str, Claim] = {}  # job -> its claim coming back after the preemptor alone (victim_claim)
+        self._tables: dict[Claim, frozenset[tuple[str, int]]] = {}
 
     def key(self, model_name: str | None = None) -> Claim:
         """The preemptor's claim as if admitted with what it would hold on this model's cards (None: what it asked)."""
@@ -188,6 +189,13 @@ class Search:
             elif may_stop(key, claim_of_group(False, g)) and self._group_over(tenant, g):
                 out.append((tenant, g))
         return out
+
+    def tables(self, key: Claim) -> frozenset[tuple[str, int]]:
+        """`groups(key)` as a set, worked out once per claim."""
+        got = self._tables.get(key)
+        if got is None:
+            got = self._tables[key] = frozenset(self.groups(key))
+        return got
 
     def _group_over(self, tenant: str, g: int) -> bool:
         """Whether some job of (tenant, group g) could stand beyond quota: what its account holds at g and above

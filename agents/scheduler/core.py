@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from agents.scheduler.admission import Fleet
 from agents.scheduler import defrag
-from agents.scheduler.claims import Search, standing_now
+from agents.scheduler.claims import Claim, Search, claim, standing_now
 from agents.scheduler.elastic import SERVICE_KINDS, SOURCE as AUTOSCALER, Autoscaler, Backfill, Charge, Emit, Request
 from agents.scheduler.elastic import ElasticConfig, Resize
 from agents.scheduler.holdings import Holdings, JobRecord, rebuilt
@@ -17,8 +17,8 @@ from agents.scheduler.node_index import cards_needed
 from agents.scheduler.placement import DEFAULT_CANDIDATES, MigPlan, Placement, place
 from agents.scheduler.placement import allowed_models, fit_cards
 from agents.scheduler.preemption import (
-    NODE_FILTERS, PreemptionConfig, Room, Victim, disruption_order, fits, placed, plan_gang, plan_over, protected,
-    quiet_until, released,
+    NODE_FILTERS, PreemptionConfig, Room, Shape, Victim, disruption_order, fits, placed, plan_gang, plan_over,
+    protected, quiet_until, released,
 )
 from agents.scheduler.quota import Admission, Ledger, held
 from agents.scheduler.reservations import LIVE, Book, Booking
@@ -67,6 +67,17 @@ class Scheduler:
         # Jobs nominated on nodes (kube-scheduler's nominatedNodeName): what their victims free there is theirs; jobs
         # of the same or a lower claim do not take it in the meantime (or preemption would thrash).
         self.nominations: dict[str, JobRecord] = {}
+        # What preemption freed, per node: node -> (the claim it was freed for, until when in log time, for whom).
+        # What a plan frees beyond what its job needs stays with that claim while the plan's victims are in their
+        # quiet window (from the plan to victim_quiet_ms after its job took its node) and its job waits for or holds
+        # it: a job in its own quiet window whose claim is not above it does not take it (`_barred`), so a requeued
+        # victim cannot take the leftover and make the next request of that claim stop someone for it -- the chain
+        # is charged to its origin (#14 item 2). Other work may take it; once the job that freed it lets go of its
+        # holding (ends, is stopped) it is free capacity like any.
+        self.freed_for: dict[str, tuple[Claim, int, str]] = {}
+        self._charged_by: dict[str, tuple[str, ...]] = {}  # job -> the nodes freed for it (freed_for)
+        self._barred_cache: dict[Claim, frozenset[str]] = {}  # claim -> the nodes barred to quiet jobs of it
+        self._barred_until = -1 << 62  # the cache holds until the first charge in it expires
         self.book = Book()
         # The pending queue is retried as a whole only when something may have changed its answers: the epoch moves
         # on every input that can free capacity or change quota, health or reservations, and on a tick every
@@ -286,6 +297,7 @@ class Scheduler:
     def _release(self, out: list[Envelope], env: Envelope, rec: JobRecord, why: str) -> None:
         """Release every part the run holds (a hold's only in the scheduler's own view: it was never sent), and give
         its quota back."""
+        self._uncharge(rec)  # it lets go of what was freed for it
         if rec.placement is None:
             return
         self.epoch += 1  # capacity freed: the whole queue may fit differently
@@ -306,6 +318,7 @@ class Scheduler:
         rec = self.jobs.get(job_id)
         if rec is None or rec.state == "done":
             return
+        self._uncharge(rec)  # what its victims freed is nobody's in particular now
         self._accrue(out, env, rec, end_ms)
         self._release(out, env, rec, {"job.cancelled": "Cancelled", "job.failed": "Failed"}.get(env.kind, "Completed"))
         self.h.set_state(rec, "done")
@@ -520,7 +533,8 @@ class Scheduler:
                 self._unplaced(out, cause, rec, dominated, None)
                 continue
             result = place(self.index, self.nodes, r, self.workload, self.candidates,
-                           prefer=rec.nominated[0] if rec.nominated else None, exclude=self._claimed_from(rec))
+                           prefer=rec.nominated[0] if rec.nominated else None, exclude=self._claimed_from(rec),
+                           barred=self._barred(rec, standing) if quiet is not None else frozenset())
             if isinstance(result, MigPlan):
                 self._reconfigure(out, cause, rec, result)
                 continue
@@ -545,14 +559,41 @@ class Scheduler:
         """The quota's answer for `rec` (holding: what a placement would hold; the request's amounts before one
         is found, a lower bound). A reservation's hold, and the job that takes it, are reserved in-quota capacity:
         the booking was the admission (reservations.py), so they are charged (used and reserved) but never
-        borrowed nor kept waiting by the quota."""
+        borrowed nor kept waiting by the quota. What a nominated job ahead of it waits for counts as used
+        (`_quota_kept`)."""
         if rec.reserved or rec.hold is not None:
             rid = rec.hold.request.reservation_id if rec.hold is not None else rec.request.reservation_id
             return Admission(False, False, (Reason(
                 code="Reserved", plugin="Quota", message=f"on reservation {rid}",
                 data={"request_milli": holding[0] if holding else rec.request.compute_milli}),))
         need, mem = holding if holding else (None, None)
-        return self.ledger.admit(rec.request, self.index.capacity_milli, need, mem)
+        return self.ledger.admit(rec.request, self.index.capacity_milli, need, mem, freed=self._quota_kept(rec))
+
+    def _quota_kept(self, rec: JobRecord) -> dict | None:
+        """The quota kept for jobs nominated ahead of `rec` in the queue, of its tenant, while their victims stop:
+        what they asked counts as used in its accounts (a negative `freed` for Ledger.admit). As a nominated job's
+        nodes are closed to jobs behind it (`_claimed_from`), so is the quota its victims free: a job behind it --
+        one of those victims, requeued -- does not take it back and make it stop someone again (a loop)."""
+        if not self.nominations:
+            return None
+        t = rec.request.tenant
+        mine = None
+        kept: dict | None = None
+        for o in self.nominations.values():
+            if o is rec or o.request.tenant != t or o.state != "pending" or o.reserved or o.hold is not None \
+                    or o.nominated is None or not o.nominated[1]:
+                continue
+            if not any(self.jobs[v].state in ("stopping", "migrating") for v in o.nominated[1]):
+                continue  # its victims are gone: it takes what they freed now, or plans again
+            mine = self._queue_key(rec) if mine is None else mine
+            if self._queue_key(o) >= mine:
+                continue
+            kept = {} if kept is None else kept
+            for k in ((t, None), (t, o.request.project)):
+                f = kept.setdefault(k, [0, 0])
+                f[0] -= o.request.compute_milli
+                f[1] -= o.request.gpu_memory_mib
+        return kept
 
     def _holding(self, result: Placement) -> tuple[int, int]:
         """What a placement holds in the quota's units (quota.held), over all its parts."""
@@ -590,6 +631,8 @@ class Scheduler:
         for ev in self.ledger.hold(r, quota.borrowed, reserved=rec.hold is not None or rec.reserved,
                                    milli=holding[0], memory=holding[1]):
             self._emit(out, ev, cause)
+        if rec.nominated is not None and rec.nominated[1]:
+            self._recharge(rec)  # its victims have stopped: what they freed beyond its need stays its claim's
         self._nominate(rec, None)
         if rec.hold is not None:
             rec.hold.status = "active"
@@ -679,6 +722,14 @@ class Scheduler:
                       rule == "reclaim" or not search.victim_claim(o, search.mine)[0], max(0, self.now_ms - since),
                       rule)
 
+    def _candidates_on(self, view: node_view.NodeView, search: Search, key) -> list[str]:
+        """The jobs on this node of the (tenant, claim group) tables that may hold a victim for claim `key`
+        (Search.groups: a superset of who may be stopped), from the victim index's entries, before any standing is
+        worked out."""
+        self.victim_index.sync(self.nodes, self.jobs)
+        tables = search.tables(key)
+        return [j for j, (g, t) in self.victim_index.held.get(view.node, {}).items() if (t, g) in tables]
+
     def _victims_on(self, view: node_view.NodeView, search: Search, key=None) -> list[Victim]:
         """Who on this node may be stopped for the search's job: work whose claim is below the job's (claims.py:
         the one order for tier preemption and reclaim); never a reservation hold, never a protected job, never
@@ -687,8 +738,7 @@ class Scheduler:
         cards)."""
         key = key or search.node_key(view)
         out: list[Victim] = []
-        self.victim_index.sync(self.nodes, self.jobs)
-        for j in self.victim_index.held.get(view.node, {}):
+        for j in self._candidates_on(view, search, key):
             other = self.jobs[j]
             if other.state not in ("placed", "running") or other.placement is None:
                 continue
@@ -720,14 +770,23 @@ class Scheduler:
             return False  # nobody's claim is below its own, on any card model: no search over the nodes
         too_big = {m: cards_needed(r.compute_milli, r.gpu_memory_mib, m) > n for m, n in self.index.models.items()}
         plan = None
+        plan_key = weakest
+        shape = Shape(r)
         if not all(too_big.values()):  # else no node has cards enough, whoever stops: only a multi-node gang plan
             def pairs():
                 for name in self._victim_nodes(search, strongest):
                     view = self.nodes[name]
                     key = search.node_key(view)  # its claim on this node's cards
+                    # a node where the job would not fit even with every job that may be a victim gone yields no
+                    # plan: passed over before any victim's standing is worked out (what plan_over would find)
+                    ids = self._candidates_on(view, search, key)
+                    if not ids or any(f(view, r) for f in NODE_FILTERS) or not Room(view, r, shape).fits_without(ids):
+                        continue
                     yield view, self._victims_on(view, search, key), (lambda chosen, v, key=key:
                                                                      search.valid(chosen, v, key))
             plan = plan_over(r, pairs(), self.preemption.candidate_nodes)
+            if plan is not None:
+                plan_key = search.node_key(self.nodes[plan.node])
         if plan is None and r.gang and any(too_big.values()):
             plan = plan_gang(rec.request, self.nodes, self.index, allowed_models(self.index, rec.request),
                              self._victims(search, weakest), lambda chosen, v: search.valid(chosen, v, weakest))
@@ -736,6 +795,7 @@ class Scheduler:
         self._stop_for(out, cause, rec, plan.victims)
         self._nominate(rec, (plan.node, tuple(v.job_id for v in plan.victims)),
                        tuple(sorted({plan.node} | {v.node for v in plan.victims})))
+        self._charge(rec, plan_key)
         where = tuple(sorted({v.node for v in plan.victims}))
         self._pending(out, cause, rec, (Reason(
             code="Preempting", plugin="Preemption", nodes=where,
@@ -783,7 +843,59 @@ class Scheduler:
             return None
         return Reason(code="RecentlyPreempted", plugin="Preemption", data={"until_ms": until},
                       message=f"stopped for another job at {rec.preempted_at[-1]} ms: it preempts nothing until "
-                              f"{until} ms, and takes free capacity meanwhile")
+                              f"{until} ms, and meanwhile takes free capacity that preemption did not free for "
+                              f"stronger work")
+
+    def _charge(self, rec: JobRecord, key: Claim) -> None:
+        """The nodes `rec` claims (a plan's) are freed for its claim `key` until the quiet window of victims stopped
+        now ends (`_recharge` moves it on when it takes its node); a node freed for several keeps the strongest."""
+        self._uncharge(rec)  # a plan made again: what the last one freed is not kept for it
+        until = self.now_ms + self.preemption.victim_quiet_ms
+        for n in rec.claim:
+            old = self.freed_for.get(n)
+            k = old[0] if old is not None and old[1] > self.now_ms and old[0] > key else key
+            self.freed_for[n] = (k, until, rec.request.job_id)
+        self._charged_by[rec.request.job_id] = rec.claim
+        self._barred_cache.clear()
+        self._barred_until = min(self._barred_until, until)
+
+    def _recharge(self, rec: JobRecord) -> None:
+        """`rec` took its node: its victims have stopped, their quiet windows run to victim_quiet_ms from now, and so
+        does what they freed for it."""
+        until = self.now_ms + self.preemption.victim_quiet_ms
+        for n in self._charged_by.get(rec.request.job_id, ()):
+            old = self.freed_for.get(n)
+            if old is not None and old[2] == rec.request.job_id:
+                self.freed_for[n] = (old[0], until, old[2])
+
+    def _uncharge(self, rec: JobRecord) -> None:
+        nodes = self._charged_by.pop(rec.request.job_id, None)
+        if nodes is None:
+            return
+        for n in nodes:
+            old = self.freed_for.get(n)
+            if old is not None and old[2] == rec.request.job_id:
+                del self.freed_for[n]
+        self._barred_cache.clear()
+
+    def _barred(self, rec: JobRecord, standing: bool) -> frozenset[str]:
+        """Nodes a job in its quiet window (`standing`: its standing now) may not take from: preemption freed them,
+        less than the victims' quiet window ago, for a claim at least as strong as its own (`freed_for`) -- the next
+        request of that claim would stop someone else for it (one of equal claim cannot stop it)."""
+        if not self.freed_for:
+            return frozenset()
+        now = self.now_ms
+        if now >= self._barred_until:  # a charge expired: drop those, and what was worked out from them
+            self.freed_for = {n: f for n, f in self.freed_for.items() if f[1] > now}
+            self._charged_by = {j: ns for j, ns in self._charged_by.items()
+                                if any(self.freed_for.get(n, ("", 0, ""))[2] == j for n in ns)}
+            self._barred_cache.clear()
+            self._barred_until = min((f[1] for f in self.freed_for.values()), default=1 << 62)
+        mine = claim(standing, rec.request.tier, rec.reserved)
+        got = self._barred_cache.get(mine)
+        if got is None:
+            got = self._barred_cache[mine] = frozenset(n for n, f in self.freed_for.items() if mine <= f[0])
+        return got
 
     def _stop_for(self, out: list[Envelope], cause: Envelope, rec: JobRecord, victims) -> None:
         r = rec.request
@@ -822,7 +934,8 @@ class Scheduler:
             if v is not None:
                 cands.append(v)
         chosen: list[Victim] = []
-        freed: dict[tuple[str, str | None], list[int]] = {}
+        # what its victims free, less what is kept for jobs nominated ahead of it (its admission counts that too)
+        freed: dict[tuple[str, str | None], list[int]] = {k: list(f) for k, f in (self._quota_kept(rec) or {}).items()}
 
         def count(v: Victim, sign: int) -> None:
             o = self.jobs[v.job_id]
@@ -849,10 +962,13 @@ class Scheduler:
                 chosen = [c for c in chosen if c is not extra]
             else:
                 count(extra, 1)
+        if not chosen:
+            return False  # admitted without stopping anyone: nothing to wait for
         if holding is None and not self._fits_after(rec, chosen):
             return False  # its quota would admit it, but no node would hold it: stopping its own work gains nothing
         self._stop_for(out, cause, rec, chosen)
         self._nominate(rec, (chosen[0].node, tuple(v.job_id for v in chosen)), tuple(sorted({v.node for v in chosen})))
+        self._charge(rec, key)
         self._pending(out, cause, rec, (Reason(
             code="Preempting", plugin="Preemption", nodes=tuple(sorted({v.node for v in chosen})),
             message=f"waiting for {len(chosen)} job(s) of its own account to stop: its quota is held by weaker work",

@@ -354,15 +354,20 @@ _NO_CONSTRAINTS = JobRequested.model_fields["constraints"].default
 
 
 def place(index: NodeIndex, views: dict[str, NodeView], job: JobRequested, workload: Workload,
-          k: int = DEFAULT_CANDIDATES, prefer: str | None = None, exclude: frozenset[str] = frozenset()
-          ) -> Placement | MigPlan | "Unschedulable":
+          k: int = DEFAULT_CANDIDATES, prefer: str | None = None, exclude: frozenset[str] = frozenset(),
+          barred: frozenset[str] = frozenset()) -> Placement | MigPlan | "Unschedulable":
     """Fitting nodes from the index, preferred card model first and tightest first; up to `k` of them are scored by
     the fragmentation they would add, the least wins. Failing that, a multi-node gang; failing that, a MIG
     reconfigure. Every rejection is recorded by plugin and node. `prefer`: a node tried first (a reservation's).
 
     What a node gives a job of a shape (rejection, or cards and fragmentation added) is a function of the node's
     view, the shape and the workload's typical set: it is kept in `index.fit_cache` per view object and reused by
-    the next job of the same shape that looks at the unchanged node."""
+    the next job of the same shape that looks at the unchanged node. `exclude`: nodes claimed by a job nominated
+    ahead of this one (`Preemption: NominatedForOther`); `barred`: nodes whose free capacity preemption freed for a
+    claim at least as strong as this recently stopped job's, which it may not take yet
+    (`Preemption: FreedForStronger`)."""
+    if barred:
+        exclude = exclude | barred
     workload.fleet(index)
     models = allowed_models(index, job)
     rejected: dict[tuple[str, str], list[str]] = {}
@@ -376,7 +381,8 @@ def place(index: NodeIndex, views: dict[str, NodeView], job: JobRequested, workl
     def consider(name: str, rank: int, order: list[str], order_key: str | None) -> None:
         seen.add(name)
         if name in exclude:
-            rejected.setdefault(("Preemption", "NominatedForOther"), []).append(name)
+            rejected.setdefault(("Preemption", "FreedForStronger" if name in barred else "NominatedForOther"),
+                                []).append(name)
             return
         v = views[name]
         outcome = None
@@ -450,7 +456,11 @@ def place(index: NodeIndex, views: dict[str, NodeView], job: JobRequested, workl
                 plan = mig_plan(v, job, models)
                 if plan is not None:
                     return plan
-    saw = (tuple(sorted((k, tuple(v)) for k, v in rejected.items())), len(seen), len(views), len(index.down))
+    # what it saw, the nodes closed to it aside (claimed by a nominated job, freed for a stronger claim): a waiting
+    # job is not explained afresh only because that set moved (core.Scheduler._unplaced)
+    closed = sum(len(v) for k, v in rejected.items() if k[0] == "Preemption")
+    saw = (tuple(sorted((k, tuple(v)) for k, v in rejected.items() if k[0] != "Preemption")), len(seen) - closed,
+           len(views), len(index.down))
     return Unschedulable(explain=lambda: _unschedulable(index, views, job, rejected, seen).reasons, seen=saw)
 
 
