@@ -193,15 +193,17 @@ class KafkaLog:
 
         return self._run(_committed(self.conn, SCHEDULER_GROUP, SCHEDULER_INPUT.name))
 
-    def _consumer(self, **kw):
+    async def _consumer(self, **kw):
+        """A started consumer (aiokafka wants to be made inside the loop that runs it: this object's)."""
         from aiokafka import AIOKafkaConsumer
 
-        return AIOKafkaConsumer(**self.conn.options(), enable_auto_commit=False, auto_offset_reset="earliest", **kw)
+        c = AIOKafkaConsumer(**self.conn.options(), enable_auto_commit=False, auto_offset_reset="earliest", **kw)
+        await c.start()
+        return c
 
     def _end(self, tp) -> int:
         async def go():
-            c = self._consumer()
-            await c.start()
+            c = await self._consumer()
             try:
                 return (await c.end_offsets([tp]))[tp]
             finally:
@@ -220,21 +222,27 @@ class KafkaLog:
         """Chunks of the records of one partition in [start, stop) (None: its end now), one consumer."""
         from infra.kafka_client import stop_consumer
 
-        c = self._consumer(**kw)
-        self._run(c.start())
-        try:
+        async def opened():
+            c = await self._consumer(**kw)
             c.assign([tp])
-            end = self._run(c.end_offsets([tp]))[tp] if stop is None else stop
+            end = (await c.end_offsets([tp]))[tp] if stop is None else stop
+            if end > start:
+                c.seek(tp, start)
+            return c, end
+
+        c, end = self._run(opened())
+        try:
             if end <= start:
                 return
-            c.seek(tp, start)
-            nxt = start
+            nxt, idle = start, 0
             while nxt < end:
                 got = self._run(c.getmany(tp, timeout_ms=1000, max_records=chunk)).get(tp, [])
                 batch = [m for m in got if m.offset < end]
                 if batch:
-                    nxt = batch[-1].offset + 1
+                    nxt, idle = batch[-1].offset + 1, 0
                     yield batch
+                elif (idle := idle + 1) >= 10:  # compaction may leave no record at the last offsets
+                    return
                 if len(batch) < len(got):
                     return
         finally:

@@ -10,7 +10,8 @@
    --segment-every records (the live writer's audit checkpoints: agents/scheduler/snapshot.AUDIT_EVERY). The
    directory is reused when it holds a log of the same size made by this code (--dir; else a temp dir).
 2. For each --jobs value, runs the verification in a fresh process
-   (`python -m agents.audit_segments --log-dir DIR --jobs N`): the output pre-pass, the segments in N worker
+   (`agents.audit_segments.verify_source`, what `python -m agents.audit_segments --log-dir DIR --jobs N` runs): the
+   output pre-pass, the segments in N worker
    processes (each reads its own segment from the files in chunks, loads the snapshot at its start, replays, checks
    outputs and the state at its end), the verdict. Wall time, CPU seconds of that process and its children
    (getrusage), peak RSS of the parent and of the largest child.

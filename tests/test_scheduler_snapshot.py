@@ -11,6 +11,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import rule
 
+from agents import state_digest
 from agents.scheduler import snapshot
 from agents.scheduler.elastic import ElasticScheduler
 from agents.scheduler.node_index import NodeIndex  # noqa: F401 - the state graph's classes import
@@ -100,6 +101,8 @@ class SnapshotMachine(inv.SchedulerMachine):
             assert [e.model_dump() for e in tail] == [e.model_dump() for e in self.outputs[outs_before:]]
             got = canonical(state)
             assert got == want, first_difference(got, want)
+            # the audit's digest of a state (agents/state_digest.py) says the same: equal states, equal digests
+            assert state_digest.digest(state) == state_digest.digest(full)
             # and the input goes on the same from either: one tick more
             tick = self.clock.env(inv.SchedulerTick(now_ms=self.clock.now), "ticker", dt=1000)
             assert [e.model_dump() for e in state.step(tick)] == [e.model_dump() for e in
