@@ -31,9 +31,19 @@ def _layout(cls: type) -> tuple[tuple[str, ...], frozenset[str]]:
     return tuple(slots), memos
 
 
+@functools.lru_cache(maxsize=None)
+def _plain(cls: type) -> bool:
+    """Whether an object's state is its __dict__ as it is (no slots of its own, no memos): pydantic models and
+    ordinary classes; their __dict__ holds no pydantic bookkeeping."""
+    slots, memos = _layout(cls)
+    return not memos and all(n.startswith("__pydantic") for n in slots)
+
+
 def fields(obj) -> dict:
     """An object's state: its __dict__ and slots, without memos of derived values and pydantic's bookkeeping."""
     cls = type(obj)
+    if _plain(cls) and hasattr(obj, "__dict__"):
+        return {k: v for k, v in obj.__dict__.items() if not k.startswith("__pydantic")}
     slots, memos = _layout(cls)
     out = {}
     d = getattr(obj, "__dict__", None)
@@ -91,15 +101,51 @@ class Digest:
         self.objects += 1
         return d
 
+    def _pairs(self, items) -> bytes:
+        """The sorted encodings of (key, value) pairs: enc(k) + enc(v), the commonest primitives inline."""
+        enc = self.enc
+        out = []
+        append = out.append
+        for k, v in items:
+            if type(k) is str:
+                b = k.encode("utf-8", "surrogatepass")
+                ek = b"s%d:" % len(b) + b
+            else:
+                ek = enc(k)
+            t = type(v)
+            if t is int:
+                append(ek + b"i%d;" % v)
+            elif t is str:
+                b = v.encode("utf-8", "surrogatepass")
+                append(ek + b"s%d:" % len(b) + b)
+            elif v is None:
+                append(ek + b"N")
+            else:
+                append(ek + enc(v))
+        out.sort()
+        return b"".join(out)
+
     def body(self, obj) -> bytes:
         enc = self.enc
-        name = _tag(type(obj).__qualname__)
+        cls = type(obj)
+        if cls in _OBJECTS or (cls not in _OTHERS and _is_object(cls)):
+            d = getattr(obj, "__dict__", None)
+            if d is not None and _plain(cls):
+                if d:
+                    return b"O" + _tag(cls.__qualname__) + self._pairs(
+                        (k, v) for k, v in d.items() if not k.startswith("__pydantic"))
+            else:
+                f = fields(obj)
+                if f:
+                    return b"O" + _tag(cls.__qualname__) + self._pairs(f.items())
+            return b"R" + _tag(cls.__qualname__) + (b"" if callable(obj) else repr(obj).encode())
+        name = _tag(cls.__qualname__)
         if isinstance(obj, enum.Enum):
             return b"E" + name + enc(obj.value)
         if isinstance(obj, (list, tuple)):
             return b"L" + name + b"".join(map(enc, obj))
         if isinstance(obj, dict):
-            return b"D" + name + b"".join(sorted(enc(k) + enc(v) for k, v in obj.items()))
+            return b"D" + name + self._pairs(obj.items())
         if isinstance(obj, (set, frozenset)):
             return b"S" + name + b"".join(sorted(map(enc, obj)))
         if isinstance(obj, type):
@@ -110,6 +156,17 @@ class Digest:
         if not f:
             return b"R" + name + (b"" if callable(obj) else repr(obj).encode())
         return b"O" + name + b"".join(sorted(enc(k) + enc(v) for k, v in f.items()))
+
+
+_OBJECTS: set[type] = set()
+_OTHERS: set[type] = set()
+
+
+def _is_object(cls: type) -> bool:
+    """Whether instances are encoded by their fields (not an enum, container, class or primitive); remembered."""
+    plain = not issubclass(cls, (enum.Enum, list, tuple, dict, set, frozenset, type, int, str, float, bytes))
+    (_OBJECTS if plain else _OTHERS).add(cls)
+    return plain
 
 
 def digest(state) -> str:
