@@ -395,7 +395,8 @@ def verify_source(src, jobs: int = 1, window=(None, None), offsets=(None, None),
         results: list[Result] = []
         total = sum(s.stop - s.start for s in chosen)
         done = 0
-        pool = _pool(jobs) if jobs > 1 else None
+        procs = min(jobs, len(tasks))  # no more processes than segments; one segment runs here
+        pool = _pool(procs) if procs > 1 else None
         try:
             it = pool.imap(run_segment, tasks, chunksize=1) if pool else map(run_segment, tasks)
             for r in it:
