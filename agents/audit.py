@@ -1,6 +1,13 @@
 """`gpupool audit`: check the recorded decisions and the bill by replaying the log, and export governance evidence.
 
-replay --verify
+replay --verify [--jobs N] [--from T --to T | --from-offset A --to-offset B] [--full]
+    By default by segments (agents/audit_segments.py): the input cut at the scheduler's snapshots on record, each
+    segment replayed from the snapshot at its start in one of N processes, streaming (a chunk of records at a time),
+    its outputs compared as below and the state it reaches checked against the snapshot at its end (canonical
+    digests, agents/state_digest.py); a window verifies only the segments that cover it. `--full` is the replay
+    described here, from offset 0 in one process with the whole log in memory; both give the same verdict on the
+    outputs and the bill (tests/test_audit_segments.py).
+
     Reads `gpupool.scheduler-input` from offset 0, re-runs the pure scheduler (agents/scheduler/core.py) over it and
     compares (a) every envelope the replay produces with the scheduler's recorded outputs (`gpupool.commands`,
     scheduler-sourced records in `gpupool.job-events` and `gpupool.ledger`), matched by event id, full envelope;
@@ -21,8 +28,9 @@ replay --verify
         sink has acknowledged (`gpupool.sink_progress`); usage rows whose event id the replay never produces are
         extra; matched rows must agree in every column except the Kafka coordinates (topic, partition, offset:
         a re-emitted duplicate lives at another offset, and FINAL keeps either copy).
-      * --from/--to restrict the comparison to outputs whose event time lies in [from, to); the replay itself
-        always starts at offset 0, since the scheduler's state depends on everything before the window.
+      * --from/--to restrict the comparison to outputs whose event time lies in [from, to); with --full the replay
+        itself starts at offset 0, since the scheduler's state depends on everything before the window; by segments
+        it starts at the snapshot before the window (which the segment before it, when verified, checks).
 
 export --tenant T --out DIR [--from T --to T]
     The tenant's evidence pack for the period (agents/evidence.py): a CSV and a JSON file per section, a summary, the
@@ -36,6 +44,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -49,6 +58,7 @@ from schemas.envelope import DecodeError, Envelope, decode
 from schemas.topics import (
     COMMANDS, DECISIONS, INVENTORY, JOB_REQUESTS, LEDGER, NODE_CONTROL, SCHEDULER_INPUT, TELEMETRY,
 )
+from agents.audit_log import Recorded
 from streams.core.rows import COLUMNS, rows_for
 
 SCHEDULER_GROUP = "gpupool-scheduler"
@@ -60,15 +70,6 @@ SHOW = 20
 
 
 # ---------------------------------------------------------------- pure comparison
-
-
-@dataclass(frozen=True)
-class Recorded:
-    """One record read back from an output topic."""
-    topic: str
-    partition: int
-    offset: int
-    value: bytes | None
 
 
 @dataclass
@@ -181,8 +182,13 @@ def compare_bill(expected: list[Envelope], rows: list[dict], not_yet_sunk: set[s
 
     `expected`: replay usage events ClickHouse must hold; `not_yet_sunk`: event ids the sink has not reached yet
     (neither missing nor extra); `known_ids`: every usage event id the replay produces (rows outside are extra)."""
+    return compare_bill_rows({e.event_id: usage_row(e) for e in expected}, rows, not_yet_sunk, known_ids)
+
+
+def compare_bill_rows(want: dict[str, dict], rows: list[dict], not_yet_sunk: set[str] = frozenset(),
+                      known_ids: set[str] | None = None) -> Report:
+    """`compare_bill` with the expected rows made already (event id -> usage_row)."""
     rep = Report()
-    want = {e.event_id: usage_row(e) for e in expected}
     known = set(want) | set(not_yet_sunk) | (known_ids or set())
     have: dict[str, dict] = {}
     for r in rows:
@@ -290,14 +296,21 @@ def _usage_rows(client) -> list[dict]:
 # ---------------------------------------------------------------- replay --verify
 
 
-def verify(cfg, window: tuple[int | None, int | None]) -> int:
-    report = verification(cfg, window)
+def verify(cfg, window: tuple[int | None, int | None], full: bool = False, jobs: int | None = None,
+           offsets: tuple[int | None, int | None] = (None, None)) -> int:
+    report = verification(cfg, window, full=full, jobs=jobs, offsets=offsets)
     print("\n".join(report["lines"]))
     return 0 if report["ok"] else 1
 
 
-def verification(cfg, window: tuple[int | None, int | None]) -> dict:
-    """Replay the log and compare (the module's docstring): the report as data, its lines as printed."""
+def verification(cfg, window: tuple[int | None, int | None], full: bool = False, jobs: int | None = None,
+                 offsets: tuple[int | None, int | None] = (None, None)) -> dict:
+    """Replay the log and compare (the module's docstring): the report as data, its lines as printed. By segments
+    in `jobs` processes (default: one per CPU), or `full`: from offset 0 in one process."""
+    if not full:
+        return segmented_verification(cfg, window, offsets, jobs or os.cpu_count() or 1)
+    if offsets != (None, None):
+        raise SystemExit("--from-offset/--to-offset select segments: not with --full")
     from agents.client import Client
 
     t0 = time.monotonic()
@@ -348,6 +361,71 @@ def verification(cfg, window: tuple[int | None, int | None]) -> dict:
             "committed_offset": committed, "outputs_compared": outputs.compared, "usage_compared": bill.compared,
             "missing": len(outputs.missing) + len(bill.missing), "extra": len(outputs.extra) + len(bill.extra),
             "different": len(outputs.different) + len(bill.different)}
+
+
+def segmented_verification(cfg, window, offsets, jobs: int) -> dict:
+    """The verification by segments (agents/audit_segments.py) on the live log, with the bill: each segment's
+    replay usage events against the rows of `gpupool.usage FINAL` as the segment's verdict arrives."""
+    from agents.audit_log import KafkaLog
+    from agents.audit_segments import verify_source
+    from agents.client import Client
+    from agents.evidence import iso
+    from infra.progress import Bar
+
+    t0 = time.monotonic()
+    client = Client(cfg)
+    progress = _sink_progress(client)
+    rows = {str(r["event_id"]): r for r in _usage_rows(client)}
+    bill = Report()
+    pending = 0
+
+    def on_result(res, usage):
+        nonlocal pending
+        want, not_sunk, known, have = {}, set(), set(), []
+        for eid, row, sunk, in_window in usage:
+            known.add(eid)
+            got = rows.pop(eid, None)
+            if not in_window:
+                continue
+            if sunk:
+                want[eid] = row
+            else:
+                not_sunk.add(eid)
+            if got is not None:
+                have.append(got)
+        pending += len(not_sunk)
+        r = compare_bill_rows(want, have, not_sunk, known)
+        bill.compared += r.compared
+        bill.matched += r.matched
+        for name in ("missing", "extra", "different"):
+            getattr(bill, name).extend(getattr(r, name))
+
+    with Bar("replay") as bar:
+        res = verify_source(KafkaLog(client.conn()), jobs=jobs, window=window, offsets=offsets, sink=progress,
+                            on_result=on_result, progress=bar)
+    # rows no verified segment produced: extra, unless a window leaves them to segments not verified
+    if offsets == (None, None):
+        left = [r for r in rows.values() if window == (None, None) or _in_window(int(r["end_ms"]), window)]
+        r = compare_bill_rows({}, left, set(), set())
+        bill.compared += r.compared
+        bill.extra.extend(r.extra)
+    print(f"scheduler input: {res['input_records']} records, scheduler committed offset {res['committed_offset']}; "
+          f"recorded outputs read: {res['outputs_read']}; {res['segments']} of {res['segments_total']} segment(s) "
+          f"verified in {jobs} process(es)", file=sys.stderr)
+    lines = res["lines"] + bill.lines("bill (gpupool.usage FINAL)")
+    if pending:
+        lines.append(f"  note: {pending} replay usage event(s) not yet acknowledged by the sink, not compared")
+    ok = res["ok"] and bill.ok
+    lines.append(f"audit replay --verify: {'OK' if ok else 'MISMATCH'} ({time.monotonic() - t0:.1f} s, "
+                 f"{res['segments']} segment(s), --jobs {jobs})")
+    rep = res["report"]
+    return {"ok": ok, "lines": lines, "ran_at": iso(time.time_ns() // 1_000_000),
+            "window": {"from": iso(window[0]), "to": iso(window[1])}, "input_records": res["input_records"],
+            "committed_offset": res["committed_offset"], "outputs_compared": rep.compared,
+            "usage_compared": bill.compared, "segments": res["segments"], "states_checked": res["states_checked"],
+            "states_different": res["states_different"],
+            "missing": len(rep.missing) + len(bill.missing), "extra": len(rep.extra) + len(bill.extra),
+            "different": len(rep.different) + len(bill.different) + res["states_different"]}
 
 
 # ---------------------------------------------------------------- export
@@ -411,9 +489,16 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="gpupool audit", description="audit the log: replay, verify, export")
     sub = p.add_subparsers(dest="action", required=True)
     r = sub.add_parser("replay", help="re-run the scheduler over its input log")
-    r.add_argument("--verify", action="store_true", help="compare with the recorded outputs and the bill")
-    r.add_argument("--from", dest="since", help="ISO time or epoch ms: compare outputs from this event time")
+    r.add_argument("--verify", action="store_true", help="compare with the recorded outputs, the snapshots and the "
+                                                         "bill, segment by segment (see --full)")
+    r.add_argument("--from", dest="since", help="ISO time or epoch ms: compare outputs from this event time (only "
+                                                "the segments that cover it are replayed)")
     r.add_argument("--to", dest="until", help="ISO time or epoch ms: compare outputs before this event time")
+    r.add_argument("--from-offset", type=int, help="input offset: verify the segments from the one holding it")
+    r.add_argument("--to-offset", type=int, help="input offset (exclusive): verify the segments up to it")
+    r.add_argument("--jobs", type=int, help="processes verifying segments in parallel (default: one per CPU)")
+    r.add_argument("--full", action="store_true", help="one replay from offset 0 in one process, the whole log in "
+                                                       "memory (no segments, no snapshot checks)")
     e = sub.add_parser("export", help="a tenant's evidence pack for a period: sections, summary, verification, "
                                       "a signed manifest")
     e.add_argument("--tenant", required=True)
@@ -449,7 +534,8 @@ def _run_audit(cfg, argv: list[str]) -> int:
             outs = _replay(inputs)
             print(f"replayed {len(inputs)} input records (committed {committed}): {len(outs)} outputs")
             return 0
-        return verify(cfg, (parse_time(args.since), parse_time(args.until)))
+        return verify(cfg, (parse_time(args.since), parse_time(args.until)), full=args.full, jobs=args.jobs,
+                      offsets=(args.from_offset, args.to_offset))
     if args.action == "verify-export":
         return verify_export(Path(args.directory), Path(args.pubkey) if args.pubkey else None)
     return export(cfg, args.tenant, Path(args.out), (parse_time(args.since), parse_time(args.until)),

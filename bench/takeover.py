@@ -30,8 +30,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def history(n_records: int, nodes: int, snapshot_at: int, seed: int = 7):
-    """(envelopes, log_ms) of the scheduler input, and the scheduler that stepped them (state after each)."""
+def history(n_records: int, nodes: int, snapshot_at: int, seed: int = 7, on_record=None):
+    """(envelopes, log_ms) of the scheduler input, and the scheduler that stepped them (state after each).
+    `on_record(i, env, log_ms, outputs, scheduler)`: called after each record is stepped, instead of keeping the
+    envelopes (bench/audit_segments.py streams them to files)."""
     from agents.node import fleet
     from agents.scheduler.elastic import ElasticScheduler
     from schemas.envelope import envelope
@@ -52,13 +54,19 @@ def history(n_records: int, nodes: int, snapshot_at: int, seed: int = 7):
     due: list[tuple[int, object]] = []  # (log ms, payload) the node agents will say
     t0 = time.process_time()
 
+    count = [0]
+
     def feed(payload, source):
         seqs[source] = seqs.get(source, 0) + 1
         env = envelope(payload, source=source, seq=seqs[source], time_ms=now)
-        out_envs.append(env)
-        times.append(now)
+        count[0] += 1
+        if on_record is None:
+            out_envs.append(env)
+            times.append(now)
         outs = s.step(env, now)
-        if len(out_envs) == snapshot_at:
+        if on_record is not None:
+            on_record(count[0] - 1, env, now, outs, s)
+        if count[0] == snapshot_at:
             nonlocal snap
             snap = snapshot.dump(s, snapshot_at, now)
         for o in outs:
@@ -75,15 +83,15 @@ def history(n_records: int, nodes: int, snapshot_at: int, seed: int = 7):
     for t in ("acme", "zeta", "umbra"):
         feed(QuotaSet(tenant=t, gpu_milli=nodes * 8 * 1000, overcommit_pct=150), "operator")
     j = ticks = 0
-    while len(out_envs) < n_records:
+    while count[0] < n_records:
         now += 1000
         ticks += 1
         feed(SchedulerTick(now_ms=now), "ticker")
         due.sort(key=lambda d: d[0])
-        while due and due[0][0] <= now and len(out_envs) < n_records:
+        while due and due[0][0] <= now and count[0] < n_records:
             _, p = due.pop(0)
             feed(p, f"{p.node}/job/{p.job_id}")
-        if ticks % 10 == 0 and len(out_envs) < n_records:
+        if ticks % 10 == 0 and count[0] < n_records:
             j += 1
             job_id = f"{('acme', 'zeta', 'umbra')[j % 3]}/j{j}"
             running[job_id] = rng.choice((60_000, 120_000, 600_000))

@@ -97,6 +97,12 @@ def snapshot_every_log_ms() -> int:
     return int(float(os.environ.get("GPUPOOL_SNAPSHOT_EVERY_S", snapshot.EVERY_LOG_MS / 1000)) * 1000)
 
 
+def snapshot_audit_every() -> int:
+    import os
+
+    return int(os.environ.get("GPUPOOL_SNAPSHOT_AUDIT_EVERY", snapshot.AUDIT_EVERY))
+
+
 def tune_gc() -> None:
     """The scheduler's state is a large, long-lived object graph (node views, job records, the ledger) that the
     cyclic collector would otherwise traverse again and again: collect young objects less often and move what
@@ -172,7 +178,8 @@ class SchedulerAgent:
                                     max_request_size=64 << 20)  # a snapshot is one record
         await consumer.start()
         await producer.start()
-        self.snapshots = snapshot.Writer(producer, snapshot_every_records(), snapshot_every_log_ms())
+        self.snapshots = snapshot.Writer(producer, snapshot_every_records(), snapshot_every_log_ms(),
+                                         snapshot_audit_every())
         consumer.subscribe([SCHEDULER_INPUT.name], listener=ownership)
         try:
             while True:

@@ -17,7 +17,11 @@ other code: it is ignored, and the takeover replays from the newest snapshot thi
 replay, never a wrong one. Only the service principal may write the topic (infra/principals.py), and the pickle is
 only ever loaded from there.
 
-Older snapshots are deleted by tombstones (the writer keeps the latest KEEP), so compaction bounds the topic.
+Older snapshots are deleted by tombstones (the writer keeps the latest KEEP), so compaction bounds the topic -- except
+the audit's checkpoints: the first snapshot written in each span of AUDIT_EVERY input records is never tombstoned.
+They split the input into segments that `gpupool audit replay --verify` checks in parallel, each from the checkpoint
+at its start, checking the one at its end (agents/audit_segments.py); the topic grows by one state per AUDIT_EVERY
+records.
 """
 from __future__ import annotations
 
@@ -37,7 +41,8 @@ import orjson
 log = logging.getLogger("gpupool.scheduler.snapshot")
 
 FORMAT = 1
-KEEP = 2  # snapshots kept (older ones get a tombstone)
+KEEP = 2  # snapshots kept (older ones get a tombstone) ...
+AUDIT_EVERY = 50_000  # ... besides the first of every span of this many input records (the audit's checkpoints)
 EVERY_RECORDS = 2_000  # a snapshot at least every this many input records ...
 EVERY_LOG_MS = 120_000  # ... or this much log time, whichever comes first (and something was read)
 UPCASTERS: dict[int, Any] = {}  # format -> fn(doc) -> doc of format+1
@@ -116,7 +121,7 @@ async def latest(conn, at_most: int) -> tuple[Snapshot | None, list[int]]:
     try:
         consumer.assign([tp])
         end = (await consumer.end_offsets([tp]))[tp]
-        live: dict[int, bytes] = {}  # offset covered -> value, tombstones applied
+        live: dict[int, bytes | None] = {}  # offset covered -> value (or None: not kept), tombstones applied
         if end > 0:
             consumer.seek(tp, 0)
             next_offset = 0
@@ -127,24 +132,44 @@ async def latest(conn, at_most: int) -> tuple[Snapshot | None, list[int]]:
                     k = int(msg.key)
                     if msg.value is None:
                         live.pop(k, None)
-                    elif k <= at_most:
-                        live[k] = msg.value
+                    else:
+                        live[k] = msg.value if k <= at_most else None
+                        # the candidates' values only (the newest few at or below at_most): the audit's checkpoints
+                        # make the topic hold a state per AUDIT_EVERY records, which need not all be in memory
+                        below = sorted((o for o, v in live.items() if v is not None), reverse=True)
+                        for o in below[KEEP + 2:]:
+                            live[o] = None
     finally:
         await stop_consumer(consumer)
-    for k in sorted(live, reverse=True):
+    for k in sorted((o for o, v in live.items() if v is not None), reverse=True):
         snap = await asyncio.to_thread(load, live[k])  # unpickling a large state must not hold the event loop
         if snap is not None and snap.offset == k:
             return snap, sorted(live)
     return None, sorted(live)
 
 
-class Writer:
-    """Writes the scheduler's snapshots when due; tombstones those older than the latest KEEP."""
+def checkpoints(offsets, audit_every: int = AUDIT_EVERY) -> list[int]:
+    """Of the snapshot offsets written, in order, those kept for the audit: the first in each span of audit_every
+    records after the last one kept. Applied to the offsets still on the topic (the kept ones and the latest KEEP)
+    it gives the same answer, so a writer that takes over knows which of them it may tombstone."""
+    kept: list[int] = []
+    for off in sorted(offsets):
+        if audit_every > 0 and off // audit_every > (kept[-1] // audit_every if kept else 0):
+            kept.append(off)
+    return kept
 
-    def __init__(self, producer, every_records: int = EVERY_RECORDS, every_log_ms: int = EVERY_LOG_MS):
+
+class Writer:
+    """Writes the scheduler's snapshots when due; tombstones those older than the latest KEEP, except the audit's
+    checkpoints (`checkpoints`)."""
+
+    def __init__(self, producer, every_records: int = EVERY_RECORDS, every_log_ms: int = EVERY_LOG_MS,
+                 audit_every: int = AUDIT_EVERY):
         self.producer = producer
         self.every_records = every_records
         self.every_log_ms = every_log_ms
+        self.audit_every = audit_every
+        self.kept: list[int] = []
         self.last_offset = -1
         self.last_log_ms = -1
         self.written: list[int] = []
@@ -153,7 +178,8 @@ class Writer:
 
     def start_at(self, offset: int, log_ms: int, existing: list[int] = ()) -> None:
         self.last_offset, self.last_log_ms = offset, log_ms
-        self.written = sorted(existing)
+        self.kept = checkpoints(existing, self.audit_every)
+        self.written = [o for o in sorted(existing) if o not in set(self.kept)]
 
     def due(self, offset: int, log_ms: int) -> bool:
         if offset <= self.last_offset:
@@ -169,7 +195,10 @@ class Writer:
         # worker's other agents run meanwhile.
         value = await asyncio.to_thread(dump, state, offset, log_ms)
         await (await self.producer.send(SCHEDULER_SNAPSHOTS.name, key=key_of(offset), value=value, partition=0))
-        self.written.append(offset)
+        if checkpoints(self.kept + [offset], self.audit_every)[-1:] == [offset]:
+            self.kept.append(offset)  # an audit checkpoint: never tombstoned
+        else:
+            self.written.append(offset)
         self.count += 1
         self.last_bytes = len(value)
         self.last_offset, self.last_log_ms = offset, log_ms

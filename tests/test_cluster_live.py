@@ -114,8 +114,9 @@ def commands(stack) -> list:
 
 
 def audit_ok(stack) -> None:
-    """`gpupool audit replay --verify` exits 0: the replay of the whole log from offset 0 gives the recorded
-    outputs, and the bill in ClickHouse is the replay's usage (it may take a while for the sink to catch up)."""
+    """`gpupool audit replay --verify` exits 0: the replay of the log (by segments from the snapshots on record,
+    each snapshot checked; docs/billing.md) gives the recorded outputs, and the bill in ClickHouse is the replay's
+    usage (it may take a while for the sink to catch up)."""
     last = {}
 
     def ok():

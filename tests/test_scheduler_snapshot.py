@@ -11,6 +11,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import rule
 
+from agents import state_digest
 from streams import scheduler_snapshot as snapshot
 from agents.scheduler.elastic import ElasticScheduler
 from agents.scheduler.node_index import NodeIndex  # noqa: F401 - the state graph's classes import
@@ -100,6 +101,8 @@ class SnapshotMachine(inv.SchedulerMachine):
             assert [e.model_dump() for e in tail] == [e.model_dump() for e in self.outputs[outs_before:]]
             got = canonical(state)
             assert got == want, first_difference(got, want)
+            # the audit's digest of a state (agents/state_digest.py) says the same: equal states, equal digests
+            assert state_digest.digest(state) == state_digest.digest(full)
             # and the input goes on the same from either: one tick more
             tick = self.clock.env(inv.SchedulerTick(now_ms=self.clock.now), "ticker", dt=1000)
             assert [e.model_dump() for e in state.step(tick)] == [e.model_dump() for e in
@@ -143,3 +146,33 @@ def test_the_writer_is_due_every_n_records_or_t_of_log_time():
     w.start_at(100, 5_000)
     assert not w.due(100, 60_000)  # nothing new read
     assert not w.due(150, 14_999) and w.due(150, 15_000) and w.due(200, 5_000)
+
+
+def test_the_writer_keeps_the_audit_checkpoints_and_tombstones_the_rest():
+    import asyncio
+
+    class Producer:
+        def __init__(self):
+            self.sent = []
+
+        async def send(self, topic, key, value, partition):
+            self.sent.append((int(key), value is not None))
+            fut = asyncio.get_running_loop().create_future()
+            fut.set_result(None)
+            return fut
+
+    async def go(w, offsets):
+        for off in offsets:
+            await w.write(ElasticScheduler(**inv.config()), off, 0)
+
+    p = Producer()
+    w = snapshot.Writer(p, every_records=40, audit_every=100)
+    asyncio.run(go(w, [40, 80, 120, 160, 200, 240, 280]))
+    tombstoned = [k for k, alive in p.sent if not alive]
+    assert w.kept == [120, 200] and sorted(w.written) == [240, 280]
+    assert tombstoned == [40, 80, 160]  # never a checkpoint
+    # what is left on the topic tells a writer that takes over the same
+    assert snapshot.checkpoints([120, 200, 240, 280], 100) == [120, 200]
+    w2 = snapshot.Writer(Producer(), every_records=40, audit_every=100)
+    w2.start_at(280, 0, [120, 200, 240, 280])
+    assert w2.kept == [120, 200] and w2.written == [240, 280]

@@ -207,7 +207,8 @@ def parser() -> argparse.ArgumentParser:
     cl = add("cluster", views.cmd_cluster, help="allocation, fragmentation, free capacity")
     cl.add_argument("--format", default="table", choices=["table", "json"])
 
-    sub.add_parser("audit", help="audit the log: replay --verify [--from T --to T], export --tenant T --out DIR",
+    sub.add_parser("audit", help="audit the log: replay --verify [--jobs N] [--from T --to T | --from-offset A "
+                                 "--to-offset B] [--full], export --tenant T --out DIR",
                    add_help=False)
     sub.add_parser("acceptance", help="seed 004's acceptance suites: report --out DIR [--results FILE]",
                    add_help=False)
