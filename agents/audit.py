@@ -124,6 +124,24 @@ def _label(env: Envelope) -> str:
     return f"{env.event_id} {p.kind} {what}".rstrip()
 
 
+def foreign_record(rec: Recorded, window: tuple[int | None, int | None], rep: Report) -> None:
+    """A record of the output topics that none of the scheduler's sources wrote (the full and the segmented audit
+    alike): on the commands topic it is extra -- undecodable, or a command only the scheduler may write -- when in
+    the window; elsewhere it is another producer's record on a shared topic (users' requests, node reports)."""
+    if rec.topic != COMMANDS.name:
+        return
+    try:
+        env = decode(rec.value)
+    except DecodeError as exc:
+        rep.compared += 1
+        rep.extra.append(f"{rec.topic}/{rec.partition}@{rec.offset} undecodable ({exc.code})")
+        return
+    if _in_window(env.event_time_ms, window):
+        rep.compared += 1
+        rep.extra.append(f"{_label(env)} from source {env.source!r} at {rec.topic}/{rec.partition}@{rec.offset}: "
+                         f"only the scheduler writes commands")
+
+
 def compare_outputs(replayed: list[tuple[int, Envelope]], recorded: list[Recorded], committed: int,
                     window: tuple[int | None, int | None] = (None, None)) -> Report:
     """Replay outputs (input offset that caused them, envelope) against the records read from the output topics."""
@@ -135,14 +153,10 @@ def compare_outputs(replayed: list[tuple[int, Envelope]], recorded: list[Recorde
     for rec in recorded:
         try:
             env = decode(rec.value)
-        except DecodeError as exc:
-            if rec.topic == COMMANDS.name:
-                rep.extra.append(f"{rec.topic}/{rec.partition}@{rec.offset} undecodable ({exc.code})")
-            continue
-        if env.source not in OUR_SOURCES:
-            if rec.topic == COMMANDS.name and _in_window(env.event_time_ms, window):
-                rep.extra.append(f"{_label(env)} from source {env.source!r} at {rec.topic}/{rec.partition}@"
-                                 f"{rec.offset}: only the scheduler writes commands")
+        except DecodeError:
+            env = None
+        if env is None or env.source not in OUR_SOURCES:
+            foreign_record(rec, window, rep)
             continue
         seen.setdefault(env.event_id, []).append(rec)
         mine = by_id.get(env.event_id)

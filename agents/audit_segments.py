@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from agents.audit import (
-    COMMANDS, OUR_SOURCES, Report, _diff_paths, _doc, _in_window, _label, usage_row,
+    OUR_SOURCES, Report, _diff_paths, _doc, _in_window, _label, foreign_record, usage_row,
 )
 from agents.audit_log import Recorded, SnapInfo, loads_head, open_source
 from schemas.envelope import DecodeError, decode, encode
@@ -118,17 +118,7 @@ def spill_outputs(records, directory: str, window=(None, None), bucket: int = BU
         n += 1
         head = loads_head(rec.value)
         if head is None or head[0] not in OUR_SOURCES:
-            if rec.topic != COMMANDS.name:
-                continue  # other producers' records on the shared topics (users' requests, node reports)
-            try:
-                env = decode(rec.value)
-            except DecodeError as exc:
-                rep.extra.append(f"{rec.topic}/{rec.partition}@{rec.offset} undecodable ({exc.code})")
-                continue
-            if _in_window(env.event_time_ms, window):
-                rep.compared += 1
-                rep.extra.append(f"{_label(env)} from source {env.source!r} at {rec.topic}/{rec.partition}@"
-                                 f"{rec.offset}: only the scheduler writes commands")
+            foreign_record(rec, window, rep)
             continue
         source, seq = head
         key = (source, seq // bucket)
