@@ -70,6 +70,39 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def port_free(port: int) -> bool:
+    """Whether a listener could bind `port` now. SO_REUSEADDR as the JVM sets it: a port whose last connections
+    linger in TIME_WAIT (a broker just killed) is free; one another process listens on is not."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+def free_port_run(brokers: int = 1) -> int:
+    """A port p with p .. p+2·brokers-1 free: a broker's controller listens on the port after its client port, and a
+    local cluster's brokers sit two apart (GPUPOOL_KAFKA_PORT names only the first). One free port alone is not
+    enough: the controller's bind then fails on whatever holds p+1, and Kafka exits with 1."""
+    for _ in range(100):
+        p = free_port()
+        if p + 2 * brokers < 65536 and all(port_free(p + k) for k in range(2 * brokers)):
+            return p
+    raise RuntimeError(f"no run of {2 * brokers} free ports on 127.0.0.1")
+
+
+def _log_tail(path: Path, lines: int = 15) -> str:
+    """What a broker that exited said last: the error lines if it logged any, else its last lines."""
+    try:
+        text = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return "(no broker log)"
+    errors = [ln for ln in text if "ERROR" in ln or "Exception" in ln or "Error:" in ln]
+    return "\n".join((errors or text)[-lines:])
+
+
 SUPER_USER = "broker"  # the broker's own principal (inter-broker traffic and the bootstrap of principals)
 CONTROLLER_USER = "controller"  # the KRaft controller listener's principal (SASL/PLAIN, loopback only)
 
@@ -180,12 +213,19 @@ class LocalBroker:
     def start(self, timeout: float = 90.0, cluster_id: str | None = None) -> "LocalBroker":
         if self.running_pid() and port_open("127.0.0.1", self.port):
             return self
+        taken = [p for p in (self.port, self.controller_port or self.port + 1) if not port_free(p)]
+        if taken:  # say so before the JVM does it in a log line nobody reads
+            raise RuntimeError(f"cannot start Kafka on 127.0.0.1:{self.port}: port(s) {taken} are held by another "
+                               f"process (the controller listens on the port after the client's); choose another "
+                               f"GPUPOOL_KAFKA_PORT")
         proc = self.launch(cluster_id)
         deadline = time.monotonic() + timeout
         conn = self.bootstrap_conn()
         while time.monotonic() < deadline:
             if proc.poll() is not None:
-                raise RuntimeError(f"Kafka exited with {proc.returncode}; see {self.data / 'broker.log'}")
+                log = self.data / "broker.log"
+                raise RuntimeError(f"Kafka exited with {proc.returncode} (ports {self.port}, "
+                                   f"{self.controller_port or self.port + 1}); see {log}; it said:\n{_log_tail(log)}")
             if port_open("127.0.0.1", self.port) and asyncio.run(_answers(conn)):
                 return self
             time.sleep(0.3)

@@ -19,8 +19,12 @@ pytestmark = pytest.mark.broker
 
 
 def _env(home: Path) -> dict:
-    return {**os.environ, "GPUPOOL_HOME": str(home), "GPUPOOL_KAFKA_PORT": str(kafka_local.free_port()),
-            "GPUPOOL_WEB_PORT": str(kafka_local.free_port()), "GPUPOOL_KAFKA": "", "GPUPOOL_USER": "admin"}
+    kafka = kafka_local.free_port_run()  # the broker's port and its controller's, the one after it
+    web = kafka_local.free_port()
+    while web in (kafka, kafka + 1):
+        web = kafka_local.free_port()
+    return {**os.environ, "GPUPOOL_HOME": str(home), "GPUPOOL_KAFKA_PORT": str(kafka),
+            "GPUPOOL_WEB_PORT": str(web), "GPUPOOL_KAFKA": "", "GPUPOOL_USER": "admin"}
 
 
 def _gpupool(env: dict, *argv: str, timeout: float = 240) -> subprocess.CompletedProcess:

@@ -26,26 +26,6 @@ pytestmark = [pytest.mark.broker, pytest.mark.chaos]
 WAIT = 300  # seconds: three brokers, two workers and an agent on a loaded 2-core machine
 
 
-def _free_port_run(n: int) -> int:
-    """A port p with p, p+2, ... p+2(n-1) (the local cluster's brokers) and their controller ports free."""
-    for _ in range(50):
-        p = kafka_local.free_port()
-        if all(_port_free(p + k) for k in range(2 * n)):
-            return p
-    raise RuntimeError("no run of free ports")
-
-
-def _port_free(port: int) -> bool:
-    import socket
-
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
-
-
 @pytest.fixture(autouse=True)
 def _own_cluster():
     if os.environ.get("GPUPOOL_KAFKA"):
@@ -72,10 +52,11 @@ def _state(home: Path) -> dict:
 
 
 def test_up_with_three_brokers_and_two_workers_runs_survives_and_down_stops_it_all(home, monkeypatch):
-    web = kafka_local.free_port()
-    while not _port_free(web + 1):
+    kafka = kafka_local.free_port_run(3)  # three brokers, each a client and a controller port
+    web = kafka_local.free_port()  # two workers: web and web + 1, clear of the brokers' run
+    while not kafka_local.port_free(web + 1) or {web, web + 1} & set(range(kafka, kafka + 6)):
         web = kafka_local.free_port()
-    env = {**os.environ, "GPUPOOL_HOME": str(home), "GPUPOOL_KAFKA_PORT": str(_free_port_run(3)),
+    env = {**os.environ, "GPUPOOL_HOME": str(home), "GPUPOOL_KAFKA_PORT": str(kafka),
            "GPUPOOL_WEB_PORT": str(web), "GPUPOOL_KAFKA": "", "GPUPOOL_USER": "admin"}
     up = _gpupool(env, "up", "--brokers", "3", "--workers", "2", "--simulate", "demo:2", timeout=WAIT)
     try:
