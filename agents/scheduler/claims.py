@@ -101,7 +101,16 @@ def standing_now(h: Holdings, ledger: Ledger, rec: JobRecord) -> bool:
     if rec.reserved or rec.hold is not None:
         return True
     r = rec.request
-    return within(h, ledger, r, rec.group, r.compute_milli, r.gpu_memory_mib, arrival=rec.arrival)
+    # the queue's order asks for it many times a cycle (every job's key, every nominated job's against each job
+    # behind it): worked out again only when its accounts' sums or any quota moved
+    t, p = h.sums.get((r.tenant, None)), h.sums.get((r.tenant, r.project))
+    basis = (t.version if t is not None else -1, p.version if p is not None else -1, ledger.quota_version)
+    memo = rec.standing_memo
+    if memo and memo[0] == basis:
+        return memo[1]
+    got = within(h, ledger, r, rec.group, r.compute_milli, r.gpu_memory_mib, arrival=rec.arrival)
+    rec.standing_memo = (basis, got)
+    return got
 
 
 class Search:
@@ -158,9 +167,11 @@ class Search:
         if mine is self._mine and not others:
             got = self._back.get(o.job_id)
             if got is None:
-                got = self._back[o.job_id] = claim(within(
-                    self.h, self.ledger, o, other.group, o.compute_milli, o.gpu_memory_mib, mine, other.arrival),
-                    o.tier, False)
+                # the preemptor counts in its own tenant's accounts only: another tenant's job stands as it stands
+                # now (standing_now, whose memo outlives this search)
+                ok = within(self.h, self.ledger, o, other.group, o.compute_milli, o.gpu_memory_mib, mine,
+                            other.arrival) if o.tenant == self.r.tenant else standing_now(self.h, self.ledger, other)
+                got = self._back[o.job_id] = claim(ok, o.tier, False)
             return got
         # its own holding is not ahead of it (within its group, only earlier arrivals are)
         return claim(within(self.h, self.ledger, o, other.group, o.compute_milli, o.gpu_memory_mib, mine + others,

@@ -14,7 +14,7 @@ from agents.scheduler.elastic import SERVICE_KINDS, SOURCE as AUTOSCALER, Autosc
 from agents.scheduler.elastic import ElasticConfig, Resize
 from agents.scheduler.holdings import Holdings, JobRecord, rebuilt
 from agents.scheduler.node_index import cards_needed
-from agents.scheduler.placement import DEFAULT_CANDIDATES, MigPlan, Placement, place
+from agents.scheduler.placement import DEFAULT_CANDIDATES, MigPlan, Placement, Unschedulable, place
 from agents.scheduler.placement import allowed_models, fit_cards
 from agents.scheduler.preemption import (
     NODE_FILTERS, PreemptionConfig, Room, Shape, Victim, disruption_order, fits, placed, plan_gang, plan_over,
@@ -87,6 +87,7 @@ class Scheduler:
         self.node_epoch = 0
         self._full_epoch = -1
         self._full_ms = -1 << 62
+        self._admit_memo: tuple[int, dict] = (-1, {})  # (ledger version, question -> Ledger.admit's answer)
         # Usage accrues while jobs run: on the first tick usage_tick_ms of log time after the last accrual, every
         # running job is billed [accrued_ms, now) (and at its end, the rest), so a bill includes running work.
         self._usage_ms: int | None = None
@@ -507,7 +508,7 @@ class Scheduler:
         else:
             queue = self.pending_order()
             self._full_epoch, self._full_ms = self.epoch, self.now_ms
-        failed: list[tuple[tuple, tuple[int, ...], tuple[Reason, ...]]] = []
+        failed: dict[tuple, list[tuple[tuple[int, ...], tuple]]] = {}  # kind -> (need, (result, quiet)), in order
         for rec in queue:
             r = rec.request
             if rec.mig_wait is not None:
@@ -525,16 +526,21 @@ class Scheduler:
             kind = (TIER_RANK[r.tier], r.tenant, r.project, standing, r.gang, quiet is not None, r.isolation_asked) \
                 if r.constraints == _NO_CONSTRAINTS and not rec.reserved else None
             need = (r.compute_milli, r.gpu_memory_mib, r.cpu_milli, r.memory_mib)
-            dominated = next((why for k, f, why in failed if k == kind and all(a >= b for a, b in zip(need, f))),
+            dominated = next((why for f, why in failed.get(kind, ()) if all(a >= b for a, b in zip(need, f))),
                              None) if kind and rec.nominated is None else None
             if dominated is not None:
                 # It asks for at least as much as a job of the same kind (tier, account, standing: the same claim,
                 # the same preemption candidates) that just failed, and nothing was freed since: it fails too.
                 self._unplaced(out, cause, rec, dominated, None)
                 continue
-            result = place(self.index, self.nodes, r, self.workload, self.candidates,
-                           prefer=rec.nominated[0] if rec.nominated else None, exclude=self._claimed_from(rec),
-                           barred=self._barred(rec, standing) if quiet is not None else frozenset())
+            exclude = self._claimed_from(rec)
+            barred = self._barred(rec, standing) if quiet is not None else frozenset()
+            result = self._still_unplaced(rec, exclude, barred) if rec.nominated is None else None
+            if result is None:
+                result = place(self.index, self.nodes, r, self.workload, self.candidates,
+                               prefer=rec.nominated[0] if rec.nominated else None, exclude=exclude, barred=barred)
+                if rec.nominated is None and isinstance(result, Unschedulable):
+                    rec.miss_memo = (self.h.view_seq, exclude | barred, self.node_epoch, result.seen)
             if isinstance(result, MigPlan):
                 self._reconfigure(out, cause, rec, result)
                 continue
@@ -544,7 +550,7 @@ class Scheduler:
                 if quiet is not None or not self._preempt_for(out, cause, rec):
                     self._unplaced(out, cause, rec, result, quiet)
                     if kind:
-                        failed.append((kind, need, (result, quiet)))
+                        failed.setdefault(kind, []).append((need, (result, quiet)))
                 continue
             holding = self._holding(result)
             if holding != (r.compute_milli, r.gpu_memory_mib):
@@ -554,6 +560,23 @@ class Scheduler:
                         self._pending(out, cause, rec, quota.reasons)
                     continue
             self._bind(out, cause, rec, result, quota, holding)
+
+    def _still_unplaced(self, rec: JobRecord, exclude: frozenset[str], barred: frozenset[str]):
+        """What `place` would answer for a job whose last attempt no node took, when it is sure to be the same: no
+        node's facts changed (the node epoch), no node open to it now changed its view since, and every node closed
+        to it then is still closed -- so each node it may use gives the answer it gave then. Else None (try it).
+        The answer's reasons are worked out, by `place`, only if read (before anything changes, as any attempt's)."""
+        m = rec.miss_memo
+        if not m or m[2] != self.node_epoch:
+            return None
+        closed = exclude | barred if barred else exclude
+        if not m[1] <= closed or self.h.views_changed_since(m[0], closed):
+            return None
+        self.workload.fleet(self.index)  # as `place` would have (a no-op while the hosts stand still)
+        rec.miss_memo = (self.h.view_seq, closed, m[2], m[3])
+        r = rec.request
+        return Unschedulable(explain=lambda: place(self.index, self.nodes, r, self.workload, self.candidates,
+                                                   exclude=exclude, barred=barred).reasons, seen=m[3])
 
     def _admit(self, rec: JobRecord, holding: tuple[int, int] | None = None) -> Admission:
         """The quota's answer for `rec` (holding: what a placement would hold; the request's amounts before one
@@ -567,7 +590,19 @@ class Scheduler:
                 code="Reserved", plugin="Quota", message=f"on reservation {rid}",
                 data={"request_milli": holding[0] if holding else rec.request.compute_milli}),))
         need, mem = holding if holding else (None, None)
-        return self.ledger.admit(rec.request, self.index.capacity_milli, need, mem, freed=self._quota_kept(rec))
+        kept = self._quota_kept(rec)
+        r = rec.request
+        # a retried queue asks the same question for many jobs of one account and shape: answered once while the
+        # ledger and the pool's capacity stand still (the answer depends on nothing else)
+        key = (r.tenant, r.project, r.compute_milli, r.gpu_memory_mib, need, mem, self.index.capacity_milli,
+               tuple(sorted(((k, tuple(v)) for k, v in kept.items()), key=repr)) if kept else ())
+        memo = self._admit_memo
+        if memo[0] != self.ledger.version:
+            memo = self._admit_memo = (self.ledger.version, {})
+        got = memo[1].get(key)
+        if got is None:
+            got = memo[1][key] = self.ledger.admit(r, self.index.capacity_milli, need, mem, freed=kept)
+        return got
 
     def _quota_kept(self, rec: JobRecord) -> dict | None:
         """The quota kept for jobs nominated ahead of `rec` in the queue, of its tenant, while their victims stop:
@@ -838,13 +873,16 @@ class Scheduler:
         starts no chain of preemptions its preemptor was not allowed."""
         if not rec.preempted_at:
             return None
+        memo = rec.quiet_memo
+        if memo and memo[0] == rec.preempted_at:  # asked for every waiting victim on every retry: made once a stop
+            return memo[2] if self.now_ms < memo[1] else None
         until = quiet_until(rec.preempted_at, self.preemption)
-        if self.now_ms >= until:
-            return None
-        return Reason(code="RecentlyPreempted", plugin="Preemption", data={"until_ms": until},
-                      message=f"stopped for another job at {rec.preempted_at[-1]} ms: it preempts nothing until "
-                              f"{until} ms, and meanwhile takes free capacity that preemption did not free for "
-                              f"stronger work")
+        why = Reason(code="RecentlyPreempted", plugin="Preemption", data={"until_ms": until},
+                     message=f"stopped for another job at {rec.preempted_at[-1]} ms: it preempts nothing until "
+                             f"{until} ms, and meanwhile takes free capacity that preemption did not free for "
+                             f"stronger work")
+        rec.quiet_memo = (rec.preempted_at, until, why)
+        return why if self.now_ms < until else None
 
     def _charge(self, rec: JobRecord, key: Claim) -> None:
         """The nodes `rec` claims (a plan's) are freed for its claim `key` until the quiet window of victims stopped

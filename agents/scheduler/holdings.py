@@ -35,6 +35,7 @@ from schemas.events import (
 from streams.core import node_view
 
 HOLDING = ("placed", "running", "stopping", "migrating")  # states in which a job holds capacity on its nodes
+VIEW_LOG = 8192  # node view changes kept in Holdings.view_log
 GROUPS = 6  # claim groups: (tier, reserved), weakest first -- see claims.group
 
 
@@ -72,6 +73,9 @@ class JobRecord:
     migrations: int = 0  # runs moved by defragmentation (cmd.migrate)
     migrated_at: tuple[int, ...] = ()
     migration: MigrateJob | None = None  # the move under way: the run stops on from_node, resumes on to_node
+    standing_memo: tuple = ()  # (what it was worked out from, standing): claims.standing_now's memo
+    quiet_memo: tuple = ()  # (preempted_at, until, reason): core.Scheduler._quiet's memo
+    miss_memo: tuple = ()  # (view seq, nodes closed to it, node epoch, seen): its last attempt no node took
 
     @property
     def group(self) -> int:
@@ -96,6 +100,7 @@ class Sums:
     # per group a Fenwick tree over arrivals of the same, so "what the earlier arrivals hold" is a log-time sum
     by_arrival: list[dict[int, list[int]]] = field(default_factory=lambda: [{} for _ in range(GROUPS)])
     _trees: list = field(default_factory=lambda: [None] * GROUPS)
+    version: int = 0  # moves on every change: a standing worked out from these sums holds while it does not
 
     def at_least(self, g: int) -> tuple[int, int]:
         """What the holders of group g and stronger hold."""
@@ -116,6 +121,7 @@ class Sums:
 
     def add(self, g: int, arrival: int, milli: int, memory: int) -> None:
         """Count a holder's change (holdings._sum, the one writer)."""
+        self.version += 1
         self.milli[g] += milli
         self.memory[g] += memory
         got = self.by_arrival[g].setdefault(arrival, [0, 0])
@@ -163,6 +169,10 @@ class Holdings:
         self.train_milli = 0
         self.cap: dict[str, int] = {}  # node -> milli-GPU it gives the pool (pool_milli)
         self.cap_milli = 0
+        # the nodes whose views changed, in order (the last VIEW_LOG of them; view_base: the sequence number of the
+        # first kept): what a waiting job's last failed attempt saw still holds while none it may use is in here
+        self.view_log: list[str] = []
+        self.view_base = 0
 
     # ---------------------------------------------------------------- the write path
 
@@ -237,6 +247,10 @@ class Holdings:
 
     def _fold(self, name: str, env: Envelope) -> node_view.NodeView:
         view = self.nodes[name] = node_view.evolve(self.nodes.get(name), env)
+        self.view_log.append(name)
+        if len(self.view_log) > VIEW_LOG:
+            del self.view_log[:VIEW_LOG // 2]
+            self.view_base += VIEW_LOG // 2
         self.index.update(view)
         self.victims.fold(name, env.payload, view, self.jobs, self.nodes)
         return view
@@ -320,6 +334,18 @@ class Holdings:
             self.train_held[key] = milli
 
     # ---------------------------------------------------------------- reading
+
+    @property
+    def view_seq(self) -> int:
+        """The number of node view changes so far."""
+        return self.view_base + len(self.view_log)
+
+    def views_changed_since(self, seq: int, closed: frozenset[str]) -> bool:
+        """Whether a node outside `closed` changed its view after change number `seq` (True also when the log no
+        longer reaches back that far)."""
+        if seq < self.view_base:
+            return True
+        return any(n not in closed for n in self.view_log[seq - self.view_base:])
 
     def holding(self, rec: JobRecord) -> bool:
         return rec.state in HOLDING and rec.placement is not None

@@ -70,6 +70,8 @@ class Ledger:
     accounts: dict[tuple[str, str | None], Account] = field(default_factory=dict)
     near_full_pct: int = 90
     pool_used_milli: int = 0  # held by every tenant together
+    quota_version: int = 0  # moves whenever a quota is set: standings worked out before it are stale
+    version: int = 0  # moves on every change (a quota set, a holding charged or given back): admit's answers hold
     # The quota of a tenant no quota.set names (milli-CU, no borrowing): 0 = it must be given one; None = unlimited.
     default_quota_milli: int | None = 0
 
@@ -124,6 +126,8 @@ class Ledger:
         why = self.check(q)
         if not why:
             self.account(q.tenant, q.project).quota = q
+            self.quota_version += 1
+            self.version += 1
         return why
 
     def admit(self, r: JobRequested, capacity_milli: int = 0, need: int | None = None,
@@ -216,6 +220,7 @@ class Ledger:
               sign: int) -> list:
         milli = r.compute_milli if milli is None else milli
         memory = r.gpu_memory_mib if memory is None else memory
+        self.version += 1
         self.pool_used_milli += sign * milli
         for project in (None, r.project):
             a = self.account(r.tenant, project)
