@@ -59,3 +59,24 @@ def test_converged_state_stays_converged():
     c = Clock(s.now_ms)
     for _ in range(3):
         assert s.step(c.env(SchedulerTick(now_ms=c.now), "ticker2", dt=1000)) == []
+
+
+def test_a_request_beyond_the_whole_borrowing_cap_says_only_an_operator_can_make_room():
+    """A tenant's request larger than its quota's cap with nothing of it running: waiting "until its usage falls"
+    would never end, so the reason names the cap and who can raise it; a request that fits the cap once the tenant's
+    own work ends keeps the plain QuotaExceeded."""
+    from agents.scheduler.quota import Ledger
+    from schemas.events import JobPending, QuotaSet
+
+    clock = Clock()
+    s = Scheduler(ledger=Ledger())
+    s.step(clock.env(inventory("n0", gpus=8), "n0/inventory"))
+    s.step(clock.env(QuotaSet(tenant="zeta", gpu_milli=2000, overcommit_pct=120), "operator"))
+    out = s.step(clock.env(job("big", "zeta", 3000, 200), "cli/big"))
+    [why] = [o.payload for o in out if isinstance(o.payload, JobPending)]
+    r = why.reasons[0]
+    assert r.code == "QuotaExceeded" and "2400 milli-CU" in r.message and "quota set zeta" in r.message, r
+    s.step(clock.env(job("a", "zeta", 2000, 80), "cli/a"))
+    out = s.step(clock.env(job("b", "zeta", 1000, 40), "cli/b"))
+    [why] = [o.payload for o in out if isinstance(o.payload, JobPending)]
+    assert why.reasons[0].code == "QuotaExceeded" and not why.reasons[0].message
