@@ -524,7 +524,7 @@ class Scheduler:
             standing = standing_now(self.h, self.ledger, rec)
             quiet = self._quiet(rec)
             kind = (TIER_RANK[r.tier], r.tenant, r.project, standing, r.gang, quiet is not None, r.isolation_asked) \
-                if r.constraints == _NO_CONSTRAINTS and not rec.reserved else None
+                if (r.constraints is _NO_CONSTRAINTS or r.constraints == _NO_CONSTRAINTS) and not rec.reserved else None
             need = (r.compute_milli, r.gpu_memory_mib, r.cpu_milli, r.memory_mib)
             dominated = next((why for f, why in failed.get(kind, ()) if all(a >= b for a, b in zip(need, f))),
                              None) if kind and rec.nominated is None else None
