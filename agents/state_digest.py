@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import enum
 import functools
+from array import array
 from operator import is_ as _is
 from hashlib import blake2b
 
@@ -131,7 +132,7 @@ class Digest:
                     keep[i] = (obj, d, tuple(f), tuple(f.values()), t)
             self.mutable.add(i)
             self.muts += 1
-        elif keep is not None:
+        elif keep is not None and t is not tuple:  # a tuple is re-encoded about as fast as it is looked up
             keep[i] = (obj, d)
         return d
 
@@ -164,15 +165,47 @@ class Digest:
         out.sort()
         return b"".join(out)
 
+    def _fields(self, d: dict) -> bytes:
+        """`_pairs` of an object's __dict__ (string keys), pydantic's bookkeeping left out."""
+        enc = self.enc
+        out = []
+        append = out.append
+        keys = _FIELDS
+        for k, v in d.items():
+            ek = keys.get(k)
+            if ek is None:
+                if type(k) is not str:
+                    ek = enc(k)
+                else:
+                    b = k.encode("utf-8", "surrogatepass")
+                    ek = b"" if k.startswith("__pydantic") else b"s%d:" % len(b) + b
+                    if len(keys) < 1 << 16:
+                        keys[k] = ek
+            if not ek:
+                continue
+            t = type(v)
+            if t is int:
+                append(ek + b"i%d;" % v)
+            elif t is str:
+                b = v.encode("utf-8", "surrogatepass")
+                append(ek + b"s%d:" % len(b) + b)
+            elif v is None:
+                append(ek + b"N")
+            else:
+                append(ek + enc(v))
+        out.sort()
+        return b"".join(out)
+
     def body(self, obj) -> bytes:
         enc = self.enc
         cls = type(obj)
+        if cls is array:  # the claim standings' Fenwick trees: their items as machine words, not their repr
+            return b"A" + obj.typecode.encode() + obj.tobytes()
         if cls in _OBJECTS or (cls not in _OTHERS and _is_object(cls)):
             d = getattr(obj, "__dict__", None)
             if d is not None and _plain(cls):
                 if d:
-                    return b"O" + _tag(cls.__qualname__) + self._pairs(
-                        (k, v) for k, v in d.items() if not k.startswith("__pydantic"))
+                    return b"O" + _tag(cls.__qualname__) + self._fields(d)
             else:
                 f = fields(obj)
                 if f:
@@ -200,6 +233,7 @@ class Digest:
 _OBJECTS: set[type] = set()
 _OTHERS: set[type] = set()
 _KEYS: dict[str, bytes] = {}  # str key -> its encoding (field names, ids: the keys met most), bounded
+_FIELDS: dict[str, bytes] = {}  # field name -> its encoding, b"" for pydantic's bookkeeping (left out), bounded
 
 
 @functools.lru_cache(maxsize=None)
