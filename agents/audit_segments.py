@@ -319,13 +319,15 @@ def run_segment(task: Task) -> Result:
     told to leave the objects there are once the start state is loaded alone (gc.freeze: a state of ~77,000 job
     records is a few hundred thousand tracked objects, which every full collection during the replay and the digests
     would walk again); they are handed back to it when the segment is done, so a worker that runs several segments
-    frees each one's state."""
+    frees each one's state: collected here, before the next segment's state is loaded and frozen (garbage frozen
+    with it would stay for the process's life)."""
     import gc
 
     try:
         return _run_segment(task, gc.freeze)
     finally:
         gc.unfreeze()
+        gc.collect()
 
 
 def _run_segment(task: Task, loaded) -> Result:
