@@ -42,12 +42,12 @@ from pathlib import Path
 from agents.audit import (
     OUR_SOURCES, Report, _diff_paths, _doc, _in_window, _label, foreign_record, usage_row,
 )
-from agents.audit_log import Recorded, SnapInfo, loads_head, open_source
+from agents.audit_log import Recorded, SnapInfo, open_source
 from schemas.envelope import DecodeError, decode, encode
 
 CHUNK = 2_000  # input records a segment's process holds at a time
 BUCKET = 20_000  # output sequence numbers per spill file
-_HEAD = struct.Struct("<qiqi")  # seq, partition, offset, value length
+_HEAD = struct.Struct("<qiqii")  # seq, partition, offset, event id length (-1: none), value length
 
 
 @dataclass(frozen=True)
@@ -116,16 +116,18 @@ def spill_outputs(records, directory: str, window=(None, None), bucket: int = BU
 
     for rec in records:
         n += 1
-        head = loads_head(rec.value)
+        head = _head(rec.value)
         if head is None or head[0] not in OUR_SOURCES:
             foreign_record(rec, window, rep)
             continue
-        source, seq = head
+        source, seq, eid = head
         key = (source, seq // bucket)
         t = rec.topic.encode()
+        e = eid.encode("utf-8", "surrogatepass") if eid is not None else b""
         v = rec.value or b""
         buf = bufs.setdefault(key, bytearray())
-        buf += struct.pack("<H", len(t)) + t + _HEAD.pack(seq, rec.partition, rec.offset, len(v)) + v
+        buf += (struct.pack("<H", len(t)) + t + _HEAD.pack(seq, rec.partition, rec.offset,
+                                                           len(e) if eid is not None else -1, len(v)) + e + v)
         if len(buf) > 1 << 20:
             flush(key)
     for key in list(bufs):
@@ -146,9 +148,11 @@ def _read_bucket(path: str):
         i += 2
         topic = data[i:i + tl].decode()
         i += tl
-        seq, part, off, vl = _HEAD.unpack_from(data, i)
+        seq, part, off, el, vl = _HEAD.unpack_from(data, i)
         i += _HEAD.size
-        yield seq, Recorded(topic, part, off, bytes(data[i:i + vl]))
+        eid = data[i:i + el].decode("utf-8", "surrogatepass") if el >= 0 else None
+        i += max(el, 0)
+        yield seq, eid, Recorded(topic, part, off, bytes(data[i:i + vl]))
         i += vl
 
 
@@ -173,9 +177,9 @@ class OutputCheck:
         if self.dir is None:
             return
         while self.next_bucket[source] <= seq // self.bucket:
-            for s, rec in _read_bucket(_bucket_path(self.dir, source, self.next_bucket[source])):
+            for s, eid, rec in _read_bucket(_bucket_path(self.dir, source, self.next_bucket[source])):
                 if s > self.lo.get(source, 0):
-                    eid = _event_id(rec.value) or f"{source}:{s}"
+                    eid = eid or f"{source}:{s}"
                     self.recorded.setdefault(eid, []).append((source, s, rec))
             self.next_bucket[source] += 1
         self.max_held = max(self.max_held, len(self.recorded))
@@ -241,13 +245,21 @@ class OutputCheck:
         return self.rep
 
 
-def _event_id(value: bytes | None) -> str | None:
+def _head(value: bytes | None) -> tuple[str, int, str | None] | None:
+    """(source, seq, event id or None) of an envelope's value, or None when it is not a JSON object with a source
+    and a seq (audit_log.loads_head's rule): read once, in the pre-pass, so the segments need not parse it again."""
     import orjson
 
     try:
-        return str(orjson.loads(value)["event_id"])
+        doc = orjson.loads(value)
+        head = str(doc["source"]), int(doc["seq"])
     except Exception:  # noqa: BLE001
         return None
+    try:
+        eid = str(doc["event_id"])
+    except Exception:  # noqa: BLE001
+        eid = None
+    return head[0], head[1], eid
 
 
 def _seqs(state) -> dict[str, int]:
@@ -303,6 +315,22 @@ def _load(src, info: SnapInfo):
 
 
 def run_segment(task: Task) -> Result:
+    """One segment, in this process (a worker's, or the parent's with --jobs 1). The cyclic garbage collector is
+    told to leave the objects there are once the start state is loaded alone (gc.freeze: a state of ~77,000 job
+    records is a few hundred thousand tracked objects, which every full collection during the replay and the digests
+    would walk again); they are handed back to it when the segment is done, so a worker that runs several segments
+    frees each one's state: collected here, before the next segment's state is loaded and frozen (garbage frozen
+    with it would stay for the process's life)."""
+    import gc
+
+    try:
+        return _run_segment(task, gc.freeze)
+    finally:
+        gc.unfreeze()
+        gc.collect()
+
+
+def _run_segment(task: Task, loaded) -> Result:
     from agents import state_digest
     from agents.scheduler.core import Scheduler, live_config, replay
 
@@ -310,13 +338,17 @@ def run_segment(task: Task) -> Result:
     seg = task.seg
     res = Result(seg)
     src = open_source(task.source)
+    # the encodings of the immutable parts of the start state (requests, placements, reasons, node facts), reused
+    # by the digest of the end state: most of a state outlives a segment unchanged
+    keep: dict = {}
     if seg.start_snap is not None:
         state = _load(src, seg.start_snap)
         if state is None:
             res.problems.append(f"{seg.label()}: the snapshot at offset {seg.start} does not load")
             return res
+        loaded()
         if task.digest_start:
-            res.start_digest = state_digest.digest(state)
+            res.start_digest = state_digest.digest(state, keep)
     else:
         state = Scheduler(**live_config())
     check = OutputCheck(task.spill, _seqs(state), task.committed, task.window, task.offsets,
@@ -339,7 +371,8 @@ def run_segment(task: Task) -> Result:
     res.usage = check.usage
     res.max_held = check.max_held
     if seg.end_snap is not None:
-        res.end_digest = state_digest.digest(state)
+        res.end_digest = state_digest.digest(state, keep)
+        keep.clear()
         if task.check_end or task.diff:
             recorded = _load(src, seg.end_snap)
             if recorded is None:

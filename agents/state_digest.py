@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import enum
 import functools
+from array import array
+from operator import is_ as _is
 from hashlib import blake2b
 
 _SKIP_SLOTS = frozenset({"__dict__", "__weakref__"})
@@ -63,10 +65,17 @@ def _tag(text: str) -> bytes:
 class Digest:
     """enc(obj): a self-delimiting canonical encoding -- primitives literally, anything else as its 16-byte hash."""
 
-    def __init__(self):
+    def __init__(self, keep: dict | None = None):
         self.memo: dict[int, bytes] = {}
         self.active: set[int] = set()
         self.objects = 0
+        # `keep`: id -> (object, encoding) of deeply immutable objects (an immutable type whose every part is
+        # immutable too), shared by the digests of one process: an object that cannot change has the same encoding
+        # in a later pass, so the digest of a state after a replay re-encodes only what is new or mutable. It holds
+        # each object it names, so an id in it is never reused by another object.
+        self.keep = keep
+        self.mutable: set[int] = set()  # ids in `memo` of objects that are, or hold, something mutable
+        self.muts = 0  # mutable objects met so far (a part's count rising while its parent encodes: not immutable)
 
     def hex(self, obj) -> str:
         return self.enc(obj).hex()
@@ -89,16 +98,42 @@ class Digest:
         i = id(obj)
         d = self.memo.get(i)
         if d is not None:
+            if i in self.mutable:
+                self.muts += 1
             return d
+        keep = self.keep
+        if keep is not None:
+            k = keep.get(i)
+            if k is not None and k[0] is obj:
+                if len(k) == 2:
+                    return k[1]
+                # a mutable plain object whose fields were all immutable: the same encoding while it holds the
+                # very same field objects (identity, never equality: 1 == 1.0 == True encode apart)
+                f = obj.__dict__
+                if type(obj) is k[4] and len(f) == len(k[2]) and all(map(_is, f, k[2])) \
+                        and all(map(_is, f.values(), k[3])):
+                    self.muts += 1
+                    return k[1]
         if i in self.active:  # a reference back to an object being encoded (as `canonical`: its type only)
+            self.muts += 1
             return b"c" + _tag(t.__qualname__)
         self.active.add(i)
+        before = self.muts
         try:
             d = b"h" + blake2b(self.body(obj), digest_size=16).digest()
         finally:
             self.active.discard(i)
         self.memo[i] = d
         self.objects += 1
+        if self.muts != before or not _immutable(t):
+            if keep is not None and self.muts == before and _plain(t) and _is_object(t):
+                f = getattr(obj, "__dict__", None)
+                if f is not None:
+                    keep[i] = (obj, d, tuple(f), tuple(f.values()), t)
+            self.mutable.add(i)
+            self.muts += 1
+        elif keep is not None and t is not tuple:  # a tuple is re-encoded about as fast as it is looked up
+            keep[i] = (obj, d)
         return d
 
     def _pairs(self, items) -> bytes:
@@ -106,12 +141,48 @@ class Digest:
         enc = self.enc
         out = []
         append = out.append
+        keys = _KEYS
         for k, v in items:
             if type(k) is str:
-                b = k.encode("utf-8", "surrogatepass")
-                ek = b"s%d:" % len(b) + b
+                ek = keys.get(k)
+                if ek is None:
+                    b = k.encode("utf-8", "surrogatepass")
+                    ek = b"s%d:" % len(b) + b
+                    if len(keys) < 1 << 16:
+                        keys[k] = ek
             else:
                 ek = enc(k)
+            t = type(v)
+            if t is int:
+                append(ek + b"i%d;" % v)
+            elif t is str:
+                b = v.encode("utf-8", "surrogatepass")
+                append(ek + b"s%d:" % len(b) + b)
+            elif v is None:
+                append(ek + b"N")
+            else:
+                append(ek + enc(v))
+        out.sort()
+        return b"".join(out)
+
+    def _fields(self, d: dict) -> bytes:
+        """`_pairs` of an object's __dict__ (string keys), pydantic's bookkeeping left out."""
+        enc = self.enc
+        out = []
+        append = out.append
+        keys = _FIELDS
+        for k, v in d.items():
+            ek = keys.get(k)
+            if ek is None:
+                if type(k) is not str:
+                    ek = enc(k)
+                else:
+                    b = k.encode("utf-8", "surrogatepass")
+                    ek = b"" if k.startswith("__pydantic") else b"s%d:" % len(b) + b
+                    if len(keys) < 1 << 16:
+                        keys[k] = ek
+            if not ek:
+                continue
             t = type(v)
             if t is int:
                 append(ek + b"i%d;" % v)
@@ -128,12 +199,13 @@ class Digest:
     def body(self, obj) -> bytes:
         enc = self.enc
         cls = type(obj)
+        if cls is array:  # the claim standings' Fenwick trees: their items as machine words, not their repr
+            return b"A" + obj.typecode.encode() + obj.tobytes()
         if cls in _OBJECTS or (cls not in _OTHERS and _is_object(cls)):
             d = getattr(obj, "__dict__", None)
             if d is not None and _plain(cls):
                 if d:
-                    return b"O" + _tag(cls.__qualname__) + self._pairs(
-                        (k, v) for k, v in d.items() if not k.startswith("__pydantic"))
+                    return b"O" + _tag(cls.__qualname__) + self._fields(d)
             else:
                 f = fields(obj)
                 if f:
@@ -160,6 +232,21 @@ class Digest:
 
 _OBJECTS: set[type] = set()
 _OTHERS: set[type] = set()
+_KEYS: dict[str, bytes] = {}  # str key -> its encoding (field names, ids: the keys met most), bounded
+_FIELDS: dict[str, bytes] = {}  # field name -> its encoding, b"" for pydantic's bookkeeping (left out), bounded
+
+
+@functools.lru_cache(maxsize=None)
+def _immutable(cls: type) -> bool:
+    """Whether instances of a class cannot change once made: tuples, frozensets, enums, classes, the primitives'
+    subclasses, frozen dataclasses, frozen pydantic models (their parts are checked apart, by `Digest.enc`)."""
+    if issubclass(cls, (tuple, frozenset, enum.Enum, type, int, str, float, bytes)):
+        return True
+    params = getattr(cls, "__dataclass_params__", None)
+    if params is not None and getattr(params, "frozen", False) and "__dataclass_fields__" in vars(cls):
+        return True
+    config = getattr(cls, "model_config", None)
+    return isinstance(config, dict) and config.get("frozen") is True and hasattr(cls, "__pydantic_fields__")
 
 
 def _is_object(cls: type) -> bool:
@@ -169,9 +256,10 @@ def _is_object(cls: type) -> bool:
     return plain
 
 
-def digest(state) -> str:
-    """The state's canonical digest (hex)."""
-    return Digest().hex(state)
+def digest(state, keep: dict | None = None) -> str:
+    """The state's canonical digest (hex). `keep`: a dict shared by the digests of one process (see Digest): the
+    encodings of the immutable parts met before are reused -- the same digest, sooner."""
+    return Digest(keep).hex(state)
 
 
 def parts(state) -> dict[str, str]:

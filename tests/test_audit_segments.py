@@ -212,3 +212,43 @@ def test_the_digest_ignores_the_order_dicts_and_sets_were_built_in():
     assert state_digest.digest(Box({"x": 1}, {"p"})) != state_digest.digest(Box({"x": 1}, ("p",)))
     assert state_digest.first_difference(Box({"x": 1, "y": [1, 3]}, set()), Box({"x": 1, "y": [1, 2]}, set())) \
         == "state.d['y'][1]: derived 3 != recorded 2"
+
+
+def test_a_digest_that_reuses_an_earlier_ones_immutable_parts_sees_every_change(clean_log):
+    """`digest(state, keep)`: the encodings of deeply immutable parts (and of mutable objects whose fields are all
+    the very same immutable objects) are reused by a later digest of the same process. After the state changes --
+    a replay, a field set on a record, an item put into a list inside a frozen object -- it still equals a fresh
+    digest."""
+    from dataclasses import dataclass
+
+    @dataclass(frozen=True)
+    class Frozen:
+        items: list
+        name: str
+
+    class Record:
+        def __init__(self, f, t):
+            self.f, self.t = f, t
+
+    inner = Frozen([1, 2], "a")
+    box = {"r": Record(inner, (3, (4, "x"))), "s": Record(Frozen([], "b"), ())}
+    keep: dict = {}
+    first = state_digest.digest(box, keep)
+    assert first == state_digest.digest(box) and state_digest.digest(box, keep) == first
+    inner.items.append(3)  # inside a frozen object: its list is mutable, so it is never reused
+    assert state_digest.digest(box, keep) == state_digest.digest(box) != first
+    box["r"].t = (3, (4, "y"))  # a record's field replaced
+    assert state_digest.digest(box, keep) == state_digest.digest(box)
+    box["s"].f = Frozen([], "c")
+    assert state_digest.digest(box, keep) == state_digest.digest(box)
+    box["s"].extra = 1  # a field added
+    assert state_digest.digest(box, keep) == state_digest.digest(box)
+    # a real state: its digest before and after a replay of a segment, with and without the earlier parts
+    value = (clean_log / "snapshots" / f"{EVERY * 3:020d}").read_bytes()
+    state = snapshot.load(value).state
+    keep = {}
+    before = state_digest.digest(state, keep)
+    job_id = sorted(state.jobs)[0]
+    state.jobs[job_id].checkpoint_ms += 1
+    after = state_digest.digest(state, keep)
+    assert after != before and after == state_digest.digest(state)
