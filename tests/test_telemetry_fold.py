@@ -260,6 +260,61 @@ def test_a_failed_flush_commits_nothing_and_keeps_the_views_dirty():
     asyncio.run(go())
 
 
+class HeldTable(FakeTable):
+    """A changelog whose acknowledgements wait until the test releases them (a slow broker)."""
+
+    def __init__(self):
+        super().__init__()
+        self.held: list = []
+
+    def send_changelog(self, partition, key, value):
+        fut = asyncio.get_running_loop().create_future()
+        self.changelog.append((partition, key, value))
+        self.held.append(fut)
+        return fut
+
+    def ack_all(self):
+        for fut in self.held:
+            if not fut.done():
+                fut.set_result(None)
+        self.held = []
+
+
+def test_a_flush_waiting_for_acks_commits_only_what_its_writes_cover_while_the_fold_goes_on():
+    w = FakeWorker(node_table=HeldTable())
+    _with_inventory(w)
+    f = _fold_task(w)
+
+    async def go():
+        await f.fold_batch(3, _recs([_tel("n1", 1, 2000), _tel("n1", 2, 3000)]))
+        flushing = asyncio.ensure_future(f.flush())  # as the run loop does
+        await asyncio.sleep(0)
+        assert len(w.node_table.changelog) == 1 and f.consumer.commits == []  # written, not acknowledged yet
+        await f.fold_batch(3, _recs([_tel("n1", 3, 4000)], first_offset=2))  # folded meanwhile: dirty again
+        assert f.dirty[3] == {"n1"}
+        w.node_table.ack_all()
+        await flushing
+        assert f.consumer.commits == [{3: 2}]  # what the acknowledged write covers, not offset 2 folded after it
+        flushing = asyncio.ensure_future(f.flush())
+        await asyncio.sleep(0)
+        w.node_table.ack_all()
+        await flushing
+        assert f.consumer.commits == [{3: 2}, {3: 3}]
+
+    async def reassigned():
+        await f.fold_batch(3, _recs([_tel("n1", 4, 5000)], first_offset=3))
+        flushing = asyncio.ensure_future(f.flush())
+        await asyncio.sleep(0)
+        f.partitions = frozenset({3, 5})  # the assignment changed while the broker acknowledged
+        w.node_table.ack_all()
+        await flushing
+        assert f.consumer.commits == [{3: 2}, {3: 3}]  # nothing more: the owner re-reads from the last commit
+        assert f.dirty[3] == set()
+
+    asyncio.run(go())
+    asyncio.run(reassigned())
+
+
 def test_bad_records_are_dead_lettered_and_do_not_stop_the_batch():
     w = FakeWorker()
     _with_inventory(w)
