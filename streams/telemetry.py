@@ -147,8 +147,8 @@ class TelemetryFold:
         from aiokafka import AIOKafkaConsumer
 
         self.consumer = AIOKafkaConsumer(**self.w.conn.options(), group_id=GROUP, enable_auto_commit=False,
-                                         auto_offset_reset="earliest", max_partition_fetch_bytes=8 << 20,
-                                         fetch_max_bytes=32 << 20)
+                                         auto_offset_reset="earliest", max_partition_fetch_bytes=1 << 20,
+                                         fetch_max_bytes=8 << 20)
         await self.consumer.start()
         last_flush = time.monotonic()
         flushing: asyncio.Future | None = None
@@ -164,8 +164,10 @@ class TelemetryFold:
                     if tp.partition in self.partitions and msgs:
                         await self.fold_batch(tp.partition, msgs)
                 if time.monotonic() - last_flush >= self.flush_s and (flushing is None or flushing.done()):
-                    # in the background: the fold goes on while the broker acknowledges the writes (one at a time)
-                    flushing = asyncio.ensure_future(self.flush())
+                    started = await self.start_flush()
+                    if started is not None:
+                        # in the background: the fold goes on while the broker acknowledges (one flush at a time)
+                        flushing = asyncio.ensure_future(self.finish_flush(*started))
                     last_flush = time.monotonic()
         finally:
             if flushing is not None and not flushing.done():
@@ -221,7 +223,7 @@ class TelemetryFold:
             table.data[node] = after  # in memory now; the changelog below
             folded += len(envs)
             if node_view.durable_change(before, after):
-                self._write(partition, node, after)
+                await self._write(partition, node, after)
                 self.dirty[partition].discard(node)
             else:
                 self.dirty[partition].add(node)
@@ -230,9 +232,9 @@ class TelemetryFold:
                 await self._feed_minutes(node, envs, log_times[node], before, after)
         w.folded["gpu.telemetry"] += folded  # records of the telemetry topic that changed a view
 
-    def _write(self, partition: int, node: str, view) -> None:
+    async def _write(self, partition: int, node: str, view) -> None:
         self.changelog_writes += 1
-        self.unacked.append(self.w.node_table.send_changelog(partition, node, view))
+        self.unacked.append(await self.w.send_view_changelog(partition, node, view))
 
     async def _derive(self, node: str, env, before, after, log_ms: int) -> None:
         w = self.w
@@ -284,24 +286,34 @@ class TelemetryFold:
         return cached[1]
 
     async def flush(self) -> None:
-        """Write every dirty view to the changelog, wait for the broker, then commit what those writes cover.
+        """Write every dirty view to the changelog, wait for the broker, then commit what those writes cover."""
+        started = await self.start_flush()
+        if started is not None:
+            await self.finish_flush(*started)
 
-        Everything up to the first wait happens at once (what is dirty, which offsets the writes cover), so the run
-        loop can leave the wait to a task of its own and fold on meanwhile: a write made after that point covers
-        only later offsets, and the next flush waits for it."""
+    async def start_flush(self):
+        """The writing half of a flush: what is dirty and which offsets the writes cover are taken at once, the
+        writes are handed to the producer, and what `finish_flush` needs is returned. The
+        run loop folds on while `finish_flush` waits for the broker: a write made after this covers only later
+        offsets, and the next flush waits for it."""
         if not self._table_ready():
-            return
+            return None
         assignment = self.partitions
         positions = dict(self.positions)
         pending = {p: nodes for p, nodes in self.dirty.items() if nodes}
         self.dirty = defaultdict(set)
+        for p, nodes in pending.items():
+            for node in nodes:
+                if (view := self.w.node_table.data.get(node)) is not None:
+                    await self._write(p, node, view)
+        futures, self.unacked = self.unacked, []  # every changelog write since the last commit, the immediate ones too
+        return assignment, positions, pending, futures
+
+    async def finish_flush(self, assignment, positions, pending, futures) -> None:
+        """Wait for the writes' acknowledgements, then commit the offsets they cover (nothing if the assignment
+        changed meanwhile, or a write failed: those views are dirty again)."""
         try:
-            for p, nodes in pending.items():
-                for node in nodes:
-                    if (view := self.w.node_table.data.get(node)) is not None:
-                        self._write(p, node, view)
-            futures, self.unacked = self.unacked, []
-            for fut in futures:  # every changelog write since the last commit, the immediate ones included
+            for fut in futures:
                 await fut
             if not self._table_ready() or self.partitions != assignment:
                 return  # revoked or reassigned meanwhile: the owner re-reads from the last commit

@@ -146,6 +146,9 @@ class FakeWorker:
     def view_of(self, node):
         return self.node_table.get(node)
 
+    async def send_view_changelog(self, partition, key, view):
+        return self.node_table.send_changelog(partition, key, view)
+
     async def send(self, env):
         self.sent.append(env)
 
@@ -287,7 +290,7 @@ def test_a_flush_waiting_for_acks_commits_only_what_its_writes_cover_while_the_f
 
     async def go():
         await f.fold_batch(3, _recs([_tel("n1", 1, 2000), _tel("n1", 2, 3000)]))
-        flushing = asyncio.ensure_future(f.flush())  # as the run loop does
+        flushing = asyncio.ensure_future(f.finish_flush(*await f.start_flush()))  # as the run loop does
         await asyncio.sleep(0)
         assert len(w.node_table.changelog) == 1 and f.consumer.commits == []  # written, not acknowledged yet
         await f.fold_batch(3, _recs([_tel("n1", 3, 4000)], first_offset=2))  # folded meanwhile: dirty again
@@ -295,7 +298,7 @@ def test_a_flush_waiting_for_acks_commits_only_what_its_writes_cover_while_the_f
         w.node_table.ack_all()
         await flushing
         assert f.consumer.commits == [{3: 2}]  # what the acknowledged write covers, not offset 2 folded after it
-        flushing = asyncio.ensure_future(f.flush())
+        flushing = asyncio.ensure_future(f.finish_flush(*await f.start_flush()))
         await asyncio.sleep(0)
         w.node_table.ack_all()
         await flushing
@@ -303,7 +306,7 @@ def test_a_flush_waiting_for_acks_commits_only_what_its_writes_cover_while_the_f
 
     async def reassigned():
         await f.fold_batch(3, _recs([_tel("n1", 4, 5000)], first_offset=3))
-        flushing = asyncio.ensure_future(f.flush())
+        flushing = asyncio.ensure_future(f.finish_flush(*await f.start_flush()))
         await asyncio.sleep(0)
         f.partitions = frozenset({3, 5})  # the assignment changed while the broker acknowledged
         w.node_table.ack_all()
