@@ -147,8 +147,8 @@ class TelemetryFold:
         from aiokafka import AIOKafkaConsumer
 
         self.consumer = AIOKafkaConsumer(**self.w.conn.options(), group_id=GROUP, enable_auto_commit=False,
-                                         auto_offset_reset="earliest", max_partition_fetch_bytes=1 << 20,
-                                         fetch_max_bytes=8 << 20)
+                                         auto_offset_reset="earliest", max_partition_fetch_bytes=8 << 20,
+                                         fetch_max_bytes=32 << 20)
         await self.consumer.start()
         last_flush = time.monotonic()
         flushing: asyncio.Future | None = None
