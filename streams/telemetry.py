@@ -19,6 +19,10 @@ agent keeps:
   telemetry offset is committed only after the changelog writes that cover it are acknowledged, so a worker that
   crashes re-reads at most `flush_s` of telemetry from that offset into views restored from the changelog, and the
   sequence numbers make the repeat a no-op where the view already had it: the restored view is the one it had.
+  The writes go to the producer at once (not through Faust's producer buffer); the wait for their acknowledgements
+  and the commit run in a task of their own while the fold goes on (`start_flush` / `finish_flush`).
+* **The cyclic collector** waits while one `getmany`'s records are folded and is enabled again once they are freed
+  (`_fold_batches`): young collections over a batch's live records cost as much as decoding them.
 * **Derived facts** are as before: a card with a new fault gives `gpu.health` (node control), a node heard again
   after a silence gives `node.liveness` alive; the liveness judge (streams/app.py, streams/core/liveness.py) learns from
   here which node was heard when, in log time, and how far each partition is read.
