@@ -402,3 +402,67 @@ def test_a_fault_sample_inside_a_batch_marks_its_card_faulted_though_later_sampl
         assert [(e.kind, e.payload.gpu_uuid, e.payload.healthy) for e in w.sent] == [("gpu.health", CARDS[1], False)]
 
     asyncio.run(go())
+
+
+def test_the_collector_waits_for_a_batch_and_runs_again_after_it_also_when_the_fold_fails(monkeypatch):
+    import gc
+
+    import aiokafka
+    import pytest
+
+    from schemas.topics import TELEMETRY
+
+    w = FakeWorker()
+    w.conn = type("Conn", (), {"options": staticmethod(lambda: {})})()
+    _with_inventory(w)
+    f = _fold_task(w)
+    tp = aiokafka.TopicPartition(TELEMETRY.name, 3)
+    batches = [{tp: _recs([_tel("n1", 1, 2000)])}, {tp: _recs([b"boom"], first_offset=1)},
+               {tp: _recs([_tel("n1", 2, 3000)], first_offset=2)}]
+    seen: list[bool] = []
+
+    class Consumer(FakeConsumer):
+        def __init__(self, **kwargs):
+            super().__init__()
+
+        async def start(self):
+            pass
+
+        async def stop(self):
+            pass
+
+        async def getmany(self, timeout_ms, max_records):
+            seen.append(gc.isenabled())  # between batches: the collector runs
+            if not batches:
+                raise asyncio.CancelledError
+            return batches.pop(0)
+
+    real_fold = f.fold_batch
+
+    async def fold_batch(partition, msgs):
+        seen.append(gc.isenabled())  # while a batch is folded: it waits
+        if msgs[0].value == b"boom":
+            raise RuntimeError("a fold that fails (injected)")
+        await real_fold(partition, msgs)
+
+    async def follow():
+        return True
+
+    monkeypatch.setattr(aiokafka, "AIOKafkaConsumer", Consumer)
+    monkeypatch.setattr(f, "fold_batch", fold_batch)
+    monkeypatch.setattr(f, "_follow_assignment", follow)
+
+    async def go():
+        with pytest.raises(RuntimeError):
+            await f.run()  # an exception out of a batch ends the task: the collector must not stay off
+        assert gc.isenabled()
+        await f.run()  # the rest of the batches, until the consumer says stop
+
+    assert gc.isenabled()
+    try:
+        asyncio.run(go())
+    except asyncio.CancelledError:
+        pass
+    assert gc.isenabled()
+    assert seen == [True, False, True, False, True, False, True]
+    assert w.node_table.data["n1"].applied["n1/telemetry"] == 2
