@@ -8,7 +8,9 @@
     after a silence is written at once and said alive; the flush writes every dirty view, waits for the broker and
     only then commits the offsets they cover; a failed flush commits nothing and keeps the views dirty; undecodable
     records and kinds off their home topic are dead-lettered; the per-minute feed gets each node's samples with the
-    log time of its last record.
+    log time of its last record; a flush still waiting for acknowledgements commits only what its writes cover while
+    the fold goes on, and nothing if the assignment changed meanwhile; the cyclic collector is off while a batch is
+    folded and on again after it, also after a batch that raised.
 """
 from __future__ import annotations
 
