@@ -301,6 +301,14 @@ class Worker:
         self.folded[env.kind] += 1
         return env, before, after
 
+    async def send_view_changelog(self, partition: int, key: str, view):
+        """A node view to the table's changelog from outside an agent (the telemetry task), handed to the producer
+        now: `send_changelog` would queue it in Faust's producer buffer, which sends one message a turn of the event
+        loop, behind the fold. Returns the future of the broker's acknowledgement."""
+        t = self.node_table
+        return await t.changelog_topic.send(key=key, value=view, partition=partition, key_serializer=t.key_serializer,
+                                            value_serializer=t.value_serializer, callback=t._on_changelog_sent)
+
     async def send(self, env: Envelope) -> None:
         spec, key = route(env)
         await self.home_topics[spec.name].send(key=key, value=encode(env))

@@ -8,7 +8,9 @@
     after a silence is written at once and said alive; the flush writes every dirty view, waits for the broker and
     only then commits the offsets they cover; a failed flush commits nothing and keeps the views dirty; undecodable
     records and kinds off their home topic are dead-lettered; the per-minute feed gets each node's samples with the
-    log time of its last record.
+    log time of its last record; a flush still waiting for acknowledgements commits only what its writes cover while
+    the fold goes on, and nothing if the assignment changed meanwhile; the cyclic collector is off while a batch is
+    folded and on again after it, also after a batch that raised.
 """
 from __future__ import annotations
 
@@ -146,6 +148,9 @@ class FakeWorker:
     def view_of(self, node):
         return self.node_table.get(node)
 
+    async def send_view_changelog(self, partition, key, view):
+        return self.node_table.send_changelog(partition, key, view)
+
     async def send(self, env):
         self.sent.append(env)
 
@@ -260,6 +265,61 @@ def test_a_failed_flush_commits_nothing_and_keeps_the_views_dirty():
     asyncio.run(go())
 
 
+class HeldTable(FakeTable):
+    """A changelog whose acknowledgements wait until the test releases them (a slow broker)."""
+
+    def __init__(self):
+        super().__init__()
+        self.held: list = []
+
+    def send_changelog(self, partition, key, value):
+        fut = asyncio.get_running_loop().create_future()
+        self.changelog.append((partition, key, value))
+        self.held.append(fut)
+        return fut
+
+    def ack_all(self):
+        for fut in self.held:
+            if not fut.done():
+                fut.set_result(None)
+        self.held = []
+
+
+def test_a_flush_waiting_for_acks_commits_only_what_its_writes_cover_while_the_fold_goes_on():
+    w = FakeWorker(node_table=HeldTable())
+    _with_inventory(w)
+    f = _fold_task(w)
+
+    async def go():
+        await f.fold_batch(3, _recs([_tel("n1", 1, 2000), _tel("n1", 2, 3000)]))
+        flushing = asyncio.ensure_future(f.finish_flush(*await f.start_flush()))  # as the run loop does
+        await asyncio.sleep(0)
+        assert len(w.node_table.changelog) == 1 and f.consumer.commits == []  # written, not acknowledged yet
+        await f.fold_batch(3, _recs([_tel("n1", 3, 4000)], first_offset=2))  # folded meanwhile: dirty again
+        assert f.dirty[3] == {"n1"}
+        w.node_table.ack_all()
+        await flushing
+        assert f.consumer.commits == [{3: 2}]  # what the acknowledged write covers, not offset 2 folded after it
+        flushing = asyncio.ensure_future(f.finish_flush(*await f.start_flush()))
+        await asyncio.sleep(0)
+        w.node_table.ack_all()
+        await flushing
+        assert f.consumer.commits == [{3: 2}, {3: 3}]
+
+    async def reassigned():
+        await f.fold_batch(3, _recs([_tel("n1", 4, 5000)], first_offset=3))
+        flushing = asyncio.ensure_future(f.finish_flush(*await f.start_flush()))
+        await asyncio.sleep(0)
+        f.partitions = frozenset({3, 5})  # the assignment changed while the broker acknowledged
+        w.node_table.ack_all()
+        await flushing
+        assert f.consumer.commits == [{3: 2}, {3: 3}]  # nothing more: the owner re-reads from the last commit
+        assert f.dirty[3] == set()
+
+    asyncio.run(go())
+    asyncio.run(reassigned())
+
+
 def test_bad_records_are_dead_lettered_and_do_not_stop_the_batch():
     w = FakeWorker()
     _with_inventory(w)
@@ -344,3 +404,67 @@ def test_a_fault_sample_inside_a_batch_marks_its_card_faulted_though_later_sampl
         assert [(e.kind, e.payload.gpu_uuid, e.payload.healthy) for e in w.sent] == [("gpu.health", CARDS[1], False)]
 
     asyncio.run(go())
+
+
+def test_the_collector_waits_for_a_batch_and_runs_again_after_it_also_when_the_fold_fails(monkeypatch):
+    import gc
+
+    import aiokafka
+    import pytest
+
+    from schemas.topics import TELEMETRY
+
+    w = FakeWorker()
+    w.conn = type("Conn", (), {"options": staticmethod(lambda: {})})()
+    _with_inventory(w)
+    f = _fold_task(w)
+    tp = aiokafka.TopicPartition(TELEMETRY.name, 3)
+    batches = [{tp: _recs([_tel("n1", 1, 2000)])}, {tp: _recs([b"boom"], first_offset=1)},
+               {tp: _recs([_tel("n1", 2, 3000)], first_offset=2)}]
+    seen: list[bool] = []
+
+    class Consumer(FakeConsumer):
+        def __init__(self, **kwargs):
+            super().__init__()
+
+        async def start(self):
+            pass
+
+        async def stop(self):
+            pass
+
+        async def getmany(self, timeout_ms, max_records):
+            seen.append(gc.isenabled())  # between batches: the collector runs
+            if not batches:
+                raise asyncio.CancelledError
+            return batches.pop(0)
+
+    real_fold = f.fold_batch
+
+    async def fold_batch(partition, msgs):
+        seen.append(gc.isenabled())  # while a batch is folded: it waits
+        if msgs[0].value == b"boom":
+            raise RuntimeError("a fold that fails (injected)")
+        await real_fold(partition, msgs)
+
+    async def follow():
+        return True
+
+    monkeypatch.setattr(aiokafka, "AIOKafkaConsumer", Consumer)
+    monkeypatch.setattr(f, "fold_batch", fold_batch)
+    monkeypatch.setattr(f, "_follow_assignment", follow)
+
+    async def go():
+        with pytest.raises(RuntimeError):
+            await f.run()  # an exception out of a batch ends the task: the collector must not stay off
+        assert gc.isenabled()
+        await f.run()  # the rest of the batches, until the consumer says stop
+
+    assert gc.isenabled()
+    try:
+        asyncio.run(go())
+    except asyncio.CancelledError:
+        pass
+    assert gc.isenabled()
+    assert seen == [True, False, True, False, True, False, True]
+    assert w.node_table.data["n1"].applied["n1/telemetry"] == 2

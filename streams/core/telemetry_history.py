@@ -29,7 +29,7 @@ def default_job_info(job_id: str) -> tuple[str, str]:
     return tenant_of(job_id), ""
 
 
-@dataclass
+@dataclass(slots=True)  # slots: the per-sample update below reads and writes a dozen of these for every sample
 class _Bucket:
     gpu_uuid: str
     mig_uuid: str
@@ -50,36 +50,7 @@ class _Bucket:
     jobs: dict[str, list[int]] = field(default_factory=dict)  # job -> [samples, util permille sum, mem MiB sum]
 
     def add(self, s: GpuSample) -> None:
-        # comparisons inline, not max(): this runs for every sample of every card (the telemetry task's hot loop)
-        self.n += 1
-        u, m, t, w = s.util_pct, s.mem_used_mib, s.temperature_c, s.power_mw
-        self.util_sum += u
-        if u > self.util_max:
-            self.util_max = u
-        self.mem_sum += m
-        if m > self.mem_max:
-            self.mem_max = m
-        if s.mem_total_mib > self.mem_total:
-            self.mem_total = s.mem_total_mib
-        self.temp_sum += t
-        if t > self.temp_max:
-            self.temp_max = t
-        self.power_sum += w
-        if w > self.power_max:
-            self.power_max = w
-        if s.ecc_corrected > self.ecc_corrected:
-            self.ecc_corrected = s.ecc_corrected
-        if s.ecc_uncorrected > self.ecc_uncorrected:
-            self.ecc_uncorrected = s.ecc_uncorrected
-        if s.xid_errors:
-            self.xids.update(s.xid_errors)
-        if s.job_ids:
-            k = len(s.job_ids)
-            for job in s.job_ids:
-                acc = self.jobs.setdefault(job, [0, 0, 0])
-                acc[0] += 1
-                acc[1] += s.util_pct * 10 // k
-                acc[2] += s.mem_used_mib // k
+        _add_samples({s.mig_uuid or s.gpu_uuid: self}, (s,), None)
 
     def close(self, job_info: JobInfo) -> CardMinute:
         n = self.n
@@ -96,6 +67,48 @@ class _Bucket:
             temperature_mean_c=round(self.temp_sum / n), temperature_max_c=self.temp_max,
             power_mean_mw=self.power_sum // n, power_max_mw=self.power_max, ecc_corrected=self.ecc_corrected,
             ecc_uncorrected=self.ecc_uncorrected, xid_errors=tuple(sorted(self.xids)), jobs=tuple(jobs))
+
+
+def _add_samples(buckets: dict[str, _Bucket], samples: Iterable[GpuSample], models: Mapping[str, str] | None) -> None:
+    """Each sample into its card's (or MIG instance's) bucket, opened on first sight. The telemetry task's hot loop
+    (every sample of every card): comparisons inline, not max(), no call per sample, slotted buckets."""
+    for s in samples:
+        key = s.mig_uuid or s.gpu_uuid
+        b = buckets.get(key)
+        if b is None:
+            b = buckets[key] = _Bucket(s.gpu_uuid, s.mig_uuid or "", (models or {}).get(s.gpu_uuid, ""))
+        u, m, t, w = s.util_pct, s.mem_used_mib, s.temperature_c, s.power_mw
+        b.n += 1
+        b.util_sum += u
+        if u > b.util_max:
+            b.util_max = u
+        b.mem_sum += m
+        if m > b.mem_max:
+            b.mem_max = m
+        if s.mem_total_mib > b.mem_total:
+            b.mem_total = s.mem_total_mib
+        b.temp_sum += t
+        if t > b.temp_max:
+            b.temp_max = t
+        b.power_sum += w
+        if w > b.power_max:
+            b.power_max = w
+        if s.ecc_corrected > b.ecc_corrected:
+            b.ecc_corrected = s.ecc_corrected
+        if s.ecc_uncorrected > b.ecc_uncorrected:
+            b.ecc_uncorrected = s.ecc_uncorrected
+        if s.xid_errors:
+            b.xids.update(s.xid_errors)
+        jobs = s.job_ids
+        if jobs:
+            k = len(jobs)
+            for job in jobs:
+                acc = b.jobs.get(job)
+                if acc is None:
+                    acc = b.jobs[job] = [0, 0, 0]
+                acc[0] += 1
+                acc[1] += u * 10 // k
+                acc[2] += m // k
 
 
 class TelemetryMinutes:
@@ -131,13 +144,7 @@ class TelemetryMinutes:
         if current is None:
             current = (minute, datacenter, {})
             self._open[node] = current
-        buckets = current[2]
-        for s in samples:
-            key = s.mig_uuid or s.gpu_uuid
-            b = buckets.get(key)
-            if b is None:
-                b = buckets[key] = _Bucket(s.gpu_uuid, s.mig_uuid or "", (models or {}).get(s.gpu_uuid, ""))
-            b.add(s)
+        _add_samples(current[2], samples, models)
         return closed
 
     def close_before(self, log_ms: int, clock_of: Callable[[str], int | None] | None = None) -> list[TelemetryMinute]:
