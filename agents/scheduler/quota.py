@@ -194,13 +194,15 @@ class Ledger:
             return Admission(False, False, (Reason(code="WithinQuota", plugin="Quota", data=data),))
         if fits_cap:
             return Admission(False, True, (Reason(code="Borrowing", plugin="Quota", data=data),))
-        full = quota * q.overcommit_pct // 100  # the cap as configured, whatever the pool's use lowers it to
-        if need > full or (q_mem is not None and mem > q_mem * q.overcommit_pct // 100):
+        # the cap as configured, whatever the pool's use lowers it to
+        full = quota * q.overcommit_pct // 100
+        full_mem = q_mem * q.overcommit_pct // 100 if q_mem is not None else None
+        if need > full or (full_mem is not None and mem > full_mem):
             # no release of its own work will ever make room: say who can (waiting "until its usage falls" would
             # never end)
             return Admission(True, False, (Reason(code="QuotaExceeded", plugin="Quota", message=(
                 f"asks more than {r.tenant}'s whole borrowing cap ({full} milli-CU"
-                + (f", {q_mem * q.overcommit_pct // 100} MiB" if q_mem is not None else "")
+                + (f", {full_mem} MiB" if full_mem is not None else "")
                 + f") even with nothing of it running: it waits until an operator raises the quota (gpupool quota "
                 f"set {r.tenant} --compute N)"), data={**data, "never_fits_cap": 1}),))
         return Admission(True, False, (Reason(code="QuotaExceeded", plugin="Quota", data=data),))
