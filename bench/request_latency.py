@@ -15,7 +15,8 @@
    telemetry move). Measured per request, in this process's monotonic clock: from just before `send` to the moment
    the consumer hands over the `cmd.place` naming the job; and in log time: the command's append time minus the
    request's (the broker's clock at both ends: no client in it), and the same for each hop on the way (the
-   gateway's `job.requested` on `gpupool.job-requests`, the worker's feed on the scheduler's input topic).
+   gateway's copy on the scheduler's input topic, then the scheduler's command; the gateway writes the request to
+   `gpupool.job-requests` for the folds too, just before).
 4. Prints p50/p90/p99/max of both, the commit, the load average, the worker's CPU seconds over the run, and one JSON
    line (prefix `RESULT `).
 Everything started here is stopped on exit, also on error or Ctrl-C.
@@ -41,7 +42,7 @@ from bench.procs import cpu_seconds, exit_on_signal
 from infra.security import SERVICE
 from schemas.envelope import decode, encode, envelope
 from schemas.events import JobRequested, QuotaSet
-from schemas.topics import COMMANDS, JOB_REQUESTS, SCHEDULER_INPUT, inbox
+from schemas.topics import COMMANDS, SCHEDULER_INPUT, inbox
 
 ROOT = Path(__file__).resolve().parent.parent
 TENANT = "bench"
@@ -83,9 +84,9 @@ async def measure(stack: Stack, n: int, warmup: int, gap: float, timeout: float)
                         hops.setdefault(env.payload.job_id, {}).setdefault(tp.topic, m.timestamp)
 
     try:
-        # the commands, and on the way the request's hops: the gateway's output (job requests) and the scheduler's
-        # input (the worker's feed), read in the same consumer (log times only: which fetch sees them first is moot)
-        tps = [TopicPartition(spec.name, p) for spec in (COMMANDS, JOB_REQUESTS, SCHEDULER_INPUT)
+        # the commands, and on the way the request's hop: the gateway's copy on the scheduler's input, read in the
+        # same consumer (log times only: which fetch sees them first is moot)
+        tps = [TopicPartition(spec.name, p) for spec in (COMMANDS, SCHEDULER_INPUT)
                for p in range(spec.partitions)]
         consumer.assign(tps)
         await consumer.seek_to_end(*tps)
@@ -94,7 +95,7 @@ async def measure(stack: Stack, n: int, warmup: int, gap: float, timeout: float)
         follower = asyncio.create_task(follow())
         topic = inbox(CLIENT).name
         wall, log_ms, lost = [], [], []
-        legs: dict[str, list[int]] = {"gateway": [], "fold": [], "scheduler": []}
+        legs: dict[str, list[int]] = {"gateway": [], "scheduler": []}
         for i in range(warmup + n):
             job = f"req-{i:04d}"
             req = JobRequested(job_id=job, tenant=TENANT, compute_milli=100, gpu_memory_mib=1024, duration_s=1)
@@ -118,9 +119,8 @@ async def measure(stack: Stack, n: int, warmup: int, gap: float, timeout: float)
                 wall.append((t1 - t0) * 1000)
                 log_ms.append(cmd_ms - meta.timestamp)
                 h = hops.get(full, {})
-                if JOB_REQUESTS.name in h and SCHEDULER_INPUT.name in h:
-                    legs["gateway"].append(h[JOB_REQUESTS.name] - meta.timestamp)
-                    legs["fold"].append(h[SCHEDULER_INPUT.name] - h[JOB_REQUESTS.name])
+                if SCHEDULER_INPUT.name in h:
+                    legs["gateway"].append(h[SCHEDULER_INPUT.name] - meta.timestamp)
                     legs["scheduler"].append(cmd_ms - h[SCHEDULER_INPUT.name])
             if i >= warmup and (i - warmup + 1) % 50 == 0:
                 print(f"  {i - warmup + 1}/{n}: last {wall[-1] if wall else float('nan'):.1f} ms", flush=True)
@@ -187,8 +187,7 @@ def main() -> int:
         s = result[key]
         if s:
             print(f"{label:34} {s['n']:>4} {s['p50']:>8} {s['p90']:>8} {s['p99']:>8} {s['max']:>8}")
-    legs = {"gateway": "  inbox -> job requests (gateway)", "fold": "  job requests -> scheduler input (fold)",
-            "scheduler": "  scheduler input -> commands"}
+    legs = {"gateway": "  inbox -> scheduler input (gateway)", "scheduler": "  scheduler input -> commands"}
     for key, label in legs.items():
         if s := result["legs_log_ms"].get(key):
             print(f"{label:34} {s['n']:>4} {s['p50']:>8} {s['p90']:>8} {s['p99']:>8} {s['max']:>8}")

@@ -42,6 +42,16 @@ LEDGER_FACTS_FOR_SCHEDULER = frozenset({"quota.set"})
 SCHEDULER_REQUESTS = frozenset({
     "reservation.requested", "reservation.cancelled", "service.declared", "service.removed", "inference.load",
 })
+# What the gateway admits and the scheduler reads goes from the gateway to the scheduler's input at once, beside
+# its home topic (not through a fold: a hop less on the way from request to placement, issue #16). Every record of
+# a gateway source takes that one way, so the per-source order the scheduler's sequence check relies on holds.
+GATEWAY_TO_SCHEDULER = JOB_FACTS_FOR_SCHEDULER | LEDGER_FACTS_FOR_SCHEDULER | SCHEDULER_REQUESTS
+
+
+def forwarded_by_fold(env: Envelope, kinds: frozenset[str]) -> bool:
+    """Whether a fold forwards this fact to the scheduler's input: a kind the scheduler reads, not written by the
+    gateway (which sent it there itself)."""
+    return env.kind in kinds and not env.source.startswith(gateway.SOURCE_PREFIX)
 
 HEARTBEAT_INTERVAL_S = 1.0
 TICK_INTERVAL_S = 1.0
@@ -235,7 +245,12 @@ class Worker:
             if env is None:
                 continue
             spec, key = route(env)
-            await producer.send(spec.name, key=key, value=encode(env))
+            value = encode(env)
+            await producer.send(spec.name, key=key, value=value)
+            if what == "accepted" and env.kind in GATEWAY_TO_SCHEDULER:
+                # after its home topic (the same producer keeps the order): one Kafka hop less between a request
+                # and its placement; the folds do not forward what the gateway wrote (forwarded_by_fold)
+                await producer.send(SCHEDULER_INPUT.name, key=env.source.encode(), value=value)
             self.gateway_counts[what] += 1
             self.metrics.gateway.labels(what).inc()
             if what == "accepted" and abs(gateway.clock_skew_ms(env)) > self.cfg.max_skew_ms:
@@ -343,13 +358,14 @@ class Worker:
             if not hasattr(env.payload, "job_id"):
                 if env.kind in SCHEDULER_REQUESTS:
                     self.folded[env.kind] += 1
-                    await self.scheduler_input.send(key=env.source.encode(), value=event.value)
+                    if forwarded_by_fold(env, SCHEDULER_REQUESTS):
+                        await self.scheduler_input.send(key=env.source.encode(), value=event.value)
                 continue
             folded = await self._fold(event, self.job_table, job_view, lambda e: e.payload.job_id, env)
             if folded is None:
                 continue
             env = folded[0]
-            if env.kind in JOB_FACTS_FOR_SCHEDULER:
+            if forwarded_by_fold(env, JOB_FACTS_FOR_SCHEDULER):
                 await self.scheduler_input.send(key=env.source.encode(), value=event.value)
 
     async def feed_ledger(self, stream):
@@ -359,7 +375,8 @@ class Worker:
                 self.metrics.ledger_fact(env)
             if env is not None and env.kind in LEDGER_FACTS_FOR_SCHEDULER:
                 self.folded[env.kind] += 1
-                await self.scheduler_input.send(key=env.source.encode(), value=event.value)
+                if forwarded_by_fold(env, LEDGER_FACTS_FOR_SCHEDULER):
+                    await self.scheduler_input.send(key=env.source.encode(), value=event.value)
 
     # ---------------------------------------------------------------- time enters as events
 

@@ -13,7 +13,7 @@ import pytest
 
 from schemas.envelope import decode
 from schemas.topics import (
-    COMMANDS, DEAD_LETTERS, DECISIONS, INVENTORY, JOB_EVENTS, JOB_REQUESTS, NODE_CONTROL, TELEMETRY,
+    COMMANDS, DEAD_LETTERS, DECISIONS, INVENTORY, JOB_EVENTS, JOB_REQUESTS, NODE_CONTROL, SCHEDULER_INPUT, TELEMETRY,
 )
 from streams import codec
 from streams.core import job_view, node_view
@@ -95,6 +95,13 @@ def test_plain_kafka_client_submits_a_job(stack):
                          "AND kind IN ('cmd.place', 'job.requested') ORDER BY kind")
     assert [r["node"] for r in placed if r["node"]] == ["node-000"]
     assert {r["actor"] for r in placed} == {"", "ext-client"}  # the request carries its authenticated sender
+    # the scheduler's input holds each request once, written by the gateway (not again by the fold), and each node
+    # report once, forwarded by the fold
+    inputs = [decode(m.value) for m in read_topic(stack, SCHEDULER_INPUT.name)]
+    mine = [(e.kind, e.source) for e in inputs if getattr(e.payload, "job_id", "").startswith("ext/")]
+    requests = [k for k in mine if k[0] == "job.requested"]
+    assert len(requests) == 2 and all(src.startswith("in/ext-client/") for _, src in requests)
+    assert sorted(k for k, _ in mine if k != "job.requested") == ["job.completed"] * 2 + ["job.started"] * 2
 
 
 def test_bad_input_is_answered_or_dead_lettered_and_folding_continues(stack):
