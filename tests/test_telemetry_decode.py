@@ -67,7 +67,7 @@ def outcome(fn, raw: bytes):
         env = fn(raw)
     except DecodeError as exc:
         return ("refused", exc.code)
-    # equal models, and the same bytes when written again (True == 1 and (1,) == [1] would compare equal) and the
+    # equal models, and the same bytes when written again (a field holding True equals one holding 1) and the
     # same fields set (what `exclude_unset` writes)
     sets = (env.model_fields_set, getattr(env.payload, "model_fields_set", None),
             [s.model_fields_set for s in getattr(env.payload, "samples", ())])
