@@ -105,17 +105,18 @@ def decode(raw: bytes | bytearray | memoryview | None) -> Envelope:
 # `gpu.telemetry` is most of what crosses the wire (a record a node a second, a sample a card). `decode` parses it with
 # orjson and then validates the Python objects; pydantic can parse and validate the bytes in one pass instead, at
 # two thirds of the cost (docs/performance.md). The two JSON parsers agree on every document without NaN/Infinity (no
-# field of a telemetry record takes a float, so those fail validation either way) and on every integer below 2**64
-# (orjson turns a longer one into a float, pydantic keeps it exact): a record with a run of 20 digits anywhere,
+# field of a telemetry record takes a float, so those fail validation either way) and on every integer in
+# [-2**63, 2**64) (orjson turns any other into a float, pydantic keeps it exact): a record with a run of 19 digits
+# anywhere (-2**63 - 1 has 19; every integer of 18 digits or fewer is in range, of either sign),
 # records of an older or a future version, of another kind, and everything the one-pass validation refuses go
 # through `decode`, which accepts or refuses them exactly as before (tests/test_telemetry_decode.py).
 _DIGIT_RUNS = bytes(0x39 if 0x30 <= b <= 0x39 else 0x20 for b in range(256))  # every digit a "9", the rest blank
-_TWENTY_DIGITS = b"9" * 20
+_NINETEEN_DIGITS = b"9" * 19  # (20 until a record with -2**63 - 1 in an unbounded field was folded, not refused)
 
 
 def decode_telemetry(raw: bytes | bytearray | memoryview | None) -> Envelope:
     """`decode` for the records of the telemetry topic, with a one-pass fast path for current `gpu.telemetry`."""
-    if type(raw) is not bytes or len(raw) > MAX_RECORD_BYTES or _TWENTY_DIGITS in raw.translate(_DIGIT_RUNS):
+    if type(raw) is not bytes or len(raw) > MAX_RECORD_BYTES or _NINETEEN_DIGITS in raw.translate(_DIGIT_RUNS):
         return decode(raw)
     try:
         env = Envelope.model_validate_json(raw)

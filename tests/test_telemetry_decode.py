@@ -15,6 +15,10 @@ from schemas.envelope import SCHEMA_VERSION, DecodeError, decode, decode_telemet
 from schemas.events import GpuSample, GpuTelemetry, NodeHeartbeat
 
 ints = st.integers(-5, 2**63)
+# the edges of the two parsers' exact integers: orjson (decode's parser) reads [-2**63, 2**64) exactly and anything
+# beyond as a float; pydantic's own JSON parser keeps every integer exact
+edge_ints = st.sampled_from([-(2**64), -(2**63) - 1, -(2**63), 2**63 - 1, 2**63, 2**64 - 1, 2**64,
+                             -(10**19) + 1, -(10**18), 10**19 - 1]) | st.integers(-(2**70), 2**70)
 text = st.text(max_size=8)
 
 
@@ -39,7 +43,8 @@ def telemetry_doc(draw) -> dict:
 
 
 # what a damaged record may carry instead of a field's value
-odd_values = st.one_of(st.none(), st.booleans(), ints, st.floats(allow_nan=False), text, st.just([]), st.just({}),
+odd_values = st.one_of(st.none(), st.booleans(), ints, edge_ints, st.floats(allow_nan=False), text, st.just([]),
+                       st.just({}), st.just([2**64]), st.just([-(2**63) - 1]),
                        st.just([1, "a"]), st.just(5.0), st.just("7"), st.integers(2**64, 2**70))
 
 
@@ -62,7 +67,11 @@ def outcome(fn, raw: bytes):
         env = fn(raw)
     except DecodeError as exc:
         return ("refused", exc.code)
-    return ("decoded", type(env), env)
+    # equal models, and the same bytes when written again (a field holding True equals one holding 1) and the
+    # same fields set (what `exclude_unset` writes)
+    sets = (env.model_fields_set, getattr(env.payload, "model_fields_set", None),
+            [s.model_fields_set for s in getattr(env.payload, "samples", ())])
+    return ("decoded", type(env), env, env.model_dump_json(), sets)
 
 
 @settings(max_examples=300, deadline=None)
@@ -94,3 +103,23 @@ def test_an_older_version_is_upcast_and_an_absent_version_is_version_1():
     with pytest.raises(DecodeError) as exc:
         decode_telemetry(orjson.dumps({**doc, "schema_version": SCHEMA_VERSION + 1}))
     assert exc.value.code == "future_version"
+
+
+INT_FIELDS = {"envelope": ["schema_version", "seq", "event_time_ms", "claimed_time_ms"],
+              "sample": ["util_pct", "mem_used_mib", "mem_total_mib", "temperature_c", "power_mw", "ecc_corrected",
+                         "ecc_uncorrected", "xid_errors"]}
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_integers_beyond_64_bits_anywhere_are_what_decode_says(data):
+    """orjson reads an integer outside [-2**63, 2**64) as a float, which an int field refuses or rounds; pydantic's
+    JSON parser keeps it exact. Whatever field it is in (an unbounded one, temperature_c or an xid, included)."""
+    doc = data.draw(telemetry_doc().filter(lambda d: d["payload"]["samples"]))
+    where = data.draw(st.sampled_from(sorted(INT_FIELDS)))
+    target = doc if where == "envelope" else data.draw(st.sampled_from(doc["payload"]["samples"]))
+    key = data.draw(st.sampled_from(INT_FIELDS[where]))
+    value = data.draw(edge_ints)
+    target[key] = [value] if key == "xid_errors" else value
+    raw = json.dumps(doc).encode()
+    assert outcome(decode_telemetry, raw) == outcome(decode, raw)

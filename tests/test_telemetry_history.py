@@ -113,3 +113,69 @@ def test_a_node_whose_records_are_not_read_that_far_keeps_its_minute_open_until_
     assert agg.close_before(now, lambda n: None) == []  # not known how far: not closed
     (m,) = agg.close_before(now, lambda n: T0 + 66_000)
     assert m.node == "n1" and m.cards[0].samples == 2 and m.cards[0].util_mean_permille == 200
+
+
+# ---------------------------------------------------------------- one validation a node-minute (issue #16)
+
+def _minute_model_by_model(node: str, minute: int, dc: str, buckets: dict, job_info) -> "TelemetryMinute":
+    """The minute as it was built before one validation a node-minute: every JobMinute and CardMinute on its own."""
+    from schemas.events import CardMinute, JobMinute, TelemetryMinute
+
+    cards = []
+    for _, b in sorted(buckets.items()):
+        if not b.n:
+            continue
+        n = b.n
+        jobs = tuple(JobMinute(job_id=job, tenant=job_info(job)[0], tier=job_info(job)[1], samples=count,
+                               util_permille=util // n, mem_used_mib=mem // n)
+                     for job, (count, util, mem) in sorted(b.jobs.items()))
+        cards.append(CardMinute(
+            gpu_uuid=b.gpu_uuid, mig_uuid=b.mig_uuid, gpu_model=b.gpu_model, samples=n,
+            util_mean_permille=b.util_sum * 10 // n, util_max_pct=b.util_max, mem_used_mean_mib=b.mem_sum // n,
+            mem_used_max_mib=b.mem_max, mem_total_mib=b.mem_total, temperature_mean_c=round(b.temp_sum / n),
+            temperature_max_c=b.temp_max, power_mean_mw=b.power_sum // n, power_max_mw=b.power_max,
+            ecc_corrected=b.ecc_corrected, ecc_uncorrected=b.ecc_uncorrected, xid_errors=tuple(sorted(b.xids)),
+            jobs=jobs))
+    return TelemetryMinute(node=node, datacenter=dc, minute_ms=minute, cards=tuple(cards))
+
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_samples = st.builds(
+    GpuSample, gpu_uuid=st.sampled_from(["g0", "g1", "g2"]), mig_uuid=st.none() | st.sampled_from(["m0", "m1"]),
+    util_pct=st.integers(0, 100), mem_used_mib=st.integers(0, 90_000), mem_total_mib=st.integers(0, 90_000),
+    temperature_c=st.integers(-40, 120), power_mw=st.integers(0, 700_000), ecc_corrected=st.integers(0, 5),
+    ecc_uncorrected=st.integers(0, 5), xid_errors=st.lists(st.integers(0, 99), max_size=2).map(tuple),
+    job_ids=st.lists(st.sampled_from(["acme/train", "globex/serve", "solo", "x/y"]), max_size=3).map(tuple))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 150_000), st.lists(_samples, max_size=4)), min_size=1, max_size=8),
+       st.booleans())
+def test_a_closed_minute_is_the_one_built_model_by_model(batches, models):
+    agg = TelemetryMinutes(job_info=info)
+    want, got = [], []
+    for t, samples in sorted(batches, key=lambda b: b[0]):
+        current = agg._open.get("n1")
+        if current is not None and current[0] != agg.minute_of(T0 + t):
+            want.append(_minute_model_by_model("n1", current[0], current[1], current[2], info))
+        got += agg.add("n1", T0 + t, samples, models={"g0": "A100-80GB"} if models else None, datacenter="dc-2")
+    minute, dc, buckets = agg._open["n1"]
+    want.append(_minute_model_by_model("n1", minute, dc, buckets, info))
+    got += agg.flush()
+    assert got == want
+    assert [m.model_dump_json() for m in got] == [m.model_dump_json() for m in want]  # field order and all
+    assert [m.model_fields_set for m in got] == [m.model_fields_set for m in want]
+
+
+def test_a_minute_that_a_model_refuses_is_still_refused():
+    """A sample may name a job "" (GpuSample.job_ids is any string); a JobMinute's job_id may not: closing that
+    minute raises ValidationError as it did when each JobMinute was built on its own."""
+    import pytest
+    from pydantic import ValidationError
+
+    agg = TelemetryMinutes(job_info=info)
+    agg.add("n1", T0, [s("g0", 50, jobs=("",))])
+    with pytest.raises(ValidationError):
+        agg.flush()
