@@ -103,7 +103,7 @@ class GpuSample(Frozen):
     ecc_corrected: NonNeg = 0
     ecc_uncorrected: NonNeg = 0
     xid_errors: tuple[int, ...] = ()
-    job_ids: tuple[str, ...] = ()
+    job_ids: tuple[Ident, ...] = ()  # as a job id anywhere: the minute history (JobMinute) takes them as they are
     fault: str = ""  # a fault the node agent saw on the card (an NVML read error, retired pages...): out of service
 
 

@@ -30,7 +30,7 @@ def samples(draw):
                      power_mw=draw(st.integers(0, 2**32)), ecc_corrected=draw(st.integers(0, 9)),
                      ecc_uncorrected=draw(st.integers(0, 9)), xid_errors=tuple(draw(st.lists(st.integers(0, 99),
                                                                                               max_size=2))),
-                     job_ids=tuple(draw(st.lists(text, max_size=2))), fault=draw(st.sampled_from(["", "xid 79"])))
+                     job_ids=tuple(draw(st.lists(st.text(min_size=1, max_size=8), max_size=2))), fault=draw(st.sampled_from(["", "xid 79"])))
 
 
 @st.composite

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import time
 
-from schemas.envelope import envelope
-from schemas.events import GpuSample
+import orjson
+import pytest
+
+from schemas.envelope import encode, envelope
+from schemas.events import GpuSample, GpuTelemetry
 from schemas.routing import route
 from schemas.topics import TELEMETRY_MINUTES
 from streams.core.rows import COLUMNS, rows_for
@@ -169,13 +172,21 @@ def test_a_closed_minute_is_the_one_built_model_by_model(batches, models):
     assert [m.model_fields_set for m in got] == [m.model_fields_set for m in want]
 
 
-def test_a_minute_that_a_model_refuses_is_still_refused():
-    """A sample may name a job "" (GpuSample.job_ids is any string); a JobMinute's job_id may not: closing that
-    minute raises ValidationError as it did when each JobMinute was built on its own."""
-    import pytest
+@pytest.mark.parametrize("job", ["", "j" * 201])
+def test_a_job_id_no_minute_could_hold_is_refused_where_the_record_comes_in(job):
+    """A sample naming a job "" (or longer than any job id) is refused by the contract, so decode dead-letters the
+    record instead of the worker's minute close raising on it later (in the liveness timer, for every minute after)."""
     from pydantic import ValidationError
 
-    agg = TelemetryMinutes(job_info=info)
-    agg.add("n1", T0, [s("g0", 50, jobs=("",))])
+    from schemas.envelope import DecodeError, decode, decode_telemetry
+
     with pytest.raises(ValidationError):
-        agg.flush()
+        s("g0", 50, jobs=(job,))
+    good = encode(envelope(GpuTelemetry(node="n1", samples=(s("g0", 50, jobs=("acme/train",)),)), source="n1/telemetry",
+                           seq=1, time_ms=T0))
+    bad = good.replace(b'"acme/train"', orjson.dumps(job))
+    for fn in (decode, decode_telemetry):
+        with pytest.raises(DecodeError) as exc:
+            fn(bad)
+        assert exc.value.code == "invalid"
+        assert fn(good).payload.samples[0].job_ids == ("acme/train",)
