@@ -40,7 +40,7 @@ import orjson
 
 log = logging.getLogger("gpupool.scheduler.snapshot")
 
-FORMAT = 1
+FORMAT = 2  # 2: finished jobs kept as holdings.Ended, commands per job record (1: every JobRecord kept)
 KEEP = 2  # snapshots kept (older ones get a tombstone) ...
 AUDIT_EVERY = 50_000  # ... besides the first of every span of this many input records (the audit's checkpoints)
 EVERY_RECORDS = 2_000  # a snapshot at least every this many input records ...
