@@ -217,7 +217,7 @@ def main(argv=None) -> int:
     n = len(gen.inputs)
     print(f"generated {n} inputs in {t_gen:.1f} s (scheduler in the loop): {gen.placed} placed, "
           f"{gen.completed} completed, {gen.usage} usage.accrued, {gen.outputs} outputs, "
-          f"{len(gen.sched.jobs)} jobs, sim time {(gen.now - T0) / 1000:.0f} s", file=sys.stderr)
+          f"{gen.sched.arrivals} jobs, sim time {(gen.now - T0) / 1000:.0f} s", file=sys.stderr)
 
     if args.profile:
         prof = cProfile.Profile()
@@ -246,7 +246,7 @@ def main(argv=None) -> int:
 
     eps = n / t_replay
     table = [("inputs (scheduler-input records)", f"{n:,}"),
-             ("nodes / jobs", f"{args.nodes} / {len(gen.sched.jobs):,}"),
+             ("nodes / jobs", f"{args.nodes} / {gen.sched.arrivals:,}"),
              ("outputs (replay == generator)", f"{outs:,}"),
              ("(a) decode + Scheduler.step", f"{t_replay:.2f} s  ->  {eps:,.0f} events/s"),
              ("    of which decode alone", f"{t_decode:.2f} s  ->  {n / t_decode:,.0f} events/s")]
@@ -260,7 +260,7 @@ def main(argv=None) -> int:
     w = max(len(a) for a, _ in table)
     for a, b in table:
         print(f"{a:<{w}}  {b}")
-    result = {"inputs": n, "nodes": args.nodes, "jobs": len(gen.sched.jobs), "outputs": outs,
+    result = {"inputs": n, "nodes": args.nodes, "jobs": gen.sched.arrivals, "outputs": outs,
               "replay_s": round(t_replay, 3), "events_per_s": round(eps), "decode_only_per_s": round(n / t_decode),
               "generate_s": round(t_gen, 1)}
     if ins:

@@ -58,7 +58,8 @@ def generate(directory: Path, records: int, nodes: int, every: int) -> dict:
     _, _, s, cpu_s, jobs, _ = history(records, nodes, 0, on_record=on_record)
     w.close()
     meta = {"records": records, "nodes": nodes, "segment_every": every, "code": snapshot.code_version(),
-            "jobs": jobs, "jobs_in_state": len(s.jobs), "generate_cpu_s": round(cpu_s, 1), **counts}
+            "jobs": jobs, "jobs_in_state": len(s.jobs),
+            "ended_in_state": len(s.ended), "applied_in_state": len(s.applied), "generate_cpu_s": round(cpu_s, 1), **counts}
     (directory / "bench.json").write_text(json.dumps(meta))
     return meta
 

@@ -155,7 +155,8 @@ def main() -> int:
     envs, times, full, full_cpu_s, jobs, snap_value = history(n, args.nodes, k)
     result = {"records": n, "nodes": args.nodes, "jobs": jobs, "tail": args.tail,
               "full_replay_cpu_s": round(full_cpu_s, 1), "full_replay_rec_per_s": round(n / full_cpu_s),
-              "snapshot_bytes": len(snap_value), "jobs_in_state": len(full.jobs)}
+              "snapshot_bytes": len(snap_value), "jobs_in_state": len(full.jobs),
+              "ended_in_state": len(full.ended), "applied_in_state": len(full.applied)}
     print(f"  stepped {n} records in {full_cpu_s:.1f} CPU-s ({n / full_cpu_s:.0f}/s); snapshot {len(snap_value)} "
           f"bytes", flush=True)
     home = Path(tempfile.mkdtemp(prefix="gpupool-takeover-"))
@@ -190,7 +191,9 @@ def main() -> int:
         def summary(st):
             return (st.now_ms, st.cycle, {j: (r.state, r.attempt, tuple(p.node for p in r.parts), r.started_ms)
                                           for j, r in st.jobs.items()},
-                    {n: (v.allocations, v.faults, v.applied) for n, v in st.nodes.items()})
+                    {n: (v.allocations, v.faults, v.applied) for n, v in st.nodes.items()},
+                    {j: (e.fingerprint, e.attempt, e.commands, e.sources, e.until_ms) for j, e in st.ended.items()},
+                    st.applied)
         result["same_state_as_in_process"] = len(seen_ms) == args.tail and summary(agent.state) == summary(ref)
         result["peak_rss_mib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
     finally:

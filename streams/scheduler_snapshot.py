@@ -11,7 +11,9 @@ principal only) is an orjson document:
 
 The state itself is a pickle of the scheduler object graph (hundreds of classes of the core: pickle is the one
 encoding that covers every one of them without a second, hand-kept schema); the envelope around it is versioned
-twice: `v`, the format of the document (older formats are upcast by UPCASTERS, none exist yet), and `code`, a digest
+twice: `v`, the format of the document (older formats are upcast by UPCASTERS, none exist yet: format 2 holds
+finished jobs as holdings.Ended and each job's commands on its record, and a format-1 state, every JobRecord kept, is
+not upcast but ignored -- its code differs anyway), and `code`, a digest
 of the scheduler's sources (agents/scheduler/*.py and the event schemas). A snapshot whose `code` differs was made by
 other code: it is ignored, and the takeover replays from the newest snapshot this code made, or from 0 — a longer
 replay, never a wrong one. Only the service principal may write the topic (infra/principals.py), and the pickle is
@@ -40,7 +42,7 @@ import orjson
 
 log = logging.getLogger("gpupool.scheduler.snapshot")
 
-FORMAT = 1
+FORMAT = 2  # 2: finished jobs kept as holdings.Ended, commands per job record (1: every JobRecord kept)
 KEEP = 2  # snapshots kept (older ones get a tombstone) ...
 AUDIT_EVERY = 50_000  # ... besides the first of every span of this many input records (the audit's checkpoints)
 EVERY_RECORDS = 2_000  # a snapshot at least every this many input records ...

@@ -108,7 +108,7 @@ class Pool:
 
     def ready_replicas(self, service: str) -> list[str]:
         svc = self.s.autoscaler.services[service]
-        return [j for j in svc.serving() if self.s.jobs[j].state == "running"]
+        return [j for j in svc.serving() if self.s.state_of(j) == "running"]
 
     def sample(self, service: str, qps: int, replica_qps: int, dt_ms: int) -> list:
         """The service's own load report: capacity from the ready serving replicas (a boost adds its share)."""
@@ -268,7 +268,7 @@ def test_boosted_time_is_billed_at_the_boosted_share_exactly():
     pool.now += 7_000
     end = pool.now
     pool.feed(ServiceRemoved(service_id="chat"), "cli/service/chat")
-    assert pool.s.jobs["chat/r1"].state == "done"
+    assert pool.s.state_of("chat/r1") == "done"
     usage = [o.payload for o in pool.outputs if o.payload.kind == "usage.accrued" and o.payload.job_id == "chat/r1"]
     # started at 40 s; base share until the boost, boosted share from then to the end (the usage ticks cut the run
     # into intervals that follow each other; joined by share, they are these two)

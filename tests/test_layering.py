@@ -15,9 +15,10 @@ CORE_BESIDE_EDGES = ("agents/node/fencing.py", "agents/sim/packing.py")
 PACKAGES = {"streams", "streams.core", "agents", "agents.scheduler", "agents.node", "agents.sim", "schemas", "infra"}
 # What the core may import, allowed on purpose (a new import fails here until it is added): the standard library's
 # pure modules named, pydantic, numpy (FGD's measure), orjson (the codec), the schemas and other core modules. No
-# Faust, aiokafka, ClickHouse, asyncio, clock, randomness, files or sockets.
+# Faust, aiokafka, ClickHouse, asyncio, clock, randomness, files or sockets. hashlib: a finished job's request
+# fingerprint (holdings.fingerprint, BLAKE2b: deterministic in every process, unlike hash()).
 ALLOWED_TOPS = {"__future__", "array", "dataclasses", "typing", "collections", "enum", "bisect", "functools", "itertools",
-                "heapq", "math", "abc", "numpy", "pydantic", "orjson", "schemas"}
+                "heapq", "math", "abc", "numpy", "pydantic", "orjson", "schemas", "hashlib"}
 
 
 def _module(path: Path) -> str:

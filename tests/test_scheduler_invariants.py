@@ -149,8 +149,8 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     def start(self, a: Agent, j: str, r: Run) -> None:
         r.started = True
-        rec = self.s.jobs[j]
-        was = rec.started_ms
+        rec = self.s.jobs.get(j)  # None: the job ended (a node coming back with a run of a finished job)
+        was = rec.started_ms if rec is not None else 0
         self.report(a, JobStarted(job_id=j, node=a.node, command_id=r.command_id))
         if was < 0 <= rec.started_ms:  # the run's billing starts here
             self.started[(j, r.attempt)] = self.clock.now
@@ -365,7 +365,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             if a.lost:
                 continue
             for j, r in a.runs.items():
-                rec = self.s.jobs[j]
+                rec = self.s.jobs.get(j)
+                assert rec is not None, (name, j, r, self.s.state_of(j))  # never a finished job's run
                 assert rec.state in ("placed", "running", "stopping") and rec.attempt == r.attempt, (name, j, r)
                 assert name in {p.node for p in rec.parts}
 
@@ -388,8 +389,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert intervals[0][0] == self.started[(j, attempt)]  # from the run's start
             if (j, attempt) in self.completed:
                 assert intervals[-1][1] == self.completed[(j, attempt)]  # to its end
-            rec = self.s.jobs[j]
-            if rec.attempt == attempt and j in self.s.running:
+            rec = self.s.jobs.get(j)
+            if rec is not None and rec.attempt == attempt and j in self.s.running:
                 assert intervals[-1][1] == rec.accrued_ms <= self.s.now_ms
             by_job.setdefault(j, []).append((attempt, intervals[0][0], intervals[-1][1]))
         for j, spans in by_job.items():  # runs of one job never overlap in time: it is never billed twice

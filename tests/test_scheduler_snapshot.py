@@ -136,7 +136,7 @@ def test_an_older_format_is_upcast_when_an_upcaster_exists(monkeypatch):
     old = {**doc, "v": 0, "at": doc["offset"]}
     del old["offset"]
     monkeypatch.setitem(snapshot.UPCASTERS, 0, lambda d: {**{k: v for k, v in d.items() if k != "at"},
-                                                        "offset": d["at"], "v": 1})
+                                                        "offset": d["at"], "v": snapshot.FORMAT})
     assert snapshot.load(orjson.dumps(old)).offset == 9
 
 

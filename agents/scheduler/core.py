@@ -7,12 +7,14 @@ all drive this same class, so replaying the input reproduces every decision bit 
 """
 from __future__ import annotations
 
+import heapq
+
 from agents.scheduler.admission import Fleet
 from agents.scheduler import defrag
 from agents.scheduler.claims import Claim, Search, claim, standing_now
 from agents.scheduler.elastic import SERVICE_KINDS, SOURCE as AUTOSCALER, Autoscaler, Backfill, Charge, Emit, Request
 from agents.scheduler.elastic import ElasticConfig, Resize
-from agents.scheduler.holdings import Holdings, JobRecord, rebuilt
+from agents.scheduler.holdings import Holdings, JobRecord, fingerprint, rebuilt
 from agents.scheduler.node_index import cards_needed
 from agents.scheduler.placement import DEFAULT_CANDIDATES, MigPlan, Placement, Unschedulable, place
 from agents.scheduler.placement import allowed_models, fit_cards
@@ -32,8 +34,21 @@ from schemas.events import (
     QuotaSet, Reason, Rejected, ReleaseJob, ResizeJob, SchedulerTick, UsageAccrued,
 )
 from streams.core import node_view
+from streams.core.gateway import SOURCE_PREFIX as GATEWAY_PREFIX
 
 SOURCE = "scheduler"
+# How long a finished job is remembered (its Ended record, its commands, its own sources' dedupe entries), in log
+# time after the last record about it: within it a retried or repeated request, a late or repeated report is
+# answered exactly as while the job was live; a job.requested for an id nobody remembers that is older than this
+# (event time before log time - RETAIN_MS) is refused (`stale_request`): it may be a duplicate of one forgotten
+# (docs/scheduler.md, "Finished jobs").
+RETAIN_MS = 24 * 3600_000
+
+
+def own_source(source: str, job_id: str) -> bool:
+    """Whether an input source is the job's own: a node agent's reports about it (NODE/job/JOB) or the gateway's
+    records of one principal about it (in/OWNER/JOB: one source per principal and routing key, the job id)."""
+    return source.endswith("/job/" + job_id) or (source.startswith(GATEWAY_PREFIX) and source.endswith("/" + job_id))
 
 
 class Scheduler:
@@ -45,11 +60,13 @@ class Scheduler:
 
     full_cycle_ms: int = 10_000
     usage_tick_ms: int = 60_000
+    retain_ms: int | None = RETAIN_MS
 
     def __init__(self, *, ledger: Ledger | None = None, preemption: PreemptionConfig | None = None,
                  candidates: int = DEFAULT_CANDIDATES, full_cycle_ms: int | None = None,
                  usage_tick_ms: int | None = None, elastic=None, nodes: dict | None = None,
-                 jobs: dict | None = None, applied: dict | None = None, out_seq: int = 0):
+                 jobs: dict | None = None, applied: dict | None = None, out_seq: int = 0,
+                 retain_ms: int | None = RETAIN_MS):
         self.h = Holdings() if nodes is None and jobs is None else rebuilt(nodes or {}, jobs or {})
         self.ledger = ledger if ledger is not None else Ledger()
         self.preemption = preemption or PreemptionConfig()
@@ -58,6 +75,10 @@ class Scheduler:
             self.full_cycle_ms = full_cycle_ms
         if usage_tick_ms is not None:
             self.usage_tick_ms = usage_tick_ms
+        if retain_ms != RETAIN_MS:
+            if retain_ms is not None and retain_ms <= 0:
+                raise ValueError("retain_ms: a positive number of ms, or None (finished jobs kept for ever)")
+            self.retain_ms = retain_ms  # None: finished jobs are kept (as Ended) for ever, and nothing is stale
         self.applied: dict[str, int] = dict(applied or {})
         self.now_ms = 0
         self.cycle = 0
@@ -91,9 +112,6 @@ class Scheduler:
         # Usage accrues while jobs run: on the first tick usage_tick_ms of log time after the last accrual, every
         # running job is billed [accrued_ms, now) (and at its end, the rest), so a bill includes running work.
         self._usage_ms: int | None = None
-        # command id -> (job, attempt) of every cmd.place, cmd.preempt and cmd.migrate: a node's report names the
-        # command it answers, so a report of a superseded run is known for what it is
-        self.commands: dict[str, tuple[str, int]] = {}
         self.fleet = Fleet()  # what the pool could ever host (admission.py)
         self.unsure: dict[str, None] = {}  # pending jobs that looked unsatisfiable while the fleet grew
         # the elastic layer (elastic.py): reads this state, yields requests and decisions that `_act` carries out
@@ -108,6 +126,14 @@ class Scheduler:
     stopping = property(lambda self: self.h.stopping)
     running = property(lambda self: self.h.running)
     held_by_tier = property(lambda self: self.h.held_by_tier)
+    ended = property(lambda self: self.h.ended)
+
+    def state_of(self, job_id: str) -> str | None:
+        """A job's state: its record's while it is live, "done" while it is remembered as finished, else None."""
+        rec = self.jobs.get(job_id)
+        if rec is not None:
+            return rec.state
+        return "done" if job_id in self.h.ended else None
 
     # ---------------------------------------------------------------- emitting
 
@@ -123,8 +149,8 @@ class Scheduler:
         return f"c{self.out_seq + 1}"
 
     def _command(self, out: list[Envelope], payload, cause: Envelope) -> None:
-        """Emit a command about one run of a job, and remember which run (job, attempt) it concerns."""
-        self.commands[payload.command_id] = (payload.job_id, payload.attempt)
+        """Emit a command about one run of a job, and remember which run (its attempt) it concerns."""
+        self.jobs[payload.job_id].commands[payload.command_id] = payload.attempt
         self._emit(out, payload, cause)
 
     # ---------------------------------------------------------------- input
@@ -137,6 +163,9 @@ class Scheduler:
         out: list[Envelope] = []
         if not self._fresh(env, log_ms):
             return out  # duplicate or stale: at-least-once delivery made exact
+        h = self.h
+        if h.expiry and h.expiry[0][0] <= self.now_ms or h.strays and h.strays[0][0] <= self.now_ms:
+            self._forget()
         a = self.autoscaler
         if a is not None and env.kind in SERVICE_KINDS:
             self._act(out, env, a.on_input(env))
@@ -146,7 +175,62 @@ class Scheduler:
                 self._act(out, env, a.after(env))
         if a is not None:
             a.record_share()
+        if h.done_now:
+            self._bury()
         return out
+
+    # ---------------------------------------------------------------- finished jobs
+
+    def _bury(self) -> None:
+        """The jobs that ended in this step: each record gives way to what is kept of it (holdings.Ended), until
+        retain_ms after the last record about it. Nothing more is billed, released or charged for a job once it
+        is done (its end billed and released it); what still refers to it by id asks `state_of`."""
+        h = self.h
+        for rec in h.done_now:
+            j = rec.request.job_id
+            if h.jobs.get(j) is rec and rec.state == "done":
+                self.unsure.pop(j, None)
+                h.bury(rec, None if self.retain_ms is None else max(self.now_ms, rec.said_ms) + self.retain_ms)
+        h.done_now.clear()
+
+    def _forget(self) -> None:
+        """Finished jobs whose time is up are forgotten, with their own sources' dedupe entries: from now on a
+        record about one is as about a job never seen (and a request for its id, if older than retain_ms, stale)."""
+        a = self.autoscaler
+        h = self.h
+        for j, t in h.forget(self.now_ms):
+            for src in t.sources:
+                self.applied.pop(src, None)
+            if a is not None:
+                a.replica_of.pop(j, None)
+        while h.strays and h.strays[0][0] <= self.now_ms:
+            _, src, j = heapq.heappop(h.strays)
+            if j not in h.jobs and j not in h.ended:
+                self.applied.pop(src, None)
+
+    def _heard(self, env: Envelope) -> None:
+        """A fresh record about a job: it is remembered at least retain_ms from max(now, its event time) (so a
+        duplicate of it arriving later is either still recognised, or older than retain_ms: stale); a source of
+        its own is noted, to be forgotten with it."""
+        j = getattr(env.payload, "job_id", None)
+        if not isinstance(j, str):
+            return
+        t = max(self.now_ms, env.event_time_ms)
+        own = own_source(env.source, j)
+        rec = self.jobs.get(j)
+        if rec is not None:
+            rec.said_ms = max(rec.said_ms, t)
+            if own and env.source not in rec.sources:
+                rec.sources += (env.source,)
+            return
+        e = self.h.ended.get(j)
+        if e is not None:
+            if own and env.source not in e.sources:
+                e.sources += (env.source,)
+            if self.retain_ms is not None:
+                self.h.keep_until(j, t + self.retain_ms)
+        elif own and self.retain_ms is not None:  # about a job nobody remembers: its source's entry goes in time too
+            heapq.heappush(self.h.strays, (t + self.retain_ms, env.source, j))
 
     def _fresh(self, env: Envelope, log_ms: int | None) -> bool:
         if env.seq <= self.applied.get(env.source, -1):
@@ -183,6 +267,10 @@ class Scheduler:
 
     def _input(self, out: list[Envelope], env: Envelope) -> None:
         """The scheduler's own handling of one input (a fresh one: `_fresh` said so)."""
+        self._handle(out, env)
+        self._heard(env)
+
+    def _handle(self, out: list[Envelope], env: Envelope) -> None:
         if self._usage_ms is None:
             self._usage_ms = self.now_ms
         p = env.payload
@@ -196,12 +284,24 @@ class Scheduler:
                 self._node_changed(out, env, before, self.nodes[p.node])
                 self._cycle(out, env)
             case JobRequested():
-                if p.job_id in self.jobs:
-                    if p != self.jobs[p.job_id].request:
+                rec = self.jobs.get(p.job_id)
+                ended = self.h.ended.get(p.job_id) if rec is None else None
+                if rec is not None or ended is not None:
+                    # the same request again (a retry) changes nothing, also once the job ended
+                    if (p != rec.request) if rec is not None else (fingerprint(p) != ended.fingerprint):
                         self._emit(out, Rejected(job_id=p.job_id, code="duplicate_job_id", reasons=(Reason(
                             code="DuplicateJobId", plugin="Admission",
                             message="a different request already uses this job id; the first one stands"),)), env)
-                else:  # the same request again (a retry) changes nothing
+                elif self.retain_ms is not None and self.now_ms - env.event_time_ms >= self.retain_ms:
+                    # older than what is remembered of finished jobs: it may repeat a request whose job ended and
+                    # was forgotten, so it is not run (again)
+                    self._emit(out, Rejected(job_id=p.job_id, code="stale_request", reasons=(Reason(
+                        code="StaleRequest", plugin="Admission",
+                        message=f"the request was made at {env.event_time_ms} ms and reached the scheduler at "
+                                f"{self.now_ms} ms, more than {self.retain_ms} ms later: finished jobs are "
+                                f"remembered that long, so it cannot be told from a repeat of one; send it again",
+                        data={"event_time_ms": env.event_time_ms, "retain_ms": self.retain_ms}),)), env)
+                else:
                     self.arrivals += 1
                     rec = JobRecord(request=p, arrival=self.arrivals)
                     self.h.add_job(rec)
@@ -216,7 +316,9 @@ class Scheduler:
                 self._cycle(out, env)
             case JobStarted():
                 rec = self.jobs.get(p.job_id)
-                if rec is None or self._superseded(out, env, rec, p.node, p.command_id, runs=True):
+                if rec is None:
+                    self._ended_report(out, env, p, runs=True)
+                elif self._superseded(out, env, rec, p.node, p.command_id, runs=True):
                     pass
                 elif rec.state in ("placed", "stopping", "migrating") and rec.started_ms < 0 and rec.hold is None \
                         and any(part.command_id == p.command_id for part in rec.parts):
@@ -224,18 +326,26 @@ class Scheduler:
                     self.h.apply(env, self._fact_ms(env))
             case JobCheckpointed():
                 rec = self.jobs.get(p.job_id)
-                if rec is None or self._superseded(out, env, rec, p.node, p.command_id, runs=True):
+                if rec is None:
+                    self._ended_report(out, env, p, runs=True)
+                elif self._superseded(out, env, rec, p.node, p.command_id, runs=True):
                     pass
                 elif rec.state in ("running", "stopping", "migrating"):
                     rec.checkpoint, rec.checkpoint_ms = p.checkpoint or rec.checkpoint, self._fact_ms(env)
             case JobCompleted() | JobFailed():
                 rec = self.jobs.get(p.job_id)
-                if rec is not None and not self._superseded(out, env, rec, p.node, p.command_id, runs=False):
+                if rec is None:
+                    if self._ended_report(out, env, p, runs=False) is False:
+                        self._cycle(out, env)
+                elif not self._superseded(out, env, rec, p.node, p.command_id, runs=False):
                     self._finish(out, env, p.job_id, self._fact_ms(env))
                     self._cycle(out, env)
             case JobStopped():
                 rec = self.jobs.get(p.job_id)
-                if rec is not None and not self._superseded(out, env, rec, p.node, p.command_id, runs=False):
+                if rec is None:
+                    if self._ended_report(out, env, p, runs=False) is False:
+                        self._cycle(out, env)
+                elif not self._superseded(out, env, rec, p.node, p.command_id, runs=False):
                     self._requeue(out, env, p)
                     self._cycle(out, env)
             case QuotaSet():
@@ -361,20 +471,39 @@ class Scheduler:
         (`runs`: started, checkpointed), the node is told to stop it: a release naming that run's attempt, which
         a newer run of the job on the same node survives (agents/node/fencing.py). Reports naming a command the
         scheduler did not send are judged as before (not ours to judge)."""
-        known = self.commands.get(command_id) if command_id else None
-        if known is None or known[0] != rec.request.job_id:
+        attempt = rec.commands.get(command_id) if command_id else None
+        if attempt is None:
             return False
-        attempt = known[1]
         if attempt == rec.attempt and rec.placement is not None and rec.state in (
                 "placed", "running", "stopping", "migrating"):
             return False
         if runs and node:
-            self._emit(out, ReleaseJob(command_id=self._command_id(), job_id=rec.request.job_id, node=node,
-                                       attempt=attempt, reasons=(Reason(
-                                           code="Superseded", plugin="Lifecycle", nodes=(node,),
-                                           message=f"attempt {attempt} of {rec.request.job_id} was superseded "
-                                                   f"(the job is at attempt {rec.attempt}, {rec.state})",
-                                           data={"attempt": attempt, "current_attempt": rec.attempt}),)), env)
+            self._stop_superseded(out, env, rec.request.job_id, node, attempt, rec.attempt, rec.state)
+        return True
+
+    def _stop_superseded(self, out: list[Envelope], env: Envelope, job_id: str, node: str, attempt: int,
+                         current: int, state: str) -> None:
+        self._emit(out, ReleaseJob(command_id=self._command_id(), job_id=job_id, node=node, attempt=attempt,
+                                   reasons=(Reason(code="Superseded", plugin="Lifecycle", nodes=(node,),
+                                                   message=f"attempt {attempt} of {job_id} was superseded (the job "
+                                                           f"is at attempt {current}, {state})",
+                                                   data={"attempt": attempt, "current_attempt": current}),)), env)
+
+    def _ended_report(self, out: list[Envelope], env: Envelope, p, runs: bool) -> bool | None:
+        """A node's report about a job with no live record: None when nothing is remembered of it (never seen, or
+        forgotten: the report changes nothing); else whether it names a command of one of its runs -- every run
+        of a finished job is superseded, and one that says it still runs (`runs`) is told to stop, as
+        `_superseded` answers for a live record. A finished job's end reported again naming no command of its
+        own (False) goes on as the end of a done record always did: nothing of the job changes, the queue is
+        tried again (`_cycle`)."""
+        e = self.h.ended.get(p.job_id)
+        if e is None:
+            return None
+        attempt = e.commands.get(p.command_id) if p.command_id else None
+        if attempt is None:
+            return False
+        if runs and p.node:
+            self._stop_superseded(out, env, p.job_id, p.node, attempt, e.attempt, "done")
         return True
 
     # ---------------------------------------------------------------- failures and node lifecycle
@@ -482,8 +611,8 @@ class Scheduler:
 
     def _judge_pending(self, out: list[Envelope], env: Envelope, job_ids) -> None:
         for j in job_ids:
-            rec = self.jobs[j]
-            if rec.state == "pending" and rec.hold is None and rec.nominated is None:
+            rec = self.jobs.get(j)
+            if rec is not None and rec.state == "pending" and rec.hold is None and rec.nominated is None:
                 self._judge(out, env, rec)
             else:
                 self.unsure.pop(j, None)
@@ -618,7 +747,7 @@ class Scheduler:
             if o is rec or o.request.tenant != t or o.state != "pending" or o.reserved or o.hold is not None \
                     or o.nominated is None or not o.nominated[1]:
                 continue
-            if not any(self.jobs[v].state in ("stopping", "migrating") for v in o.nominated[1]):
+            if not any(self.state_of(v) in ("stopping", "migrating") for v in o.nominated[1]):
                 continue  # its victims are gone: it takes what they freed now, or plans again
             mine = self._queue_key(rec) if mine is None else mine
             if self._queue_key(o) >= mine:
@@ -785,7 +914,7 @@ class Scheduler:
     def _preempt_for(self, out: list[Envelope], cause: Envelope, rec: JobRecord) -> bool:
         """True when the job waits on preemptions (already under way, or started now)."""
         if rec.nominated is not None:
-            if any(self.jobs[v].state in ("stopping", "migrating") for v in rec.nominated[1]):
+            if any(self.state_of(v) in ("stopping", "migrating") for v in rec.nominated[1]):
                 return True
             self._nominate(rec, None)  # its victims are gone and it still does not fit: plan again
         waiting = self._freed_by_stops(rec)
@@ -949,7 +1078,7 @@ class Scheduler:
         that account's weaker work (claims.py: its own borrowed or lower-tier jobs) until the quota admits it --
         the same claim order as everywhere, inside one tenant: a tenant's inference service displaces its own
         training. True when it waits on such stops (under way, or started now)."""
-        if rec.nominated is not None and any(self.jobs[v].state == "stopping" for v in rec.nominated[1]):
+        if rec.nominated is not None and any(self.state_of(v) == "stopping" for v in rec.nominated[1]):
             return True
         codes = {q.code for q in quota.reasons}
         if not codes & {"QuotaExceeded", "ProjectQuotaExceeded"}:

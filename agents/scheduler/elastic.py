@@ -297,7 +297,7 @@ class Autoscaler:
         at once; the others form a batch that shifts traffic when all are ready."""
         now = self.now_ms
         warm = svc.warm()
-        warm.sort(key=lambda j: 0 if self.jobs[j].state == "running" else 1)  # ready ones first (stable sort)
+        warm.sort(key=lambda j: 0 if self.s.state_of(j) == "running" else 1)  # ready ones first (stable sort)
         promote = tuple(warm[:add])
         new_jobs, refused = self._add_replicas(svc, add - len(promote), max(0, protected_n - len(promote)))
         jobs = promote + new_jobs
@@ -319,7 +319,7 @@ class Autoscaler:
             svc.replicas[j] = "serving"
         yield from self._scaled(svc, "horizontal_up", jobs, reasons, pre=new_jobs)
         svc.last_up_ms = now
-        ready = tuple(j for j in promote if self.jobs[j].state == "running")
+        ready = tuple(j for j in promote if self.s.state_of(j) == "running")
         if ready:
             yield from self._scaled(svc, "traffic_shift", ready, (Reason(
                 code="ReplicasReady", plugin=PLUGIN, message="warm replicas were ready",
@@ -496,7 +496,7 @@ class Autoscaler:
             if not alive:
                 svc.batches.remove(b)
                 continue
-            if all(self.jobs[j].state == "running" for j in alive):
+            if all(self.s.state_of(j) == "running" for j in alive):
                 svc.batches.remove(b)
                 took = self.now_ms - b.decided_ms
                 yield from self._scaled(svc, "traffic_shift", alive, (Reason(
@@ -509,7 +509,7 @@ class Autoscaler:
 
     def _housekeep(self, svc: Service):
         """Forget replicas that ended (completed, failed, cancelled); release boost holds whose placement is gone."""
-        for j in [j for j in svc.replicas if self.jobs.get(j) is None or self.jobs[j].state == "done"]:
+        for j in [j for j in svc.replicas if self.s.state_of(j) in (None, "done")]:
             del svc.replicas[j]
             svc.replica_util.pop(j, None)
         for j in list(svc.boosts):
@@ -542,12 +542,12 @@ class Autoscaler:
                 return
             surplus = len(serving) - keep
             # starting replicas first, then the newest ready ones
-            order = sorted(enumerate(serving), key=lambda t: (0 if self.jobs[t[1]].state != "running" else 1, -t[0]))
+            order = sorted(enumerate(serving), key=lambda t: (0 if self.s.state_of(t[1]) != "running" else 1, -t[0]))
             victims = [j for _, j in order[:surplus]]
             # kept warm (no restart at the next peak) unless non-inference work waits, or waited lately
             quiet = not self._training_waits() and now - self.training_waited_ms >= cfg.warm_quiet_ms
             slots = cfg.warm_pool - len(svc.warm()) if quiet else 0
-            kept = [j for j in victims if self.jobs[j].state == "running" and j not in svc.boosts][:max(0, slots)]
+            kept = [j for j in victims if self.s.state_of(j) == "running" and j not in svc.boosts][:max(0, slots)]
             reasons = (Reason(code="LoadLow", plugin=PLUGIN, message=f"{len(serving)} replicas serve {qps} qps; "
                               f"{keep} keep {cfg.headroom_pct + cfg.scale_in_hysteresis_pct}% headroom",
                               data={"qps": qps, "serving": len(serving), "keep": keep,
@@ -637,8 +637,8 @@ class Autoscaler:
                 extras = serving[critical:] if len(serving) > critical else []
             for rank, jobs in ((0, svc.warm()), (1, extras)):
                 for j in jobs:
-                    rec = self.jobs[j]
-                    if rec.state in ("placed", "running") and rec.placement is not None:
+                    rec = self.jobs.get(j)
+                    if rec is not None and rec.state in ("placed", "running") and rec.placement is not None:
                         cands.setdefault(rec.node, []).append(Victim(j, rec.node, 0, False, rank, "yield"))
                         owner[j] = sid
         if not cands:

@@ -21,8 +21,10 @@ incrementally kept one (tests/test_holdings.py).
 """
 from __future__ import annotations
 
+import heapq
 from array import array
 from dataclasses import dataclass, field
+from hashlib import blake2b
 
 from agents.scheduler.node_index import NodeIndex
 from agents.scheduler.quota import held
@@ -36,6 +38,7 @@ from streams.core import node_view
 
 HOLDING = ("placed", "running", "stopping", "migrating")  # states in which a job holds capacity on its nodes
 VIEW_LOG = 8192  # node view changes kept in Holdings.view_log
+MOVES_WINDOW_MS = 3600_000  # defrag.HOUR_MS: the window of the disruption budget
 GROUPS = 6  # claim groups: (tier, reserved), weakest first -- see claims.group
 
 
@@ -76,10 +79,41 @@ class JobRecord:
     standing_memo: tuple = ()  # (what it was worked out from, standing): claims.standing_now's memo
     quiet_memo: tuple = ()  # (preempted_at, until, reason): core.Scheduler._quiet's memo
     miss_memo: tuple = ()  # (view seq, nodes closed to it, node epoch, seen): its last attempt no node took
+    # command id -> attempt of every cmd.place, cmd.preempt and cmd.migrate sent about it: a node's report names the
+    # command it answers, so a report of a superseded run is known for what it is (core.Scheduler._superseded)
+    commands: dict[str, int] = field(default_factory=dict)
+    sources: tuple[str, ...] = ()  # its own input sources (named after it: core.own_source), forgotten with it
+    said_ms: int = 0  # the latest max(log time, event time) of a record about it (how long it is remembered)
 
     @property
     def group(self) -> int:
         return group(self.request.tier, self.reserved or self.hold is not None)
+
+
+@dataclass(slots=True)
+class Ended:
+    """What the scheduler keeps of a job that ended (completed, failed, cancelled, rejected; a reservation's hold
+    that ended): its JobRecord is replaced by this once nothing more can be billed, released or charged for it, so
+    the state holds the live jobs in full and a few fields per finished one (docs/scheduler.md, "Finished jobs"):
+
+    - `fingerprint` of its request: an identical `job.requested` again (a retry) changes nothing, another one under
+      the same id is rejected `duplicate_job_id`;
+    - `attempt` and `commands`: a late or repeated node report naming one of its commands is recognised as about a
+      superseded run (a run that still says it runs is told to stop: cmd.release naming that attempt), exactly as
+      the record answered;
+    - `sources`: its own input sources, whose dedupe entries (`Scheduler.applied`) go when it is forgotten;
+    - `until_ms`: the log time it is forgotten at -- `retain_ms` after the last record about it (core.RETAIN_MS)."""
+    fingerprint: bytes
+    attempt: int
+    commands: dict[str, int]
+    sources: tuple[str, ...]
+    until_ms: int | None  # None: never forgotten (retain_ms None)
+
+
+def fingerprint(request: JobRequested) -> bytes:
+    """A digest of a request that two requests share exactly when they are equal (the pydantic JSON of a validated
+    model, in field order): deterministic across processes, unlike hash()."""
+    return blake2b(request.model_dump_json().encode(), digest_size=16).digest()
 
 
 def pool_milli(view: node_view.NodeView) -> int:
@@ -173,11 +207,23 @@ class Holdings:
         # first kept): what a waiting job's last failed attempt saw still holds while none it may use is in here
         self.view_log: list[str] = []
         self.view_base = 0
+        # finished jobs (Ended, the compact record kept for idempotence) and when each is forgotten: a heap of
+        # (until_ms, job id), an entry stale once its job's until_ms moved on (a later record about it) or it went
+        self.ended: dict[str, Ended] = {}
+        self.expiry: list[tuple[int, str]] = []
+        # a job's own sources that spoke of a job nobody remembers (a report after it was forgotten, a request
+        # refused as stale): (until_ms, source, job id), their dedupe entries dropped then unless the job is known
+        self.strays: list[tuple[int, str, str]] = []
+        self.done_now: list[JobRecord] = []  # records set to done in the step under way (buried at its end)
 
     # ---------------------------------------------------------------- the write path
 
     def add_job(self, rec: JobRecord) -> None:
-        """A new job record (a request, or a reservation's hold when its window opens): pending."""
+        """A new job record (a request, or a reservation's hold when its window opens): pending. A hold's id may
+        have ended before (a booking's hold queued again): the new record takes over what was kept of it."""
+        t = self.ended.pop(rec.request.job_id, None)
+        if t is not None:
+            rec.commands, rec.sources = dict(t.commands), t.sources
         self.jobs[rec.request.job_id] = rec
         rec.state = "pending"
         self.pending.add(rec.request.job_id)
@@ -194,6 +240,35 @@ class Holdings:
             self.stopping.add(j)
         else:
             self.stopping.discard(j)
+        if state == "done":
+            self.done_now.append(rec)
+
+    def bury(self, rec: JobRecord, until_ms: int | None) -> None:
+        """Replace a finished job's record by what is kept of it (Ended), to be forgotten at `until_ms`."""
+        j = rec.request.job_id
+        del self.jobs[j]
+        self.ended[j] = Ended(fingerprint(rec.request), rec.attempt, rec.commands, rec.sources, until_ms)
+        if until_ms is not None:
+            heapq.heappush(self.expiry, (until_ms, j))
+
+    def keep_until(self, job_id: str, until_ms: int) -> None:
+        """A record about a finished job arrived: it is kept until `until_ms` at least."""
+        t = self.ended[job_id]
+        if t.until_ms is not None and until_ms > t.until_ms:
+            t.until_ms = until_ms
+            heapq.heappush(self.expiry, (until_ms, job_id))
+
+    def forget(self, now_ms: int) -> list[tuple[str, Ended]]:
+        """Drop the finished jobs whose time is up (until_ms <= now_ms); returns them."""
+        gone = []
+        heap = self.expiry
+        while heap and heap[0][0] <= now_ms:
+            until, j = heapq.heappop(heap)
+            t = self.ended.get(j)
+            if t is not None and t.until_ms == until:
+                del self.ended[j]
+                gone.append((j, t))
+        return gone
 
     def apply(self, env: Envelope, fact_ms: int | None = None) -> None:
         """Fold one command, node fact or job fact into the holdings and every index. `fact_ms`: a job fact's time
@@ -231,7 +306,12 @@ class Holdings:
                     rec.migration, rec.stop_cause = p, "Migrate"
                     rec.migrations += 1
                     rec.migrated_at += (env.event_time_ms,)
-                    self.migrated.setdefault(rec.request.tenant, []).append(env.event_time_ms)
+                    moved = self.migrated.setdefault(rec.request.tenant, [])
+                    moved.append(env.event_time_ms)
+                    # the disruption budget counts the last hour's moves (defrag.recent_moves, on a clock that
+                    # never goes back): older ones never count again
+                    while moved[0] <= env.event_time_ms - MOVES_WINDOW_MS:
+                        del moved[0]
                     self.set_state(rec, "migrating")
             case MigReconfigure():
                 self._fold(p.node, env)
