@@ -19,6 +19,7 @@ from streams.core.node_view import NodeView
 # Latency buckets in seconds: from a decision within a tick to a wait of an hour.
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900, 3600)
 TIERS = ("inference", "online-training", "offline")
+EARLY_PLACEMENTS = 10_000  # placements held for their request at most (WorkerMetrics._placed_early)
 
 
 def _reason(env: Envelope) -> str:
@@ -77,6 +78,10 @@ class WorkerMetrics:
         # job -> (queued since, tier, first pass): who waits since when
         self._waiting: dict[str, tuple[int, str, bool]] = {}
         self._tiers: dict[str, str] = {}  # job -> tier, while it lives
+        # job -> (produce time, card model) of a first cmd.place folded before its request: the gateway hands a
+        # request to the scheduler and to the folds at once, so the node fold may read the placement first; it is
+        # counted when the request comes (with its tier and latency), when the job ends, or when too many wait
+        self._placed_early: OrderedDict[str, tuple[int, str]] = OrderedDict()
         self.ledger: dict[str, dict[str, int]] = {}  # tenant -> quota, used, reserved, borrowed (milli-CU)
         self.lag: dict[tuple[str, str], int] = {}  # (group, topic) -> records behind
         self._sources: dict[str, Callable[[], object]] = {}
@@ -94,8 +99,14 @@ class WorkerMetrics:
         if not self._seen.first(env.event_id):
             return
         if kind == "job.requested":
-            self._waiting.setdefault(p.job_id, (env.event_time_ms, str(p.tier), True))
+            if p.job_id in self._tiers:
+                return  # a retry of a job that lives (or a different request under its id): not a new wait
             self._tiers[p.job_id] = str(p.tier)
+            early = self._placed_early.pop(p.job_id, None)
+            if early is None:
+                self._waiting.setdefault(p.job_id, (env.event_time_ms, str(p.tier), True))
+            else:
+                self._placed(p.job_id, str(p.tier), early[0], early[1], env.event_time_ms, True)
         elif kind == "job.pending" and p.job_id in self._waiting:
             since, tier, _ = self._waiting[p.job_id]
             self._waiting[p.job_id] = (since, tier, False)
@@ -106,6 +117,8 @@ class WorkerMetrics:
             self._waiting.pop(p.job_id, None)
         elif kind in ("job.completed", "job.failed", "job.cancelled"):
             self._waiting.pop(p.job_id, None)
+            if (early := self._placed_early.pop(p.job_id, None)) is not None:  # its request never came here
+                self._placed(p.job_id, "", early[0], early[1], None, False)
             self._tiers.pop(p.job_id, None)
         if kind == "job.interrupted":
             self.interruptions.labels(p.code).inc()
@@ -120,21 +133,29 @@ class WorkerMetrics:
         if kind == "cmd.place":
             if getattr(p, "gang_index", 0):
                 return  # one placement per job: the other parts of a gang are the same decision
+            if p.job_id not in self._waiting and p.job_id not in self._tiers:
+                self._placed_early[p.job_id] = (produced_ms, gpu_model)
+                while len(self._placed_early) > EARLY_PLACEMENTS:  # requests that will not come (a restart)
+                    job, (at, model) = self._placed_early.popitem(last=False)
+                    self._placed(job, "", at, model, None, False)
+                return
             since, tier, first = self._waiting.pop(p.job_id, (None, "", False))
-            tier = tier or self._tiers.get(p.job_id, "")
-            self._tiers[p.job_id] = tier
-            self.placements.labels(tier or "unknown", gpu_model or "unknown").inc()
-            if since is not None:
-                wait = max(0, produced_ms - since) / 1000
-                self.queue_wait.labels(tier or "unknown").observe(wait)
-                if first:
-                    self.decision_latency.labels(tier or "unknown").observe(wait)
+            self._placed(p.job_id, tier or self._tiers.get(p.job_id, ""), produced_ms, gpu_model, since, first)
         elif kind == "cmd.preempt":
             self.preemptions.labels(_reason(env)).inc()
         elif kind == "cmd.migrate":
             self.migrations.labels(_reason(env)).inc()
         elif kind == "cmd.resize":
             self.resizes.labels(_reason(env)).inc()
+
+    def _placed(self, job: str, tier: str, produced_ms: int, gpu_model: str, since: int | None, first: bool) -> None:
+        self._tiers[job] = tier
+        self.placements.labels(tier or "unknown", gpu_model or "unknown").inc()
+        if since is not None:
+            wait = max(0, produced_ms - since) / 1000
+            self.queue_wait.labels(tier or "unknown").observe(wait)
+            if first:
+                self.decision_latency.labels(tier or "unknown").observe(wait)
 
     def ledger_fact(self, env: Envelope) -> None:
         p = env.payload
