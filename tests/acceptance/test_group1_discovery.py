@@ -25,8 +25,12 @@ def test_two_pools_are_discovered_and_described(pool, evidence):
     assert {seen[n]["labels"]["pool"] for n in pools["dc-train"]} == {"training"}
     assert {seen[n]["labels"]["pool"] for n in pools["dc-serve"]} == {"inference"}
     assert all(n["state"] == "ready" for name, n in seen.items() if name in pools["dc-train"] + pools["dc-serve"])
-    inv = pool.query("SELECT node, payload FROM gpupool.events FINAL WHERE kind = 'node.inventory' "
-                     "AND node IN ('train-a100', 'train-h100', 'serve-t4', 'serve-l4') ORDER BY node")
+    # the view is the worker's fold; the bill store is the sink's, which may lag it by a batch
+    def inventories():
+        found = pool.query("SELECT node, payload FROM gpupool.events FINAL WHERE kind = 'node.inventory' "
+                           "AND node IN ('train-a100', 'train-h100', 'serve-t4', 'serve-l4') ORDER BY node")
+        return found if len({r["node"] for r in found}) == 4 else None
+    inv = wait_for(inventories, 60, "the four nodes' inventories in ClickHouse", pool)
     rows = []
     for r in inv:
         doc = json.loads(r["payload"])
