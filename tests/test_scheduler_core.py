@@ -80,3 +80,54 @@ def test_a_request_beyond_the_whole_borrowing_cap_says_only_an_operator_can_make
     out = s.step(clock.env(job("b", "zeta", 1000, 40), "cli/b"))
     [why] = [o.payload for o in out if isinstance(o.payload, JobPending)]
     assert why.reasons[0].code == "QuotaExceeded" and not why.reasons[0].message
+
+
+def _over_cap_on_h100(free_a100: bool):
+    """globex (4,000 milli-CU, cap 120 %) asks 3,000 milli-CU and 100 GiB: two whole H100s (the best fit: fewest
+    cards) would hold 2 x 3,170 = 6,340 milli-CU, three A100s 3,000."""
+    from agents.scheduler.quota import Ledger
+    from schemas.events import QuotaSet
+
+    clock = Clock()
+    s = Scheduler(ledger=Ledger())
+    s.step(clock.env(inventory("h1", "H100-80GB", gpus=4), "h1/inventory"))
+    s.step(clock.env(inventory("a1", "A100-80GB", gpus=4), "a1/inventory"))
+    s.step(clock.env(QuotaSet(tenant="globex", gpu_milli=4000, overcommit_pct=120), "operator"))
+    s.step(clock.env(QuotaSet(tenant="acme", gpu_milli=8000, overcommit_pct=120), "operator"))
+    if not free_a100:
+        placed = s.step(clock.env(job("fill", "acme", 4000, 300), "cli/fill"))
+        assert [o.payload.node for o in placed if o.kind == "cmd.place"] == ["a1"]
+    return s, clock, s.step(clock.env(job("big", "globex", 3000, 100), "cli/big"))
+
+
+def test_a_placement_over_the_quota_tries_cheaper_cards_before_the_job_waits():
+    """Cards are charged by their model's compute units, so the best fit may hold more than the quota allows where
+    another model's would not (Kueue's "try the next flavor"): the job takes the cheaper cards, and its placement
+    says what was passed over and why."""
+    s, clock, out = _over_cap_on_h100(free_a100=True)
+    [place] = [o.payload for o in out if o.kind == "cmd.place"]
+    assert place.node == "a1" and len(place.assignments) == 3
+    [why] = [r for r in place.reasons if r.code == "CheaperCards"]
+    assert why.data["passed_over"] == "H100-80GB" and why.data["passed_over_milli"] == 6340
+    assert why.data["held_milli"] == 3000 and "beyond what globex's quota allows" in why.message
+    held = [o.payload for o in out if o.kind == "quota.changed"]
+    assert held and held[-1].used_milli == 3000
+
+
+def test_a_job_whose_only_free_cards_hold_too_much_waits_for_cheaper_ones_not_for_an_operator():
+    """When the only cards free now would hold more than the whole cap but the request itself fits it, the reason
+    says it waits for cards that hold less (never that only an operator can help); once the A100s free up, it runs
+    there."""
+    from schemas.events import JobPending
+
+    s, clock, out = _over_cap_on_h100(free_a100=False)
+    [why] = [o.payload for o in out if isinstance(o.payload, JobPending)]
+    r = why.reasons[0]
+    assert r.code == "QuotaExceeded" and "no cheaper cards are free" in r.message and "never_fits_cap" not in r.data
+    assert r.data["holding_over_cap"] == 1 and r.data["request_milli"] == 6340
+    fill = s.jobs["fill"].placement
+    from schemas.events import JobCompleted, JobStarted
+    s.step(clock.env(JobStarted(job_id="fill", node="a1", command_id=fill.command_id), "a1/job/fill"))
+    out = s.step(clock.env(JobCompleted(job_id="fill", node="a1", command_id=fill.command_id), "a1/job/fill", dt=5000))
+    [place] = [o.payload for o in out if o.kind == "cmd.place"]
+    assert place.job_id == "big" and place.node == "a1"

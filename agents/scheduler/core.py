@@ -8,6 +8,7 @@ all drive this same class, so replaying the input reproduces every decision bit 
 from __future__ import annotations
 
 import heapq
+from dataclasses import replace
 
 from agents.scheduler.admission import Fleet
 from agents.scheduler import defrag
@@ -27,6 +28,7 @@ from agents.scheduler.reservations import LIVE, Book, Booking
 from agents.scheduler.scoring import Workload
 from agents.scheduler.victims import LazyVictims
 from schemas.envelope import DecodeError, Envelope, decode, envelope
+from schemas.gpu_models import model as gpu_model
 from schemas.events import (
     TIER_RANK, GpuHealth, JobCancelled, JobCheckpointed, JobCompleted, JobFailed, JobInterrupted, JobPending,
     JobRequested, JobStarted, JobStopped, MigrateJob, MigReconfigure, ReservationCancelled, ReservationDecided,
@@ -684,11 +686,48 @@ class Scheduler:
             holding = self._holding(result)
             if holding != (r.compute_milli, r.gpu_memory_mib):
                 quota = self._admit(rec, holding)  # charged for what it would hold, not what it asked
+                if quota.blocked and rec.nominated is None:
+                    cheaper = self._within_quota(rec, result, holding, exclude, barred)
+                    if cheaper is not None:
+                        result, holding, quota = cheaper
                 if quota.blocked:
                     if quiet is not None or not self._preempt_for_quota(out, cause, rec, quota, holding):
                         self._pending(out, cause, rec, quota.reasons)
                     continue
             self._bind(out, cause, rec, result, quota, holding)
+
+    def _within_quota(self, rec: JobRecord, result: Placement, holding: tuple[int, int], exclude: frozenset[str],
+                      barred: frozenset[str]):
+        """A placement on cheaper cards when the one found would hold more than the quota lets the job have now
+        (Kueue's "try the next flavor"): cards are charged by their model's compute units, so 2 whole H100s for a
+        3,000 milli-CU, 100 GiB request hold 6,340 milli-CU where 3 A100s hold 3,000. The models whose cards cost
+        at least as much as the dearest card of the last try are left out, one price step at a time, until a
+        placement's holding is admitted or no model is left (then None: the job waits with the first try's
+        quota reason). Returns (placement, holding, admission); the placement's reasons say what was passed over."""
+        r = rec.request
+        models = allowed_models(self.index, r)
+        first, first_holding = result, holding
+        while True:
+            dearest = max(gpu_model(self.card_model(p.node, a.gpu_uuid)).cu_milli
+                          for p in result.parts for a in p.assignments)
+            models = [m for m in models if gpu_model(m).cu_milli < dearest]
+            if not models:
+                return None
+            narrowed = r.model_copy(update={"constraints": r.constraints.model_copy(update={"models": tuple(models)})})
+            result = place(self.index, self.nodes, narrowed, self.workload, self.candidates, exclude=exclude,
+                           barred=barred)
+            if not isinstance(result, Placement):
+                return None
+            holding = self._holding(result)
+            quota = self._admit(rec, holding)
+            if not quota.blocked:
+                passed = sorted({self.card_model(p.node, a.gpu_uuid) for p in first.parts for a in p.assignments})
+                return replace(result, reasons=result.reasons + (Reason(
+                    code="CheaperCards", plugin="Quota", nodes=tuple(p.node for p in first.parts),
+                    message=f"the best fit on {', '.join(passed)} would hold {first_holding[0]} milli-CU, beyond "
+                            f"what {r.tenant}'s quota allows now: placed on cards that hold {holding[0]}",
+                    data={"passed_over": ",".join(passed), "passed_over_milli": first_holding[0],
+                          "held_milli": holding[0]}),)), holding, quota
 
     def _still_unplaced(self, rec: JobRecord, exclude: frozenset[str], barred: frozenset[str]):
         """What `place` would answer for a job whose last attempt no node took, when it is sure to be the same: no

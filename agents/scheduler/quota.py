@@ -197,6 +197,14 @@ class Ledger:
         # the cap as configured, whatever the pool's use lowers it to
         full = quota * q.overcommit_pct // 100
         full_mem = q_mem * q.overcommit_pct // 100 if q_mem is not None else None
+        if (need > full or (full_mem is not None and mem > full_mem)) and need != r.compute_milli \
+                and r.compute_milli <= full and (full_mem is None or r.gpu_memory_mib <= full_mem):
+            # the cards found would hold more than the whole cap, the request itself would not: cheaper cards
+            # (core.Scheduler._within_quota tried those free now) may take it once they free up
+            return Admission(True, False, (Reason(code="QuotaExceeded", plugin="Quota", message=(
+                f"the cards free for it now would hold {need} milli-CU, beyond {r.tenant}'s whole borrowing cap "
+                f"({full} milli-CU) and no cheaper cards are free: it waits for cards that hold less, or an operator "
+                f"raising the quota (gpupool quota set {r.tenant} --compute N)"), data={**data, "holding_over_cap": 1}),))
         if need > full or (full_mem is not None and mem > full_mem):
             # no release of its own work will ever make room: say who can (waiting "until its usage falls" would
             # never end)
