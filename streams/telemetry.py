@@ -53,6 +53,12 @@ MAX_RECORDS = 2000
 YIELD_EVERY = 250  # records decoded between two yields to the event loop (the scheduler and the API share it)
 
 
+def health_source(node: str, gpu_uuid: str) -> str:
+    """The source of the `gpu.health` facts derived from a card's telemetry: the card's own, its sequence numbers
+    the node's telemetry records' (a fact re-derived after a restart repeats its id, and is deduped as one)."""
+    return f"{node}/health/{gpu_uuid}"
+
+
 class MinuteFeed(Protocol):
     """Where a batch's samples go for the per-minute history: `add` returns the minutes it closed (payloads to
     publish), `close_before` those the log's time has passed."""
@@ -261,8 +267,11 @@ class TelemetryFold:
         w = self.w
         for gpu, why in sorted(after.unhealthy.items()):
             if before is None or gpu not in before.unhealthy:
+                # a source per card: several cards failing in one record are several facts, and (source, seq)
+                # is what every reader dedupes on -- one source for the node gave them all one id, and the
+                # scheduler kept only the first card's fault (jobs went on, and were placed, on the others)
                 await w.send(envelope(GpuHealth(node=node, gpu_uuid=gpu, healthy=False, reason=why),
-                                      source=f"{node}/health", seq=env.seq, time_ms=env.event_time_ms,
+                                      source=health_source(node, gpu), seq=env.seq, time_ms=env.event_time_ms,
                                       causation_id=env.event_id))
         if before is not None and not before.alive and after.alive:
             await w.send(envelope(NodeLiveness(node=node, alive=True, last_heartbeat_ms=after.last_heartbeat_ms),

@@ -468,3 +468,41 @@ def test_the_collector_waits_for_a_batch_and_runs_again_after_it_also_when_the_f
     assert gc.isenabled()
     assert seen == [True, False, True, False, True, False, True]
     assert w.node_table.data["n1"].applied["n1/telemetry"] == 2
+
+
+def test_cards_failing_in_one_record_are_each_said_and_the_scheduler_takes_every_one_out():
+    """Two cards of a node fail in the same telemetry record: each is its own `gpu.health` fact with its own id (a
+    source per card), so the scheduler, which dedupes on (source, seq), takes both out of service -- with one
+    source for the node both had one id, only the first card was taken out, and a job went on on (and was placed
+    onto) the other. Re-derived after a restart, each fact repeats its id."""
+    from agents.scheduler.core import Scheduler
+    from agents.scheduler.quota import open_ledger
+
+    w = FakeWorker()
+    _with_inventory(w, "n1")
+    f = _fold_task(w)
+    both = encode(envelope(GpuTelemetry(node="n1", samples=tuple(
+        GpuSample(gpu_uuid=c, util_pct=40, mem_used_mib=10, mem_total_mib=100, ecc_uncorrected=1) for c in CARDS)),
+        source="n1/telemetry", seq=2, time_ms=3000))
+
+    async def go():
+        await f.fold_batch(3, _recs([_tel("n1", 1, 2000), both]))
+
+    asyncio.run(go())
+    health = [e for e in w.sent if e.kind == "gpu.health"]
+    assert sorted(e.payload.gpu_uuid for e in health) == sorted(CARDS) and len(CARDS) == 2
+    assert len({e.event_id for e in health}) == len(health)
+    s = Scheduler(ledger=open_ledger())
+    s.step(envelope(inventory("n1", gpus=2), source="n1/inventory", seq=1, time_ms=1000))
+    for e in health:
+        s.step(e)
+    assert set(s.nodes["n1"].unhealthy) == set(CARDS)
+    # the same record folded again from the last commit derives the same facts: the same ids
+    w2 = FakeWorker()
+    _with_inventory(w2, "n1")
+
+    async def again():
+        await _fold_task(w2).fold_batch(3, _recs([_tel("n1", 1, 2000), both]))
+
+    asyncio.run(again())
+    assert sorted(e.event_id for e in w2.sent if e.kind == "gpu.health") == sorted(e.event_id for e in health)
