@@ -132,9 +132,9 @@ def redact(value, tenant: str):
 
 JOBS_SQL = """
 SELECT job_id, tenant, state, tier, project, compute_milli,
-       arraySum(arrayMap(x -> x.3, arrayFilter(x -> x.1 = last_place_ms, places))) AS cards,
-       arrayStringConcat(arraySort(arrayDistinct(arrayMap(x -> x.2, arrayFilter(x -> x.1 = last_place_ms, places)))),
-                         ',') AS nodes,
+       if(state = 'pending', 0, arraySum(arrayMap(x -> x.3, arrayFilter(x -> x.1 = last_place_ms, places)))) AS cards,
+       if(state = 'pending', '', arrayStringConcat(arraySort(arrayDistinct(arrayMap(x -> x.2,
+           arrayFilter(x -> x.1 = last_place_ms, places)))), ',')) AS nodes,
        fromUnixTimestamp64Milli(toInt64(submitted_ms), 'UTC') AS submitted,
        round((if(started_ms > 0, started_ms, if(ended_ms > 0, ended_ms, now_ms)) - submitted_ms) / 1000, 1) AS wait_s,
        if(started_ms > 0, round((if(ended_ms > 0, ended_ms, now_ms) - started_ms) / 1000, 1), 0) AS elapsed_s,
@@ -144,9 +144,15 @@ FROM (
          multiIf(countIf(kind = 'job.completed') > 0, 'completed', countIf(kind = 'job.failed') > 0, 'failed',
                  countIf(kind = 'job.cancelled') > 0, 'cancelled',
                  countIf(kind = 'job.rejected' AND code != 'duplicate_job_id') > 0, 'rejected',
-                 argMaxIf(kind, (event_time, offset), kind IN ('job.started', 'job.stopped', 'job.interrupted'))
-                     = 'job.started',
+                 -- the last of its runs' turns, a start of a run the scheduler interrupted left out: a node
+                 -- agent's late report of a superseded placement is not the job running (job_view.evolve's rule)
+                 arrayReverseSort(x -> (x.1, x.2), arrayFilter(x -> NOT (x.3 = 'job.started' AND has(superseded, x.4)),
+                                                               turns))[1].3 = 'job.started',
                  'running', countIf(kind = 'cmd.place') > countIf(kind = 'cmd.release'), 'placed', 'pending') AS state,
+         arrayFlatten(groupArrayIf(JSONExtract(payload, 'commands', 'Array(String)'), kind = 'job.interrupted'))
+             AS superseded,
+         groupArrayIf((event_time, offset, kind, command_id), kind IN ('job.started', 'job.stopped', 'job.interrupted'))
+             AS turns,
          argMinIf(JSONExtractString(payload, 'tier'), event_time_ms, kind = 'job.requested') AS tier,
          argMinIf(JSONExtractString(payload, 'project'), event_time_ms, kind = 'job.requested') AS project,
          argMinIf(JSONExtractUInt(payload, 'compute_milli'), event_time_ms, kind = 'job.requested') AS compute_milli,

@@ -1,0 +1,80 @@
+"""The jobs list (`/api/jobs`, `gpupool jobs`) is a query over the events the sink stored: its state must be the
+job's, also when node agents report runs the scheduler has already interrupted. Real scheduler outputs, stored by the
+real sink into an embedded ClickHouse, listed by the API's query."""
+from __future__ import annotations
+
+from collections import defaultdict
+
+import pytest
+
+from agents.scheduler.core import Scheduler
+from agents.scheduler.quota import open_ledger
+from infra.clickhouse import connect
+from infra.config import Config
+from schemas.envelope import encode
+from schemas.events import GpuHealth, JobStarted
+from schemas.routing import route
+from streams.api import JOBS_SQL, jobs_sql
+from streams.sink import Sink
+from tests.builders import Clock, inventory, job
+from tests.test_sink_exactness import Rec
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    path = tmp_path_factory.mktemp("jobsch")
+    client = connect(f"chdb://{path / 'clickhouse'}")
+    sink = Sink(Config(home=path, kafka=None, clickhouse=f"chdb://{path / 'clickhouse'}", kafka_port=0, web_port=0),
+                None)
+    sink.client = client
+    yield client, sink
+    client.close()
+
+
+def _store(sink: Sink, envs) -> None:
+    """The envelopes as the sink would get them: each on its home topic and partition, at the next offset there."""
+    by_tp: dict[tuple[str, int], list[Rec]] = defaultdict(list)
+    for env in envs:
+        spec, key = route(env)
+        tp = (spec.name, 0)
+        by_tp[tp].append(Rec(spec.name, 0, len(by_tp[tp]), encode(env), key))
+    for (topic, part), recs in by_tp.items():
+        sink._insert_batch(topic, part, recs)
+
+
+def _faulted_run():
+    """A 3-card job on a 4-card node whose four cards fail one after another (one telemetry record's faults): each
+    fault interrupts the run it lands on and the job is placed again on the cards left, until none is; then the node
+    agent reports, late, the starts of the runs that were interrupted meanwhile."""
+    c = Clock()
+    s = Scheduler(ledger=open_ledger())
+    logged = [c.env(inventory("n0", "A100-80GB", gpus=4), "n0/inventory"), c.env(job("t/j", "t", 3000, 100), "cli/j")]
+    for e in logged[:2]:
+        logged += s.step(e)
+    first = next(o.payload for o in logged if o.kind == "cmd.place")
+    started = c.env(JobStarted(job_id="t/j", node="n0", command_id=first.command_id), "n0/job/t/j", dt=100)
+    logged += [started] + s.step(started)
+    for i in range(4):
+        e = c.env(GpuHealth(node="n0", gpu_uuid=f"GPU-n0-{i}", healthy=False, reason="ecc"), f"n0/health/GPU-n0-{i}")
+        logged += [e] + s.step(e)
+    late = [o.payload for o in logged if o.kind == "cmd.place" and o.payload.command_id != first.command_id]
+    assert late, "the faults should have placed the job again before the last card failed"
+    for p in late:
+        e = c.env(JobStarted(job_id="t/j", node=p.node, command_id=p.command_id), "n0/job/t/j", dt=50)
+        logged += [e] + s.step(e)
+    return s, logged
+
+
+def test_a_job_interrupted_while_its_node_reports_late_starts_is_listed_pending_like_the_scheduler_says(store):
+    client, sink = store
+    s, logged = _faulted_run()
+    assert s.state_of("t/j") == "pending"
+    _store(sink, logged)
+    sql, params = jobs_sql(None)
+    res = client.query(sql, parameters=params)
+    [row] = [dict(zip(res.column_names, r)) for r in res.result_rows if r[0] == "t/j"]
+    assert row["state"] == "pending" and row["cards"] == 0 and row["nodes"] == ""
+    # negative control: the old rule -- the last start, stop or interruption, whichever run it was of
+    old = JOBS_SQL.replace("arrayFilter(x -> NOT (x.3 = 'job.started' AND has(superseded, x.4)),", "arrayFilter(x -> 1,")
+    res = client.query(old.replace("{inner}", "1").replace("{outer}", "1"))
+    assert [dict(zip(res.column_names, r)) for r in res.result_rows if r[0] == "t/j"][0]["state"] == "running"
