@@ -112,7 +112,7 @@ def test_inputs_about_a_finished_job_give_what_a_kept_record_gave(case, own):
         assert kinds == ["cmd.release"]
         why = out[0]["payload"]["reasons"][0]
         assert why["code"] == "Superseded" and out[0]["payload"]["attempt"] == 1
-        assert "(the job is at attempt 1, done)" in why["message"]
+        assert "had already been ended by the scheduler (the job is done)" in why["message"]
     else:
         assert kinds == []
 

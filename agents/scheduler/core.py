@@ -488,7 +488,9 @@ class Scheduler:
         self._emit(out, ReleaseJob(command_id=self._command_id(), job_id=job_id, node=node, attempt=attempt,
                                    reasons=(Reason(code="Superseded", plugin="Lifecycle", nodes=(node,),
                                                    message=f"attempt {attempt} of {job_id} was superseded (the job "
-                                                           f"is at attempt {current}, {state})",
+                                                           f"is at attempt {current}, {state})" if attempt != current
+                                                   else f"attempt {attempt} of {job_id} had already been ended by the "
+                                                        f"scheduler (the job is {state}): its run is stopped",
                                                    data={"attempt": attempt, "current_attempt": current}),)), env)
 
     def _ended_report(self, out: list[Envelope], env: Envelope, p, runs: bool) -> bool | None:
