@@ -68,6 +68,11 @@ class Client:
         """The id the gateway will give a request's subject: "NAME" of tenant T is "T/NAME"."""
         return ident if ident.startswith(f"{tenant}/") else f"{tenant}/{ident}"
 
+    def job_ref(self, job: str) -> str:
+        """A job as its caller names it: a tenant names its own jobs with or without the tenant (a service replica
+        "chat/r2" is acme's "acme/chat/r2"); operators and the others name TENANT/NAME."""
+        return self.qualify(self.creds.tenant, job) if self.creds.role == "tenant" else job
+
     def own_tenant(self, asked: str | None) -> str:
         """The tenant a request is for: a tenant principal's own (default), or the one an operator names."""
         role, mine = self.creds.role, self.creds.tenant

@@ -80,3 +80,23 @@ def test_instants_inside_reasons_are_times_not_epoch_milliseconds():
                                 "data": {"last_heartbeat_ms": T, "took_ms": 3136}})
     assert str(T) not in text and "took_ms=3136" in text  # a duration stays a number
     assert text.count("T") >= 2 and "last at 20" in text
+
+
+def test_a_tenant_names_its_own_jobs_with_or_without_the_tenant_and_a_replica_with_its_service():
+    """`gpupool --as alice explain chat/r2` is acme's service replica acme/chat/r2 (the id `gpupool jobs` lists),
+    not a job "chat/r2" of nobody; an operator names TENANT/NAME as it is."""
+    from pathlib import Path
+
+    from agents.client import Client
+    from infra.config import Config
+    from infra.security import Credentials
+
+    def client(role, tenant):
+        c = Client(Config(home=Path("/nonexistent"), kafka=None, clickhouse="", kafka_port=0, web_port=0))
+        c._creds = Credentials(name="x", role=role, tenant=tenant, password="", token="")
+        return c
+
+    alice = client("tenant", "acme")
+    assert [alice.job_ref(j) for j in ("train", "acme/train", "chat/r2", "acme/chat/r2")] == \
+        ["acme/train", "acme/train", "acme/chat/r2", "acme/chat/r2"]
+    assert client("operator", None).job_ref("acme/chat/r2") == "acme/chat/r2"

@@ -35,8 +35,7 @@ def cmd_submit(cfg, args) -> int:
 
 
 def _job_id(c: Client, job: str) -> str:
-    """A tenant may name its own jobs without the tenant; operators name TENANT/NAME."""
-    return c.qualify(c.creds.tenant, job) if c.creds.role == "tenant" and "/" not in job else job
+    return c.job_ref(job)
 
 
 def cmd_cancel(cfg, args) -> int:

@@ -10,7 +10,7 @@ from agents.client import Client
 
 
 def _job(c: Client, job: str) -> str:
-    return c.qualify(c.creds.tenant, job) if c.creds.role == "tenant" and "/" not in job else job
+    return c.job_ref(job)
 
 
 def cmd_jobs(cfg, args) -> int:
