@@ -320,12 +320,19 @@ def run_segment(task: Task) -> Result:
     records is a few hundred thousand tracked objects, which every full collection during the replay and the digests
     would walk again); they are handed back to it when the segment is done, so a worker that runs several segments
     frees each one's state: collected here, before the next segment's state is loaded and frozen (garbage frozen
-    with it would stay for the process's life)."""
+    with it would stay for the process's life). Meanwhile young objects are collected less often, as in the live
+    agent (streams/scheduler_snapshot.GC_THRESHOLDS): a step makes and drops many small objects, few of them in
+    cycles."""
     import gc
 
+    from streams.scheduler_snapshot import GC_THRESHOLDS
+
+    before = gc.get_threshold()
+    gc.set_threshold(*GC_THRESHOLDS)
     try:
         return _run_segment(task, gc.freeze)
     finally:
+        gc.set_threshold(*before)
         gc.unfreeze()
         gc.collect()
 
