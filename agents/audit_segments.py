@@ -156,6 +156,13 @@ def _read_bucket(path: str):
         i += vl
 
 
+def _to_json(env) -> bytes:
+    """The envelope as pydantic's serializer writes it in one pass: the bytes `encode` writes (orjson over
+    model_dump(mode="json"), the same fields in the same order; tests/test_fast_decode.py holds the two equal), at
+    about two thirds of the cost. A recorded copy is matched when equal to either, or as a document (the rule)."""
+    return env.__pydantic_serializer__.to_json(env)
+
+
 class OutputCheck:
     """The recorded outputs of one segment against its replay, as the replay produces them (agents/audit.py's
     rule). `lo`: per source, the last sequence number before the segment; `last`: the segment runs to the input's
@@ -204,8 +211,8 @@ class OutputCheck:
         raw = None
         for _, _, rec in recs:
             self.rep.compared += 1
-            raw = raw if raw is not None else encode(env)
-            if rec.value == raw:
+            raw = raw if raw is not None else _to_json(env)
+            if rec.value == raw or rec.value == encode(env):
                 self.rep.matched += 1
                 continue
             try:
