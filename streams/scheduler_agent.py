@@ -23,7 +23,7 @@ from aiokafka.abc import ConsumerRebalanceListener
 from streams import scheduler_snapshot as snapshot
 from agents.scheduler.core import Scheduler, live_config, replay
 from infra.config import Config
-from schemas.envelope import DecodeError, decode, encode
+from schemas.envelope import DecodeError, decode_fast, encode
 from schemas.routing import route
 from schemas.topics import SCHEDULER_INPUT
 
@@ -107,7 +107,7 @@ def tune_gc() -> None:
     """The scheduler's state is a large, long-lived object graph (node views, job records, the ledger) that the
     cyclic collector would otherwise traverse again and again: collect young objects less often and move what
     exists after a rebuild out of the collector's sight. Measured in bench/placement.py (`--gc`)."""
-    gc.set_threshold(50_000, 20, 20)
+    gc.set_threshold(*snapshot.GC_THRESHOLDS)
     gc.freeze()
 
 
@@ -135,7 +135,7 @@ class SchedulerAgent:
 
     def _step(self, msg) -> list:
         try:
-            env = decode(msg.value)
+            env = decode_fast(msg.value)
         except DecodeError:
             self.bad_input += 1  # the folds already dead-lettered it; the scheduler only skips
             return []

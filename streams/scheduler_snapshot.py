@@ -45,6 +45,9 @@ log = logging.getLogger("gpupool.scheduler.snapshot")
 FORMAT = 2  # 2: finished jobs kept as holdings.Ended, commands per job record (1: every JobRecord kept)
 KEEP = 2  # snapshots kept (older ones get a tombstone) ...
 AUDIT_EVERY = 50_000  # ... besides the first of every span of this many input records (the audit's checkpoints)
+# the cyclic collector's thresholds for a process holding a scheduler state: the live agent's (scheduler_agent.tune_gc)
+# and an audit segment's (agents/audit_segments.run_segment)
+GC_THRESHOLDS = (50_000, 20, 20)
 EVERY_RECORDS = 2_000  # a snapshot at least every this many input records ...
 EVERY_LOG_MS = 120_000  # ... or this much log time, whichever comes first (and something was read)
 UPCASTERS: dict[int, Any] = {}  # format -> fn(doc) -> doc of format+1

@@ -27,7 +27,7 @@ from agents.scheduler.quota import Admission, Ledger, held
 from agents.scheduler.reservations import LIVE, Book, Booking
 from agents.scheduler.scoring import Workload
 from agents.scheduler.victims import LazyVictims
-from schemas.envelope import DecodeError, Envelope, decode, envelope
+from schemas.envelope import DecodeError, Envelope, decode_fast, envelope
 from schemas.gpu_models import model as gpu_model
 from schemas.events import (
     TIER_RANK, GpuHealth, JobCancelled, JobCheckpointed, JobCompleted, JobFailed, JobInterrupted, JobPending,
@@ -1304,7 +1304,7 @@ def replay(records, log_times: list[int] | None = None, *, scheduler: Scheduler 
     for i, rec in enumerate(records):
         if not isinstance(rec, Envelope):
             try:
-                rec = decode(rec)
+                rec = decode_fast(rec)
             except DecodeError:
                 continue
         got = s.step(rec, None if log_times is None else log_times[i])
