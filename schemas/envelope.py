@@ -111,13 +111,15 @@ def decode(raw: bytes | bytearray | memoryview | None) -> Envelope:
 # records of an older or a future version, of another kind, and everything the one-pass validation refuses go
 # through `decode`, which accepts or refuses them exactly as before (tests/test_telemetry_decode.py).
 _DIGIT_RUNS = bytes(0x39 if 0x30 <= b <= 0x39 else 0x20 for b in range(256))  # every digit a "9", the rest blank
+_CURRENT_HEAD = b'{"schema_version":%d,' % SCHEMA_VERSION  # how `encode` starts a current record
 _NINETEEN_DIGITS = b"9" * 19  # (20 until a record with -2**63 - 1 in an unbounded field was folded, not refused)
 
 
 def decode_telemetry(raw: bytes | bytearray | memoryview | None) -> Envelope:
     """`decode` for the records of the telemetry topic, with a one-pass fast path for current `gpu.telemetry`."""
-    if type(raw) is not bytes or len(raw) > MAX_RECORD_BYTES or _NINETEEN_DIGITS in raw.translate(_DIGIT_RUNS):
-        return decode(raw)
+    if type(raw) is not bytes or len(raw) > MAX_RECORD_BYTES or not raw.startswith(_CURRENT_HEAD) \
+            or raw.count(b"schema_version") != 1 or _NINETEEN_DIGITS in raw.translate(_DIGIT_RUNS):
+        return decode(raw)  # (the version as encode writes it, once: else the one pass would take "3" or 3.0)
     try:
         env = Envelope.model_validate_json(raw)
     except ValueError:  # ValidationError, not JSON: decode says which dead letter it is
@@ -141,7 +143,6 @@ def decode_telemetry(raw: bytes | bytearray | memoryview | None) -> Envelope:
 # "8.0", it costs only the slow path) goes through `decode` too, as do runs of 19 digits (above).
 _MARKS = bytes(0x39 if 0x30 <= b <= 0x39 else 0x2E if b == 0x2E else 0x65 if b in (0x45, 0x65) else 0x5C if b == 0x5C
                else 0x20 for b in range(256))  # digits a "9", "." and "\\" kept, "e"/"E" an "e", the rest blank
-_CURRENT_HEAD = b'{"schema_version":%d,' % SCHEMA_VERSION
 
 
 def decode_fast(raw: bytes | bytearray | memoryview | None) -> Envelope:

@@ -80,8 +80,32 @@ def test_the_fast_path_says_what_decode_says(data):
     doc = data.draw(telemetry_doc())
     if data.draw(st.booleans()):
         doc = data.draw(damaged(doc))
-    raw = json.dumps(doc).encode()  # orjson cannot write integers beyond 64 bits
+    # orjson cannot write integers beyond 64 bits; written as `encode` writes (no spaces), so the fast path is tried
+    raw = json.dumps(doc, separators=(",", ":")).encode()
     assert outcome(decode_telemetry, raw) == outcome(decode, raw)
+
+
+@pytest.mark.parametrize("version", ['"3"', "3.0", "true"])
+def test_a_version_decode_refuses_is_refused_on_the_fast_path_too(version):
+    """decode reads the version off the document and refuses one that is not an int; the one-pass validation would
+    coerce "3" or 3.0 to 3 -- the fast path takes only a record that starts as encode writes it."""
+    raw = encode(envelope(GpuTelemetry(node="n1", samples=()), source="n1/telemetry", seq=1, time_ms=42))
+    bad = raw.replace(b'"schema_version":3,', b'"schema_version":' + version.encode() + b",", 1)
+    assert outcome(decode_telemetry, bad) == outcome(decode, bad)
+    if version != "true":  # (True is an int to Python: decode reads it as version 1, and so does the fast path now)
+        assert outcome(decode, bad) == ("refused", "invalid")
+    again = raw[:-1] + b',"schema_version":' + version.encode() + b"}"  # a second copy of the key, last wins
+    assert outcome(decode_telemetry, again) == outcome(decode, again)
+
+
+def test_a_current_record_takes_the_fast_path(monkeypatch):
+    import sys
+
+    envelope_module = sys.modules[decode_telemetry.__module__]
+
+    raw = encode(envelope(GpuTelemetry(node="n1", samples=()), source="n1/telemetry", seq=1, time_ms=42))
+    monkeypatch.setattr(envelope_module, "decode", lambda raw: (_ for _ in ()).throw(AssertionError("slow path")))
+    assert envelope_module.decode_telemetry(raw).payload.node == "n1"
 
 @pytest.mark.parametrize("raw", [
     b"", b"not json", b"[1, 2]", b'{"schema_version": 3, "payload": {"kind": []}}',
