@@ -53,6 +53,7 @@ class SnapInfo:
     log_ms: int
     usable: bool
     where: object
+    code: str = ""  # the scheduler code version that wrote it ("" when its header does not say or is damaged)
 
 
 def snap_info(key_offset: int, value: bytes, where) -> SnapInfo:
@@ -62,7 +63,7 @@ def snap_info(key_offset: int, value: bytes, where) -> SnapInfo:
         doc = snapshot.header(value)
         usable = (doc.get("v") == snapshot.FORMAT and doc.get("code") == snapshot.code_version()
                   and int(doc.get("offset", -1)) == key_offset)
-        return SnapInfo(key_offset, int(doc.get("log_ms", 0)), usable, where)
+        return SnapInfo(key_offset, int(doc.get("log_ms", 0)), usable, where, str(doc.get("code") or ""))
     except Exception:  # noqa: BLE001 - damaged: on record, not usable
         return SnapInfo(key_offset, 0, False, where)
 

@@ -402,6 +402,24 @@ def _run_segment(task: Task, loaded) -> Result:
 # ---------------------------------------------------------------- the whole verification
 
 
+def code_lines(snaps, ok: bool) -> list[str]:
+    """Which scheduler code this audit re-runs, and which other code wrote snapshots on record: the replay verifies
+    with its own code, so decisions another version made are expected to differ (docs/reliability.md: upgrades)."""
+    from streams import scheduler_snapshot as snapshot
+
+    mine = snapshot.code_version()
+    other: dict[str, list[int]] = {}
+    for s in snaps:
+        if s.code and s.code != mine:
+            other.setdefault(s.code, []).append(s.offset)
+    lines = [f"scheduler code: {mine} (the code this audit re-runs)"]
+    for code, offs in sorted(other.items(), key=lambda kv: min(kv[1])):
+        lines.append(f"  note: snapshots at input offsets {min(offs)}..{max(offs)} were written by scheduler code {code}"
+                     + ("" if ok else ": outputs decided by that code are expected to differ -- audit that span with "
+                                      "the code that wrote it"))
+    return lines
+
+
 def _pool(jobs: int):
     import multiprocessing
 
@@ -494,6 +512,7 @@ def verify_source(src, jobs: int = 1, window=(None, None), offsets=(None, None),
     if unusable:
         lines.append(f"  note: {len(unusable)} snapshot(s) this code cannot load (other code or format, or damaged), "
                      f"not used as segment boundaries: offsets {', '.join(str(s.offset) for s in unusable[:10])}")
+    lines.extend(code_lines(snaps, ok=rep.ok and not states and not problems))
     ok = rep.ok and not states and not problems
     return {"ok": ok, "lines": lines, "report": rep, "segments": len(chosen), "segments_total": len(segs),
             "input_records": end, "records_replayed": sum(r.records for r in results), "committed_offset": committed,

@@ -252,3 +252,22 @@ def test_a_digest_that_reuses_an_earlier_ones_immutable_parts_sees_every_change(
     state.jobs[job_id].checkpoint_ms += 1
     after = state_digest.digest(state, keep)
     assert after != before and after == state_digest.digest(state)
+
+
+def test_the_verdict_names_the_code_it_re_runs_and_other_code_that_wrote_snapshots(clean_log, tmp_path):
+    """The replay verifies with the code it runs: a log whose snapshots another scheduler version wrote (an upgrade)
+    is audited with this code, those snapshots are not segment boundaries, and the verdict names both versions (and,
+    when the outputs differ, says that span needs the code that wrote it)."""
+    d = copy_log(clean_log, tmp_path / "log")
+    for path in sorted((d / "snapshots").iterdir())[:2]:
+        doc = orjson.loads(path.read_bytes())
+        doc["code"] = "0123456789abcdef"  # written by other code: not loadable here
+        path.write_bytes(orjson.dumps(doc))
+    res = seg.verify_source(FileLog(d), jobs=1)
+    assert res["ok"]  # this log's decisions are this code's: the rest still verifies, in fewer segments
+    assert f"scheduler code: {snapshot.code_version()} (the code this audit re-runs)" in res["lines"]
+    [note] = [ln for ln in res["lines"] if "written by scheduler code 0123456789abcdef" in ln]
+    assert f"offsets {EVERY}..{2 * EVERY}" in note and "expected to differ" not in note
+    lines = seg.code_lines(FileLog(d).snapshots(), ok=False)
+    assert "audit that span with the code that wrote it" in lines[-1]
+    assert seg.code_lines(FileLog(clean_log).snapshots(), ok=False) == [lines[0]]  # one code: nothing to say
