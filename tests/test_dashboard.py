@@ -132,8 +132,11 @@ def test_telemetry_history_reaches_clickhouse_split_by_workload_and_tenant(pool)
         "n"] == 16, 90, "a minute of every card", pool)
     alice = pool.client("alice").api("/api/telemetry", {"by": "tenant"})
     assert {r[1] for r in alice["rows"]} == {"acme"} and "pool" not in alice  # a tenant sees its own use only
-    pool_doc = wait_for(lambda: pool.client().api("/api/pool")["rows"], 90, "a pool minute", pool)
-    assert pool_doc[-1][1] == 16_000  # capacity_milli
+    # a minute with the whole fleet's capacity (capacity_milli): on a starved machine a node's heartbeats may be late
+    # enough for it to be judged silent in some minute, which then rightly counts less
+    pool_doc = wait_for(lambda: [r for r in pool.client().api("/api/pool")["rows"] if r[1] == 16_000], 90,
+                        "a pool minute with the whole fleet's capacity", pool)
+    assert pool_doc and all(r[1] <= 16_000 for r in pool.client().api("/api/pool")["rows"])
 
 
 # ---------------------------------------------------------------- the dashboard in a real browser
