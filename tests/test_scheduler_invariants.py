@@ -18,7 +18,7 @@ from agents.scheduler.core import Scheduler, replay
 from agents.scheduler.quota import Ledger, held
 from schemas.events import (
     TIER_RANK, GpuHealth, JobCheckpointed, JobCompleted, JobStarted, JobStopped, NodeCordon, NodeLiveness,
-    NodeRemoved, PlaceJob, PreemptJob, QuotaSet, ReleaseJob, ReservationRequested, SchedulerTick, Tier,
+    MigrateJob, NodeRemoved, PlaceJob, PreemptJob, QuotaSet, ReleaseJob, ReservationRequested, SchedulerTick, Tier,
 )
 from schemas.gpu_models import model as gpu_model
 from tests.builders import Clock, inventory, job
@@ -47,7 +47,8 @@ class Agent:
     node: str
     fence: Fence = field(default_factory=Fence)
     runs: dict[str, Run] = field(default_factory=dict)
-    stopping: dict[str, tuple[str, str]] = field(default_factory=dict)  # job -> (preempt command id, place's)
+    # job -> (preempt or migrate command id, place's, whether it is a move)
+    stopping: dict[str, tuple[str, str, bool]] = field(default_factory=dict)
     lost: bool = False
     inbox: list = field(default_factory=list)
     last_heartbeat_ms: int = 0
@@ -58,10 +59,10 @@ class Agent:
         if isinstance(p, PlaceJob):
             if self.fence.place(p.job_id, p.attempt, r.attempt if r else None) in ("start", "replace"):
                 self.runs[p.job_id] = Run(p.attempt, p.command_id)  # replaces an older run of the job, if any
-        elif isinstance(p, PreemptJob):
+        elif isinstance(p, (PreemptJob, MigrateJob)):  # a move is a stop with a checkpoint, reason "migrated"
             if self.fence.stops(p.job_id, p.attempt, r.attempt if r else None):
                 del self.runs[p.job_id]
-                self.stopping[p.job_id] = (p.command_id, r.command_id)
+                self.stopping[p.job_id] = (p.command_id, r.command_id, isinstance(p, MigrateJob))
         elif isinstance(p, ReleaseJob):
             if self.fence.stops(p.job_id, p.attempt, r.attempt if r else None):
                 del self.runs[p.job_id]
@@ -93,8 +94,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         out = self.s.step(env)
         self.outputs.extend(out)
         for e in out:
-            if e.is_command and e.payload.node in self.agents:
-                a = self.agents[e.payload.node]
+            node = getattr(e.payload, "node", None) or getattr(e.payload, "from_node", None)  # a move: its source
+            if e.is_command and node in self.agents:
+                a = self.agents[node]
                 if a.lost:
                     a.inbox.append(e.payload)
                 else:
@@ -175,8 +177,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         what, name, j = data.draw(st.sampled_from(choices))
         a = self.agents[name]
         if what == "stopped":
-            preempt, place = a.stopping.pop(j)
-            self.report(a, JobStopped(job_id=j, node=name, command_id=preempt, checkpoint=f"ckpt:{j}:1"), dt=50)
+            preempt, place, moved = a.stopping.pop(j)
+            self.report(a, JobStopped(job_id=j, node=name, command_id=preempt, checkpoint=f"ckpt:{j}:1",
+                                      reason="migrated" if moved else ""), dt=50)
             return
         r = a.runs[j]
         rec = self.s.jobs[j]
@@ -428,3 +431,38 @@ class SchedulerMachine(RuleBasedStateMachine):
 
 SchedulerMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=50, deadline=None)
 TestSchedulerInvariants = SchedulerMachine.TestCase
+
+
+class _Draws:
+    """A fixed sequence for a rule's `data.draw` (the machine's steps replayed as a plain test)."""
+
+    def __init__(self, seq):
+        self.seq = list(seq)
+
+    def draw(self, strategy):
+        return self.seq.pop(0)
+
+
+def test_a_job_whose_lowered_quota_would_not_take_it_back_is_not_moved_and_a_move_resumes():
+    """The machine's run that found it (CI, 2026-12-02): t1's quota is lowered to 3,000 under its running offline j4;
+    a waiting inference job of t2 needs j4's node. Defragmentation moved j4 (`cmd.migrate`), and the quota, which a
+    move asks again before the job resumes, kept it waiting: a move that was a stop. Now j4 is not moved (it is
+    preempted for the tier, said as such), and every move emitted resumes on its planned node once stopped."""
+    m = SchedulerMachine()
+    m.submit(jobs=[("t1", Tier.INFERENCE, 100, 2, "default"), ("t1", Tier.INFERENCE, 2500, 2, "default")])
+    m.submit(jobs=[("t1", Tier.INFERENCE, 100, 150, "default"), ("t1", Tier.OFFLINE, 300, 2, "default")])
+    m.tick()
+    m.node_agent_acts(data=_Draws([("checkpoint", "n0", "j1"), ("complete", "n0", "j1"), ("complete", "n0", "j2")]),
+                      times=3)
+    m.submit(jobs=[("t1", Tier.ONLINE_TRAINING, 1000, 2, "default")])
+    m.set_quota(overcommit=100, project=None, quota=3000, tenant="t1")
+    m.submit(jobs=[("t1", Tier.INFERENCE, 100, 2, "default")])
+    m.submit(jobs=[("t2", Tier.INFERENCE, 1000, 2, "default"), ("t2", Tier.INFERENCE, 2500, 2, "default")])
+    moves = [o.payload for o in m.outputs if o.kind == "cmd.migrate"]
+    assert "j4" not in {mv.job_id for mv in moves}
+    assert m.s.jobs["j4"].state == "stopping"  # preempted for j8's tier instead, which counts as a preemption
+    for mv in moves:
+        m.node_agent_acts(data=_Draws([("stopped", mv.from_node, mv.job_id)]), times=1)
+        rec = m.s.jobs[mv.job_id]
+        assert rec.state == "placed" and rec.placement.node == mv.to_node
+    m.teardown()

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from agents.scheduler.node_index import cards_needed
 from agents.scheduler.placement import Placement, allowed_models, place
 from agents.scheduler.preemption import fits, placed, protected, released
+from agents.scheduler.quota import held
 from schemas.events import TIER_RANK, Assignment, Tier
 from schemas.gpu_models import model
 
@@ -94,6 +95,23 @@ def plan(s, rec, exclude: frozenset[str] = frozenset()) -> Plan | None:
     return best
 
 
+def _readmitted(s, rec, o, part) -> bool:
+    """Whether the quota takes the moved job `o` back on its planned cards: a move releases the job's holding at the
+    stop and admits it again before it resumes, so a job running above a quota lowered since it started would be
+    stopped for good (kept waiting `QuotaExceeded`), not moved. When the job the block is opened for is of the same
+    tenant, what it asked counts as used meanwhile, as the scheduler counts it (`Scheduler._quota_kept`)."""
+    cu, mem = held(part.assignments, lambda uuid: s.card_model(part.node, uuid))
+    q, w = o.request, rec.request
+    kept = w.tenant == q.tenant and not rec.reserved and rec.hold is None
+    freed = {}
+    for account in ((q.tenant, None), (q.tenant, q.project)):
+        back = [o.held_milli, o.held_memory_mib]
+        if kept and account in ((w.tenant, None), (w.tenant, w.project)):
+            back = [back[0] - w.compute_milli, back[1] - w.gpu_memory_mib]
+        freed[account] = back
+    return not s.ledger.admit(q, s.index.capacity_milli, cu, mem, freed=freed).blocked
+
+
 def _clear(s, rec, view, m: str, n: int, free: dict[str, int], exclude) -> Plan | None:
     """Moves that leave `view`'s node with room for `rec`, least work first; None when it cannot be cleared."""
     r = rec.request
@@ -124,6 +142,8 @@ def _clear(s, rec, view, m: str, n: int, free: dict[str, int], exclude) -> Plan 
         got = place(s.index, scratch, o.request, s.workload, s.candidates, exclude=used)
         if not isinstance(got, Placement) or len(got.parts) != 1:
             continue
+        if not _readmitted(s, rec, o, got.parts[0]):
+            continue  # its quota (lowered since it started) would not take it back: the move would be a stop
         part = got.parts[0]
         scratch[part.node] = placed(scratch[part.node], o.request, part.assignments)
         budget[t] -= 1
