@@ -36,3 +36,41 @@ def test_rebuilt_of_nothing_is_empty():
     from agents.scheduler.holdings import Holdings
 
     assert rebuilt({}, {}).state() == Holdings().state()
+
+
+from hypothesis import given, strategies as st  # noqa: E402
+
+# holders arriving in bursts far apart (a tenant's first job of a group after ~100,000 others; a window that slides
+# past its old holders as they leave), and what each holds
+_changes = st.lists(st.tuples(st.integers(0, 3), st.integers(0, 200_000), st.integers(1, 4000), st.integers(1, 80_000),
+                              st.booleans()), max_size=60)
+
+
+@given(_changes, st.lists(st.integers(-1, 200_002), min_size=1, max_size=20))
+@settings(max_examples=300, deadline=None)
+def test_the_claim_sums_say_what_the_holders_ahead_hold(changes, asks):
+    """Sums.ahead_of (a Fenwick tree over a window of arrivals) against a plain sum over the holders: the claim
+    standings' arithmetic, whatever the arrivals' spread and however the window moved."""
+    from agents.scheduler.holdings import GROUPS, Sums
+
+    s = Sums()
+    held: dict[tuple[int, int], tuple[int, int]] = {}
+    for g, arrival, milli, memory, leave in changes:
+        g %= GROUPS
+        if leave and held:
+            (g, arrival), (milli, memory) = sorted(held.items())[arrival % len(held)]
+            s.add(g, arrival, -milli, -memory)
+            del held[(g, arrival)]
+        elif (g, arrival) not in held:
+            s.add(g, arrival, milli, memory)
+            held[(g, arrival)] = (milli, memory)
+        for a in asks:
+            for gg in range(GROUPS):
+                want = [0, 0]
+                for (hg, ha), (hm, hmem) in held.items():
+                    if hg > gg or hg == gg and ha < a:
+                        want[0] += hm
+                        want[1] += hmem
+                assert s.ahead_of(gg, a) == tuple(want), (gg, a)
+        t = [x for x in s._trees if x is not None]
+        assert all(len(tm) <= max(1024, 2 * 200_002 + 2) for _, tm, _ in t)

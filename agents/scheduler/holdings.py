@@ -131,7 +131,8 @@ class Sums:
     milli: list[int] = field(default_factory=lambda: [0] * GROUPS)
     memory: list[int] = field(default_factory=lambda: [0] * GROUPS)
     # per group, each holder's (milli, MiB) by its arrival: the tie-break inside a group (earlier work first); and
-    # per group a Fenwick tree over arrivals of the same, so "what the earlier arrivals hold" is a log-time sum
+    # per group a Fenwick tree over a window of arrivals of the same (base, trees), so "what the earlier arrivals
+    # hold" is a log-time sum
     by_arrival: list[dict[int, list[int]]] = field(default_factory=lambda: [{} for _ in range(GROUPS)])
     _trees: list = field(default_factory=lambda: [None] * GROUPS)
     version: int = 0  # moves on every change: a standing worked out from these sums holds while it does not
@@ -146,8 +147,10 @@ class Sums:
         m, mem = self.at_least(g + 1) if g + 1 < GROUPS else (0, 0)
         t = self._trees[g]
         if t is not None:
-            tm, tmem = t
-            i = min(arrival, len(tm) - 1)  # arrival a sits at a + 1: the sum over arrivals < `arrival`
+            base, tm, tmem = t
+            i = arrival - base  # arrival a sits at a - base + 1: the sum over arrivals < `arrival`
+            if i >= len(tm) - 1:  # every holder of the group is in the tree's window: all of them
+                return m + self.milli[g], mem + self.memory[g]
             while i > 0:
                 m, mem = m + tm[i], mem + tmem[i]
                 i -= i & -i
@@ -164,25 +167,32 @@ class Sums:
         if got == [0, 0]:
             del self.by_arrival[g][arrival]
         t = self._trees[g]
-        if t is None or arrival + 1 >= len(t[0]):
-            self._trees[g] = self._tree(g, max(1024, 2 * arrival + 2))  # grown: rebuilt from the holders
+        if t is None or arrival < t[0] or arrival - t[0] + 1 >= len(t[1]):
+            self._trees[g] = self._tree(g, arrival)  # out of its window: rebuilt from the holders
             return
-        tm, tmem = t
-        i = arrival + 1
+        base, tm, tmem = t
+        i = arrival - base + 1
         while i < len(tm):
             tm[i] += milli
             tmem[i] += memory
             i += i & -i
 
-    def _tree(self, g: int, size: int):
+    def _tree(self, g: int, arrival: int):
+        """The group's tree over a window of arrivals from its earliest holder's (or `arrival`), twice as wide as
+        its holders' spread: sized by the work it holds now, not by every arrival ever counted (a tree sized by the
+        arrival counter cost a scan of ~100,000 slots for a tenant's first job of a group, and most of a
+        snapshot's bytes)."""
+        held = self.by_arrival[g]
+        base = min(held, default=arrival)
+        size = max(1024, 2 * (max(held, default=arrival) - base) + 2)
         tm, tmem = array("q", bytes(8 * size)), array("q", bytes(8 * size))
-        for a, (am, amem) in self.by_arrival[g].items():
-            i = a + 1
+        for a, (am, amem) in held.items():
+            i = a - base + 1
             while i < size:
                 tm[i] += am
                 tmem[i] += amem
                 i += i & -i
-        return tm, tmem
+        return base, tm, tmem
 
 
 class Holdings:
