@@ -62,6 +62,7 @@ import argparse
 import cProfile
 import gc
 import io
+import os
 import json
 import pstats
 import random
@@ -450,6 +451,8 @@ def _top(prof) -> str:
         return ""
     buf = io.StringIO()
     pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(25)
+    if os.environ.get("GPUPOOL_PROFILE_OUT"):  # the whole profile, for pstats (sorted other ways)
+        prof.dump_stats(os.environ["GPUPOOL_PROFILE_OUT"])
     return buf.getvalue()
 
 
