@@ -61,8 +61,7 @@ def snap_info(key_offset: int, value: bytes, where) -> SnapInfo:
 
     try:
         doc = snapshot.header(value)
-        usable = (doc.get("v") == snapshot.FORMAT and doc.get("code") == snapshot.code_version()
-                  and int(doc.get("offset", -1)) == key_offset)
+        usable = snapshot.usable(doc) and int(doc.get("offset", -1)) == key_offset  # its own code's only
         return SnapInfo(key_offset, int(doc.get("log_ms", 0)), usable, where, str(doc.get("code") or ""))
     except Exception:  # noqa: BLE001 - damaged: on record, not usable
         return SnapInfo(key_offset, 0, False, where)

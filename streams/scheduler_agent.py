@@ -164,9 +164,23 @@ class SchedulerAgent:
         if self.snapshots is not None:
             self.snapshots.start_at(start if snap is not None else -1, self.last_log_ms, existing)
         self.takeover = {"committed": committed, "snapshot_offset": snap.offset if snap is not None else None,
+                         "snapshot_code": snap.code if snap is not None else None, "code": snapshot.code_version(),
                          "replayed": n, "load_s": round(t1 - t0, 3), "replay_s": round(time.monotonic() - t1, 3)}
         log.info("scheduler rebuilt: %s", self.takeover)
         tune_gc()
+        if snap is not None and snap.code != snapshot.code_version() and self.snapshots is not None:
+            # an upgrade: the old code's state, taken over. A snapshot of this code's at once marks on the log where
+            # this code starts deciding (the audit with this code starts a segment there; the old span is verified
+            # with the old code)
+            log.warning("scheduler code %s takes over from a snapshot of code %s at input offset %d",
+                        snapshot.code_version(), snap.code, snap.offset)
+            await self._snapshot(committed, "after an upgrade")
+
+    async def _snapshot(self, offset: int, why: str) -> None:
+        try:
+            await self.snapshots.write(self.state, offset, self.last_log_ms)
+        except Exception as exc:  # noqa: BLE001 - no snapshot: the next takeover replays longer
+            log.warning("scheduler snapshot at %d (%s) not written: %s", offset, why, exc)
 
     async def run(self) -> None:
         ownership = _Ownership()
@@ -210,10 +224,14 @@ class SchedulerAgent:
                 self.emitted += len(sends)
                 await consumer.commit({TP: self.position})
                 if self.snapshots.due(self.position, self.last_log_ms) and ownership.owned:
-                    try:
-                        await self.snapshots.write(self.state, self.position, self.last_log_ms)
-                    except Exception as exc:  # noqa: BLE001 - no snapshot: the next takeover replays longer
-                        log.warning("scheduler snapshot at %d not written: %s", self.position, exc)
+                    await self._snapshot(self.position, "due")
         finally:
+            if self.live and ownership.owned and self.position > self.snapshots.last_offset:
+                # a clean stop (a worker shut down, an upgrade): the state at the offset it stopped at, so whoever
+                # takes over -- new code too -- replays nothing this code decided
+                try:
+                    await asyncio.wait_for(self._snapshot(self.position, "on stopping"), 30)
+                except (asyncio.TimeoutError, asyncio.CancelledError):
+                    log.warning("scheduler snapshot on stopping at %d not written in time", self.position)
             await stop_consumer(consumer)
             await producer.stop()

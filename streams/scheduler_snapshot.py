@@ -14,10 +14,21 @@ encoding that covers every one of them without a second, hand-kept schema); the 
 twice: `v`, the format of the document (older formats are upcast by UPCASTERS, none exist yet: format 2 holds
 finished jobs as holdings.Ended and each job's commands on its record, and a format-1 state, every JobRecord kept, is
 not upcast but ignored -- its code differs anyway), and `code`, a digest
-of the scheduler's sources (agents/scheduler/*.py and the event schemas). A snapshot whose `code` differs was made by
-other code: it is ignored, and the takeover replays from the newest snapshot this code made, or from 0 — a longer
-replay, never a wrong one. Only the service principal may write the topic (infra/principals.py), and the pickle is
-only ever loaded from there.
+of the scheduler's sources (agents/scheduler/*.py and the event schemas), and `layout`, a digest of the state's shape
+(`state_layout`: every class of those sources with the fields and attributes it holds, and STATE_SEMANTICS).
+
+Who may load which snapshot:
+- the audit (`load`, strict) only one of its own `code`: it re-runs decisions, and a span another version decided is
+  verified with that version (agents/audit_segments.code_lines says which);
+- a takeover (`load(..., upgrade=True)`) also one of other code whose `layout` is this code's: an upgraded scheduler
+  goes on from the state the old one left (the decisions it made stand; the new policy decides from there), instead
+  of deriving the whole history again with the new policy -- a job the old code placed on H100s would, in such a
+  state, be on the cards the new code would have chosen, not where it runs. A stopping scheduler writes a snapshot at
+  the offset it stopped at (scheduler_agent), so after a clean stop the new code replays nothing the old code decided,
+  and its first act is a snapshot of its own at that offset, where the audit with the new code can start. A snapshot of
+  another layout (or format nobody upcasts) is ignored: the takeover replays from an older usable one, or from 0 with
+  the new code (the one case where an upgrade re-derives history: say so in the upgrade's notes, or drain first).
+Only the service principal may write the topic (infra/principals.py), and the pickle is only ever loaded from there.
 
 Older snapshots are deleted by tombstones (the writer keeps the latest KEEP), so compaction bounds the topic -- except
 the audit's checkpoints: the first snapshot written in each span of AUDIT_EVERY input records is never tombstoned.
@@ -27,6 +38,7 @@ records.
 """
 from __future__ import annotations
 
+import ast
 import asyncio
 import base64
 import hashlib
@@ -53,15 +65,66 @@ EVERY_LOG_MS = 120_000  # ... or this much log time, whichever comes first (and 
 UPCASTERS: dict[int, Any] = {}  # format -> fn(doc) -> doc of format+1
 
 
+# Moved by hand when a change gives fields the state already has another meaning (a memo keyed differently, a unit
+# changed): state_layout sees only the state's shape, and a snapshot whose layout matches is loaded by new code.
+STATE_SEMANTICS = 1
+
+
+def _state_sources() -> list[Path]:
+    """The sources whose classes make up the state: the scheduler's, the views the stream core folds, the events."""
+    root = Path(__file__).resolve().parents[1]
+    return (sorted((root / "agents" / "scheduler").glob("*.py")) + sorted((root / "streams" / "core").glob("*.py"))
+            + [root / "schemas" / "events.py", root / "schemas" / "envelope.py"])
+
+
 @lru_cache(maxsize=1)
 def code_version() -> str:
-    root = Path(__file__).resolve().parents[1]
     h = hashlib.sha256()
-    # the state is the scheduler's, holding the views the stream core folds
-    for p in (sorted((root / "agents" / "scheduler").glob("*.py")) + sorted((root / "streams" / "core").glob("*.py"))
-              + [root / "schemas" / "events.py", root / "schemas" / "envelope.py"]):
+    for p in _state_sources():
         h.update(p.name.encode())
         h.update(p.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def class_shapes(source: str) -> list[str]:
+    """The shape of every class a module defines: its name, bases, the fields it declares in its body (annotated
+    names: dataclass, pydantic and NamedTuple fields, with their annotations; __slots__; other class attributes) and
+    every attribute its methods assign on `self`. A change of behaviour (a method's body) leaves it as it was; a field
+    or attribute added, removed, renamed or retyped changes it."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.ClassDef):
+            continue
+        body, attrs = [], set()
+        for item in node.body:
+            if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+                body.append(f"{item.target.id}: {ast.unparse(item.annotation)}")
+            elif isinstance(item, ast.Assign):
+                for t in item.targets:
+                    if isinstance(t, ast.Name):
+                        body.append(t.id + (f" = {ast.unparse(item.value)}" if t.id == "__slots__" else ""))
+            elif isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for sub in ast.walk(item):
+                    targets = sub.targets if isinstance(sub, ast.Assign) else \
+                        [sub.target] if isinstance(sub, (ast.AnnAssign, ast.AugAssign)) else []
+                    for t in targets:
+                        for e in ast.walk(t):
+                            if isinstance(e, ast.Attribute) and isinstance(e.value, ast.Name) and e.value.id == "self":
+                                attrs.add(e.attr)
+        out.append(f"class {node.name}({', '.join(ast.unparse(b) for b in node.bases)}): "
+                   f"{'; '.join(body)} | self.{', self.'.join(sorted(attrs))}")
+    return out
+
+
+@lru_cache(maxsize=1)
+def state_layout() -> str:
+    """A digest of the state's shape (`class_shapes` of every state source) and STATE_SEMANTICS: the same for two
+    versions of the code whose states pickle and unpickle into one another, whatever else they changed."""
+    h = hashlib.sha256(f"semantics {STATE_SEMANTICS}\n".encode())
+    for p in _state_sources():
+        h.update(f"{p.name}\n".encode())
+        for line in class_shapes(p.read_text()):
+            h.update(line.encode() + b"\n")
     return h.hexdigest()[:16]
 
 
@@ -74,17 +137,26 @@ class Snapshot:
     offset: int
     log_ms: int
     state: Any
+    code: str = ""  # the code that wrote it (another than this one's only for a takeover after an upgrade)
 
 
 def dump(state, offset: int, log_ms: int) -> bytes:
     blob = zlib.compress(pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL), 1)
-    return orjson.dumps({"v": FORMAT, "code": code_version(), "offset": offset, "log_ms": log_ms,
-                         "state": base64.b64encode(blob).decode()})
+    return orjson.dumps({"v": FORMAT, "code": code_version(), "layout": state_layout(), "offset": offset,
+                         "log_ms": log_ms, "state": base64.b64encode(blob).decode()})
 
 
-def load(value: bytes | None) -> Snapshot | None:
+def usable(doc: dict, upgrade: bool = False) -> bool:
+    """Whether this code may load a snapshot with this (upcast) header: of its own format and code, or, for a
+    takeover after an upgrade (`upgrade`), of another code with this code's state layout."""
+    if doc.get("v") != FORMAT:
+        return False
+    return doc.get("code") == code_version() or upgrade and doc.get("layout") == state_layout()
+
+
+def load(value: bytes | None, upgrade: bool = False) -> Snapshot | None:
     """The snapshot in `value`, or None when it is not one this code can use (another format nobody upcasts, other
-    code, damage): the caller then replays further back."""
+    code -- unless `upgrade` and the same state layout --, damage): the caller then replays further back."""
     if not value:
         return None
     try:
@@ -93,10 +165,10 @@ def load(value: bytes | None) -> Snapshot | None:
         while isinstance(v, int) and v < FORMAT and v in UPCASTERS:
             doc = UPCASTERS[v](doc)
             v = doc.get("v")
-        if v != FORMAT or doc.get("code") != code_version():
+        if not usable(doc, upgrade):
             return None
         state = _unpickle(zlib.decompress(base64.b64decode(doc["state"])))
-        return Snapshot(int(doc["offset"]), int(doc["log_ms"]), state)
+        return Snapshot(int(doc["offset"]), int(doc["log_ms"]), state, str(doc.get("code") or ""))
     except Exception as exc:  # noqa: BLE001 - a snapshot that does not load is no snapshot: replay longer
         log.warning("snapshot not usable: %s", exc)
         return None
@@ -127,8 +199,8 @@ def header(value: bytes) -> dict:
 # ---------------------------------------------------------------- the topic
 
 async def latest(conn, at_most: int) -> tuple[Snapshot | None, list[int]]:
-    """The newest usable snapshot at or below input offset `at_most`, read from the snapshot topic, and the offsets
-    of every snapshot there (the writer's to tombstone in time)."""
+    """The newest snapshot a takeover may use (`load(..., upgrade=True)`) at or below input offset `at_most`, read
+    from the snapshot topic, and the offsets of every snapshot there (the writer's to tombstone in time)."""
     from aiokafka import AIOKafkaConsumer, TopicPartition
 
     from infra.kafka_client import stop_consumer
@@ -162,7 +234,7 @@ async def latest(conn, at_most: int) -> tuple[Snapshot | None, list[int]]:
     finally:
         await stop_consumer(consumer)
     for k in sorted((o for o, v in live.items() if v is not None), reverse=True):
-        snap = await asyncio.to_thread(load, live[k])  # unpickling a large state must not hold the event loop
+        snap = await asyncio.to_thread(load, live[k], True)  # unpickling a large state must not hold the loop
         if snap is not None and snap.offset == k:
             return snap, sorted(live)
     return None, sorted(live)

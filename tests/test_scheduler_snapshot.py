@@ -1,7 +1,8 @@
 """Scheduler snapshots (#16 item 1, streams/scheduler_snapshot.py): a snapshot at k, then the replay of k..n, gives
 the same outputs and the same state as the replay of 0..n, for random inputs (the scheduler invariants' state
-machine drives the inputs: users, operators, node agents, lost nodes, ticks); a snapshot of another format or of
-other code is not used (the replay is longer, never wrong)."""
+machine drives the inputs: users, operators, node agents, lost nodes, ticks); a snapshot of another format, or of
+other code with another state layout, is not used (the replay is longer); one of other code with this layout is used
+by a takeover (an upgrade goes on from the old code's state), never by the audit."""
 from __future__ import annotations
 
 import functools
@@ -129,6 +130,55 @@ def test_snapshots_of_another_format_or_other_code_are_not_used():
     assert snapshot.load(orjson.dumps({**doc, "v": 0})) is None  # no upcaster from format 0
     assert snapshot.load(orjson.dumps({**doc, "state": doc["state"][:-8]})) is None  # damaged
     assert snapshot.load(None) is None
+
+
+def test_after_an_upgrade_a_takeover_loads_the_old_codes_snapshot_of_the_same_layout_and_the_audit_does_not():
+    """An upgrade: the old code's snapshot (other `code`, the same `layout`) is what the new code's takeover goes on
+    from; the audit, which re-runs decisions, uses only its own code's. A snapshot of another layout is no one's."""
+    from agents.audit_log import snap_info
+
+    a = ElasticScheduler(**inv.config())
+    a.now_ms = 12_345
+    doc = orjson.loads(snapshot.dump(a, 7, 0))
+    assert doc["layout"] == snapshot.state_layout()
+    old = orjson.dumps({**doc, "code": "0" * 16})
+    got = snapshot.load(old, upgrade=True)
+    assert got.offset == 7 and got.code == "0" * 16 and canonical(got.state) == canonical(a)
+    assert snapshot.load(old) is None  # the audit's load
+    assert not snap_info(7, old, "f").usable and snap_info(7, snapshot.dump(a, 7, 0), "f").usable
+    other_shape = orjson.dumps({**doc, "code": "0" * 16, "layout": "1" * 16})
+    assert snapshot.load(other_shape, upgrade=True) is None and snapshot.load(other_shape) is None
+    assert snapshot.load(orjson.dumps({k: v for k, v in doc.items() if k != "layout"} | {"code": "0" * 16}),
+                         upgrade=True) is None  # a snapshot that does not say its layout
+
+
+def test_the_state_layout_moves_with_the_states_shape_not_with_behaviour():
+    base = """
+@dataclass
+class Rec:
+    a: int
+    memo: tuple = ()
+
+class Book:
+    __slots__ = ("x",)
+
+    def __init__(self):
+        self.x = 1
+
+    def grow(self, n):
+        self.x += n
+        return self.x
+"""
+    shapes = snapshot.class_shapes(base)
+    # a method's behaviour changed, a helper added, a comment: the same shape
+    assert snapshot.class_shapes(base.replace("self.x += n", "self.x += 2 * n").replace(
+        "        return self.x", "        return self.x  # why\n\n    def size(self):\n        return 1")) == shapes
+    # a field added, renamed or retyped, an attribute set anew, slots changed: another shape
+    for changed in (base.replace("    memo: tuple = ()", "    memo: tuple = ()\n    more: int = 0"),
+                    base.replace("memo: tuple", "memos: tuple"), base.replace("a: int", "a: str"),
+                    base.replace("        return self.x", "        self.last = n\n        return self.x"),
+                    base.replace('("x",)', '("x", "y")')):
+        assert snapshot.class_shapes(changed) != shapes, changed
 
 
 def test_an_older_format_is_upcast_when_an_upcaster_exists(monkeypatch):
