@@ -54,6 +54,7 @@ class SnapInfo:
     usable: bool
     where: object
     code: str = ""  # the scheduler code version that wrote it ("" when its header does not say or is damaged)
+    took_over_from: str = ""  # written at an upgrade: the code that decided the input before it
 
 
 def snap_info(key_offset: int, value: bytes, where) -> SnapInfo:
@@ -62,7 +63,8 @@ def snap_info(key_offset: int, value: bytes, where) -> SnapInfo:
     try:
         doc = snapshot.header(value)
         usable = snapshot.usable(doc) and int(doc.get("offset", -1)) == key_offset  # its own code's only
-        return SnapInfo(key_offset, int(doc.get("log_ms", 0)), usable, where, str(doc.get("code") or ""))
+        return SnapInfo(key_offset, int(doc.get("log_ms", 0)), usable, where, str(doc.get("code") or ""),
+                        str(doc.get("took_over_from") or ""))
     except Exception:  # noqa: BLE001 - damaged: on record, not usable
         return SnapInfo(key_offset, 0, False, where)
 

@@ -413,6 +413,12 @@ def code_lines(snaps, ok: bool) -> list[str]:
         if s.code and s.code != mine:
             other.setdefault(s.code, []).append(s.offset)
     lines = [f"scheduler code: {mine} (the code this audit re-runs)"]
+    for s in snaps:
+        if s.took_over_from:
+            lines.append(f"  note: at input offset {s.offset} scheduler code {s.code} took over from code "
+                         f"{s.took_over_from} (an upgrade): the input before it was decided by {s.took_over_from}"
+                         + (" -- audit that span with that code (--to), and the rest from there (--from)"
+                            if s.took_over_from != mine else ""))
     for code, offs in sorted(other.items(), key=lambda kv: min(kv[1])):
         lines.append(f"  note: snapshots at input offsets {min(offs)}..{max(offs)} were written by scheduler code {code}"
                      + ("" if ok else ": outputs decided by that code are expected to differ -- audit that span with "

@@ -174,11 +174,11 @@ class SchedulerAgent:
             # with the old code)
             log.warning("scheduler code %s takes over from a snapshot of code %s at input offset %d",
                         snapshot.code_version(), snap.code, snap.offset)
-            await self._snapshot(committed, "after an upgrade")
+            await self._snapshot(committed, "after an upgrade", took_over_from=snap.code)
 
-    async def _snapshot(self, offset: int, why: str) -> None:
+    async def _snapshot(self, offset: int, why: str, took_over_from: str | None = None) -> None:
         try:
-            await self.snapshots.write(self.state, offset, self.last_log_ms)
+            await self.snapshots.write(self.state, offset, self.last_log_ms, took_over_from)
         except Exception as exc:  # noqa: BLE001 - no snapshot: the next takeover replays longer
             log.warning("scheduler snapshot at %d (%s) not written: %s", offset, why, exc)
 

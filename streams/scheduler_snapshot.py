@@ -140,10 +140,14 @@ class Snapshot:
     code: str = ""  # the code that wrote it (another than this one's only for a takeover after an upgrade)
 
 
-def dump(state, offset: int, log_ms: int) -> bytes:
+def dump(state, offset: int, log_ms: int, took_over_from: str | None = None) -> bytes:
+    """`took_over_from`: the code whose snapshot this code took over from here (an upgrade), said on the record so
+    the audit can name the code that decided the input before it."""
     blob = zlib.compress(pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL), 1)
-    return orjson.dumps({"v": FORMAT, "code": code_version(), "layout": state_layout(), "offset": offset,
-                         "log_ms": log_ms, "state": base64.b64encode(blob).decode()})
+    doc = {"v": FORMAT, "code": code_version(), "layout": state_layout(), "offset": offset, "log_ms": log_ms}
+    if took_over_from:
+        doc["took_over_from"] = took_over_from
+    return orjson.dumps({**doc, "state": base64.b64encode(blob).decode()})
 
 
 def usable(doc: dict, upgrade: bool = False) -> bool:
@@ -280,13 +284,17 @@ class Writer:
             return offset >= self.every_records
         return offset - self.last_offset >= self.every_records or log_ms - self.last_log_ms >= self.every_log_ms
 
-    async def write(self, state, offset: int, log_ms: int) -> None:
+    async def write(self, state, offset: int, log_ms: int, took_over_from: str | None = None) -> None:
         from schemas.topics import SCHEDULER_SNAPSHOTS
 
         # The scheduler's own loop waits here, so nothing changes the state while the thread pickles it; the
         # worker's other agents run meanwhile.
-        value = await asyncio.to_thread(dump, state, offset, log_ms)
+        value = await asyncio.to_thread(dump, state, offset, log_ms, took_over_from)
         await (await self.producer.send(SCHEDULER_SNAPSHOTS.name, key=key_of(offset), value=value, partition=0))
+        # the same offset written again (the state a stopped scheduler left, snapshotted by its successor): one
+        # record on the compacted topic, listed once -- a second entry would later tombstone the newer value
+        self.written = [o for o in self.written if o != offset]
+        self.kept = [o for o in self.kept if o != offset]
         if checkpoints(self.kept + [offset], self.audit_every)[-1:] == [offset]:
             self.kept.append(offset)  # an audit checkpoint: never tombstoned
         else:

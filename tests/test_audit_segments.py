@@ -271,3 +271,24 @@ def test_the_verdict_names_the_code_it_re_runs_and_other_code_that_wrote_snapsho
     lines = seg.code_lines(FileLog(d).snapshots(), ok=False)
     assert "audit that span with the code that wrote it" in lines[-1]
     assert seg.code_lines(FileLog(clean_log).snapshots(), ok=False) == [lines[0]]  # one code: nothing to say
+
+
+def test_the_verdict_names_the_code_an_upgrade_took_over_from():
+    """The snapshot a scheduler writes when it takes over from another code's (an upgrade) says so, and the audit's
+    verdict names the code that decided the input before it and how to audit each span."""
+    import orjson
+
+    from agents.audit_log import snap_info
+    from agents.audit_segments import code_lines
+    from agents.scheduler.elastic import ElasticScheduler
+    from streams import scheduler_snapshot as snapshot
+
+    value = snapshot.dump(ElasticScheduler(), 186, 0, took_over_from="0" * 16)
+    assert orjson.loads(value)["took_over_from"] == "0" * 16
+    info = snap_info(186, value, "f")
+    assert info.usable and info.took_over_from == "0" * 16
+    lines = code_lines([info], ok=True)
+    assert any(f"at input offset 186 scheduler code {snapshot.code_version()} took over from code {'0' * 16}" in ln
+               and "--to" in ln for ln in lines), lines
+    assert not any("took over" in ln for ln in code_lines([snap_info(186, snapshot.dump(ElasticScheduler(), 186, 0),
+                                                                     "f")], ok=True))

@@ -105,3 +105,8 @@ def test_an_upgrade_stops_cleanly_and_the_new_code_goes_on_from_the_old_codes_st
     assert t["snapshot_offset"] == t["committed"] >= before["position"] and t["replayed"] == 0, t
     assert took["snapshots"]["written"] == 1 and took["snapshots"]["last_offset"] == t["committed"], took["snapshots"]
     assert where() == placed
+    # the audit (here with the old code, the test's own) reads on the record where the new code took over
+    stack.add_user("aud", "auditor")
+    out = cli(stack, "audit", "replay", "--verify", user="aud", check=False)
+    assert (f"at input offset {t['committed']} scheduler code {t['code']} took over from code "
+            f"{snapshot.code_version()}") in out.stdout, out.stdout + out.stderr[-2000:]
