@@ -18,8 +18,8 @@ pytestmark = pytest.mark.broker
 
 
 def test_a_killed_scheduler_comes_back_from_a_snapshot_and_the_audit_agrees(stack):
-    stack.extra_env["GPUPOOL_SNAPSHOT_EVERY"] = "25"
-    stack.extra_env["GPUPOOL_SNAPSHOT_AUDIT_EVERY"] = "60"  # the audit's checkpoints: segments of ~60 records
+    stack.extra_env["GPUPOOL_SNAPSHOT_EVERY"] = "10"
+    stack.extra_env["GPUPOOL_SNAPSHOT_AUDIT_EVERY"] = "25"  # the audit's checkpoints: segments of ~25 records
     stack.start_worker(240)
     stack.start_agent("demo:2")
     quotas(stack, "acme")
@@ -37,6 +37,9 @@ def test_a_killed_scheduler_comes_back_from_a_snapshot_and_the_audit_agrees(stac
     assert took["takeover"]["snapshot_offset"] and took["takeover"]["replayed"] < took["takeover"]["committed"]
     wait_for(lambda: not lost_jobs(ids, job_states(stack)), 240, "every job completed", stack)
     assert placed_twice([decode(m.value) for m in read_topic(stack, COMMANDS.name)]) == {}
+    # a log long enough for two audit checkpoints and the latest snapshots after them, however fast this machine ran
+    # the jobs (the ticker adds a record a second)
+    wait_for(lambda: stack.stats()["scheduler"]["position"] >= 70, 240, "70 scheduler input records", stack)
     last = {}
 
     def audited():
