@@ -76,7 +76,7 @@ class JobRecord:
     migrations: int = 0  # runs moved by defragmentation (cmd.migrate)
     migrated_at: tuple[int, ...] = ()
     migration: MigrateJob | None = None  # the move under way: the run stops on from_node, resumes on to_node
-    standing_memo: tuple = ()  # (what it was worked out from, standing): claims.standing_now's memo
+    standing_memo: tuple = ()  # (its tenant's sums version, the quota version, standing): claims.standing_now's memo
     quiet_memo: tuple = ()  # (preempted_at, until, reason): core.Scheduler._quiet's memo
     miss_memo: tuple = ()  # (view seq, nodes closed to it, node epoch, seen): its last attempt no node took
     # command id -> attempt of every cmd.place, cmd.preempt and cmd.migrate sent about it: a node's report names the
