@@ -182,12 +182,11 @@ class Search:
     def rule(self, other: JobRecord, key: Claim) -> str | None:
         """Whether `other` may be stopped for the preemptor of claim `key`, judged on its own (the plan's other
         victims aside): "tier" (its claim is below the preemptor's whatever its standing), "reclaim" (only while it
-        stands beyond quota: `valid` checks that holds for the whole plan), or None."""
-        o = other.request
-        if not may_stop(key, self.victim_claim(other, self.mine)):
-            return None
-        weakest_within = claim(True, o.tier, other.reserved)
-        return "tier" if may_stop(key, weakest_within) else "reclaim"
+        stands beyond quota: `valid` checks that holds for the whole plan), or None. Its claim coming back is never
+        above its within-quota one, so a "tier" victim's standing is not worked out."""
+        if may_stop(key, claim(True, other.request.tier, other.reserved)):
+            return "tier"
+        return "reclaim" if may_stop(key, self.victim_claim(other, self.mine)) else None
 
     def groups(self, key: Claim) -> list[tuple[str, int]]:
         """The (tenant, claim group) tables of the victim index that may hold a victim: groups whose weakest claim

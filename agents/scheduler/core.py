@@ -906,7 +906,8 @@ class Scheduler:
         worked out when the plan first looks at it; the nodes named are those the victim index names (some may hold
         nobody)."""
         return LazyVictims(self._victim_nodes(search, key),
-                           lambda name: self._victims_on(self.nodes[name], search, key))
+                           lambda name: self._victims_on(self.nodes[name], search, key),
+                           lambda name: self._victim_ids_on(self.nodes[name], search, key))
 
     def _victim_nodes(self, search: Search, key):
         """The nodes that may hold a victim for the search's job of claim `key`, in node order (the victim index; a
@@ -914,14 +915,16 @@ class Scheduler:
         self.victim_index.sync(self.nodes, self.jobs)
         return self.victim_index.in_order(self.nodes, self.victim_index.nodes_for(search.groups(key)))
 
-    def _victim(self, o, node: str, search, key) -> Victim | None:
-        """`o` as a candidate victim of the claim search on `node`, or None (protected, or the claim order lets
-        nothing stop it): its tier, whether it stands as borrowed, the work it would lose, the rule that allows it."""
+    def _rule(self, o, search, key) -> str | None:
+        """The rule that lets the claim search stop `o` for claim `key` (Search.rule), or None: protected, or the
+        claim order lets nothing stop it."""
         if o.preempted_at and protected(o.preempted_at, self.now_ms, self.preemption):
             return None
-        rule = search.rule(o, key)
-        if rule is None:
-            return None
+        return search.rule(o, key)
+
+    def _victim(self, o, node: str, search, rule: str) -> Victim:
+        """`o` as a candidate victim on `node` by this rule (`_rule`): its tier, whether it stands as borrowed, the
+        work it would lose."""
         since = max(o.started_ms, o.checkpoint_ms) if o.state == "running" else self.now_ms
         return Victim(o.request.job_id, node, TIER_RANK[o.request.tier],
                       rule == "reclaim" or not search.victim_claim(o, search.mine)[0], max(0, self.now_ms - since),
@@ -941,16 +944,23 @@ class Scheduler:
         one already stopping. Read from the victim index's entries for the node (the jobs its view holds, holds
         aside), so other work is passed over without a look-up. `key`: the job's claim (default: on this node's
         cards)."""
+        return [self._victim(o, view.node, search, rule) for o, rule in self._stoppable_on(view, search, key)]
+
+    def _victim_ids_on(self, view: node_view.NodeView, search: Search, key=None) -> list[str]:
+        """The ids of `_victims_on`'s victims, without building them (a multi-node gang's plan counts every node's
+        room from these, and builds the victims of the nodes it takes from only)."""
+        return [o.request.job_id for o, _ in self._stoppable_on(view, search, key)]
+
+    def _stoppable_on(self, view: node_view.NodeView, search: Search, key=None):
+        """(job, rule) for each job on this node that may be stopped for the search's job (`_victims_on`)."""
         key = key or search.node_key(view)
-        out: list[Victim] = []
         for j in self._candidates_on(view, search, key):
             other = self.jobs[j]
             if other.state not in ("placed", "running") or other.placement is None:
                 continue
-            v = self._victim(other, view.node, search, key)
-            if v is not None:
-                out.append(v)
-        return out
+            rule = self._rule(other, search, key)
+            if rule is not None:
+                yield other, rule
 
     def _preempt_for(self, out: list[Envelope], cause: Envelope, rec: JobRecord) -> bool:
         """True when the job waits on preemptions (already under way, or started now)."""
@@ -1138,9 +1148,9 @@ class Scheduler:
                 continue
             if project and o.request.project != r.project:
                 continue
-            v = self._victim(o, o.node, search, key)
-            if v is not None:
-                cands.append(v)
+            rule = self._rule(o, search, key)
+            if rule is not None:
+                cands.append(self._victim(o, o.node, search, rule))
         chosen: list[Victim] = []
         # what its victims free, less what is kept for jobs nominated ahead of it (its admission counts that too)
         freed: dict[tuple[str, str | None], list[int]] = {k: list(f) for k, f in (self._quota_kept(rec) or {}).items()}

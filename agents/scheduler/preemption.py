@@ -322,6 +322,8 @@ def plan_gang(job: JobRequested, views: dict[str, node_view.NodeView], index: No
     only as many victims are stopped as its part needs (least disruptive first, then pruned). A node's room once its
     victims are gone is counted by arithmetic (`gang_room_after`)."""
     limit = "nvlink" if job.constraints.interconnect == "nvlink" else job.constraints.max_spread
+    # a node's room is counted from its victims' ids: a LazyVictims gives them without building every node's victims
+    ids_of = getattr(candidates, "ids", None) or (lambda name: [v.job_id for v in candidates.get(name, ())])
     for m in models:
         n = cards_needed(job.compute_milli, job.gpu_memory_mib, m)
         if n < 2:
@@ -336,10 +338,10 @@ def plan_gang(job: JobRequested, views: dict[str, node_view.NodeView], index: No
                 continue  # no healthy plain card of this model: no room whoever stops (the same cards after it)
             if any(f(view, job) for f in NODE_FILTERS):
                 continue
-            victims = candidates.get(name, ())
-            if not victims and name not in free:
+            ids = ids_of(name)
+            if not ids and name not in free:
                 continue  # nobody to stop there and no free card (`candidates` may name nodes that hold nobody)
-            most = gang_room_after(view, job, m, cpu_per, mem_per, [v.job_id for v in victims])
+            most = gang_room_after(view, job, m, cpu_per, mem_per, ids)
             if most > 0:
                 rooms[name] = (gang_room(view, job, m, cpu_per, mem_per), most)
         if sum(most for _, most in rooms.values()) < n:
