@@ -995,10 +995,16 @@ class Scheduler:
                     # a node where the job would not fit even with every job that may be a victim gone yields no
                     # plan: passed over before any victim's standing is worked out (what plan_over would find)
                     ids = self._candidates_on(view, search, key)
-                    if not ids or any(f(view, r) for f in NODE_FILTERS) or not Room(view, r, shape).fits_without(ids):
+                    if not ids or any(f(view, r) for f in NODE_FILTERS):
                         continue
-                    yield view, self._victims_on(view, search, key), (lambda chosen, v, key=key:
-                                                                     search.valid(chosen, v, key))
+                    room = Room(view, r, shape)
+                    if not room.fits_without(ids):
+                        continue
+                    victims = self._victims_on(view, search, key)
+                    valid = (lambda chosen, v, key=key: search.valid(chosen, v, key))
+                    # when every job it may stop there is a victim, the room found already that the job fits with
+                    # them all gone: plan_over does not ask again
+                    yield view, victims, valid, room if len(victims) == len(ids) else None
             plan = plan_over(r, pairs(), self.preemption.candidate_nodes)
             if plan is not None:
                 plan_key = search.node_key(self.nodes[plan.node])

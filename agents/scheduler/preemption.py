@@ -102,22 +102,26 @@ def plan_for(job: JobRequested, nodes: list[node_view.NodeView], candidates: dic
 
 
 def plan_over(job: JobRequested, pairs, limit: int | None = None) -> Plan | None:
-    """The cheapest plan over (node view, its candidate victims[, valid]) pairs, looking at no more than `limit`
-    nodes that can yield a plan (kube-scheduler likewise stops after a number of candidate nodes); pairs may be lazy.
-    `valid(chosen, v)`: whether a "reclaim" victim may join those chosen (claims.Search.valid)."""
+    """The cheapest plan over (node view, its candidate victims[, valid[, room]]) pairs, looking at no more than
+    `limit` nodes that can yield a plan (kube-scheduler likewise stops after a number of candidate nodes); pairs may
+    be lazy. `valid(chosen, v)`: whether a "reclaim" victim may join those chosen (claims.Search.valid). `room`: the
+    node's Room for the job when the caller found already that the node passes the node filters and the job fits
+    with every victim gone (not asked again), else None."""
     best: Plan | None = None
     found = 0
     shape = Shape(job)
     for pair in pairs:
         view, victims = pair[0], pair[1]
         valid = pair[2] if len(pair) > 2 else None
+        room = pair[3] if len(pair) > 3 else None
         if not victims:
             continue
-        if any(f(view, job) for f in NODE_FILTERS):
-            continue  # a node that is down, cordoned or of the wrong kind does not fit whatever we stop
-        room = Room(view, job, shape)
-        if not room.fits(victims):
-            continue
+        if room is None:
+            if any(f(view, job) for f in NODE_FILTERS):
+                continue  # a node that is down, cordoned or of the wrong kind does not fit whatever we stop
+            room = Room(view, job, shape)
+            if not room.fits(victims):
+                continue
         # least disruptive first, until the job fits (the room's tally follows `chosen`)
         room.start()
         chosen: list[Victim] = []
