@@ -659,7 +659,7 @@ class Scheduler:
             kind = (TIER_RANK[r.tier], r.tenant, r.project, standing, r.gang, quiet is not None, r.isolation_asked) \
                 if (r.constraints is _NO_CONSTRAINTS or r.constraints == _NO_CONSTRAINTS) and not rec.reserved else None
             need = (r.compute_milli, r.gpu_memory_mib, r.cpu_milli, r.memory_mib)
-            dominated = next((why for f, why in failed.get(kind, ()) if all(a >= b for a, b in zip(need, f))),
+            dominated = next((why for f, why in failed.get(kind, ()) if _at_least(need, f)),
                              None) if kind and rec.nominated is None else None
             if dominated is not None:
                 # It asks for at least as much as a job of the same kind (tier, account, standing: the same claim,
@@ -1297,6 +1297,13 @@ class Scheduler:
 
 
 _NO_CONSTRAINTS = JobRequested.model_fields["constraints"].default
+
+
+def _at_least(need: tuple, other: tuple) -> bool:
+    """Whether `need` (compute, GPU memory, CPU, memory) asks for at least `other`'s every amount: four comparisons
+    written out (a zip and all() per failed job of the cycle's list cost ~800,000 generator steps in
+    bench.placement --preemption --jobs 1000)."""
+    return need[0] >= other[0] and need[1] >= other[1] and need[2] >= other[2] and need[3] >= other[3]
 _SAME_EPOCH = frozenset({"job.requested", "job.started", "job.checkpointed", "scheduler.tick"})
 
 
