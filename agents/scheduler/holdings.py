@@ -39,6 +39,7 @@ from streams.core import node_view
 HOLDING = ("placed", "running", "stopping", "migrating")  # states in which a job holds capacity on its nodes
 VIEW_LOG = 8192  # node view changes kept in Holdings.view_log
 MOVES_WINDOW_MS = 3600_000  # defrag.HOUR_MS: the window of the disruption budget
+SUMS_LOG = 32  # latest changes a Sums keeps (Sums.log): a standing older than those is worked out again
 GROUPS = 6  # claim groups: (tier, reserved), weakest first -- see claims.group
 
 
@@ -136,6 +137,10 @@ class Sums:
     by_arrival: list[dict[int, list[int]]] = field(default_factory=lambda: [{} for _ in range(GROUPS)])
     _trees: list = field(default_factory=lambda: [None] * GROUPS)
     version: int = 0  # moves on every change: a standing worked out from these sums holds while it does not
+    # the (group, arrival) of the latest changes, log[i] the one that made version log_from + i + 1: a standing worked
+    # out at an earlier version still holds when none of the changes since was ahead of its job (`none_ahead_since`)
+    log: list[tuple[int, int]] = field(default_factory=list)
+    log_from: int = 0
 
     def at_least(self, g: int) -> tuple[int, int]:
         """What the holders of group g and stronger hold."""
@@ -156,9 +161,24 @@ class Sums:
                 i -= i & -i
         return m, mem
 
+    def none_ahead_since(self, version: int, g: int, arrival: int) -> bool:
+        """Whether no change since `version` was to a holder ahead of a job of group g that arrived `arrival`-th (what
+        `ahead_of` sums for it); False when the changes since are no longer all in the log."""
+        if version < self.log_from:
+            return False
+        for i in range(version - self.log_from, len(self.log)):
+            gg, aa = self.log[i]
+            if gg > g or gg == g and aa < arrival:
+                return False
+        return True
+
     def add(self, g: int, arrival: int, milli: int, memory: int) -> None:
         """Count a holder's change (holdings._sum, the one writer)."""
         self.version += 1
+        if len(self.log) >= SUMS_LOG:
+            del self.log[:SUMS_LOG // 2]
+            self.log_from += SUMS_LOG // 2
+        self.log.append((g, arrival))
         self.milli[g] += milli
         self.memory[g] += memory
         got = self.by_arrival[g].setdefault(arrival, [0, 0])
