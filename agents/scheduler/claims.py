@@ -102,16 +102,17 @@ def standing_now(h: Holdings, ledger: Ledger, rec: JobRecord) -> bool:
         return True
     r = rec.request
     # the queue's order asks for it many times a cycle (every job's key, every nominated job's against each job
-    # behind it): worked out again only when a holder ahead of it in its accounts (what `within` sums) or any quota
-    # moved. The tenant's sums tell: every change to a project's sums changes its tenant's too, for the same holder
-    # (holdings._sum, the one writer, counts a holder in both)
+    # behind it): worked out again only when any quota moved, or a holder ahead of it in its accounts (what `within`
+    # sums) took more while it stood within, or gave back while it did not. The tenant's sums tell: every change to
+    # a project's sums changes its tenant's too, for the same holder and amounts (holdings._sum, the one writer,
+    # counts a holder in both)
     t = h.sums.get((r.tenant, None))
     version = t.version if t is not None else -1
     memo = rec.standing_memo
     if memo and memo[1] == ledger.quota_version:
         if memo[0] == version:
             return memo[2]
-        if memo[0] >= 0 and t is not None and t.none_ahead_since(memo[0], rec.group, rec.arrival):
+        if memo[0] >= 0 and t is not None and t.holds_since(memo[0], rec.group, rec.arrival, memo[2]):
             rec.standing_memo = (version, memo[1], memo[2])
             return memo[2]
     got = within(h, ledger, r, rec.group, r.compute_milli, r.gpu_memory_mib, arrival=rec.arrival)

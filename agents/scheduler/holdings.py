@@ -137,9 +137,10 @@ class Sums:
     by_arrival: list[dict[int, list[int]]] = field(default_factory=lambda: [{} for _ in range(GROUPS)])
     _trees: list = field(default_factory=lambda: [None] * GROUPS)
     version: int = 0  # moves on every change: a standing worked out from these sums holds while it does not
-    # the (group, arrival) of the latest changes, log[i] the one that made version log_from + i + 1: a standing worked
-    # out at an earlier version still holds when none of the changes since was ahead of its job (`none_ahead_since`)
-    log: list[tuple[int, int]] = field(default_factory=list)
+    # the (group, arrival, way) of the latest changes, log[i] the one that made version log_from + i + 1 (way: 1 for
+    # none less, -1 for none more, 0 for more of one and less of the other): a standing worked out at an earlier
+    # version still holds when no change since was ahead of its job the wrong way (`holds_since`)
+    log: list[tuple[int, int, int]] = field(default_factory=list)
     log_from: int = 0
 
     def at_least(self, g: int) -> tuple[int, int]:
@@ -161,14 +162,17 @@ class Sums:
                 i -= i & -i
         return m, mem
 
-    def none_ahead_since(self, version: int, g: int, arrival: int) -> bool:
-        """Whether no change since `version` was to a holder ahead of a job of group g that arrived `arrival`-th (what
-        `ahead_of` sums for it); False when the changes since are no longer all in the log."""
+    def holds_since(self, version: int, g: int, arrival: int, within: bool) -> bool:
+        """Whether a standing (`within`) worked out at `version` for a job of group g that arrived `arrival`-th still
+        holds: every change since to a holder ahead of it (what `ahead_of` sums for it) held no more, if it stood
+        within (its accounts only gave back), no less if not (they only took more). False when the changes since
+        are no longer all in the log."""
         if version < self.log_from:
             return False
+        keeps = -1 if within else 1
         for i in range(version - self.log_from, len(self.log)):
-            gg, aa = self.log[i]
-            if gg > g or gg == g and aa < arrival:
+            gg, aa, way = self.log[i]
+            if (gg > g or gg == g and aa < arrival) and way != keeps:
                 return False
         return True
 
@@ -178,7 +182,7 @@ class Sums:
         if len(self.log) >= SUMS_LOG:
             del self.log[:SUMS_LOG // 2]
             self.log_from += SUMS_LOG // 2
-        self.log.append((g, arrival))
+        self.log.append((g, arrival, 1 if milli >= 0 and memory >= 0 else -1 if milli <= 0 and memory <= 0 else 0))
         self.milli[g] += milli
         self.memory[g] += memory
         got = self.by_arrival[g].setdefault(arrival, [0, 0])
