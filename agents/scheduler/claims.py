@@ -102,14 +102,21 @@ def standing_now(h: Holdings, ledger: Ledger, rec: JobRecord) -> bool:
         return True
     r = rec.request
     # the queue's order asks for it many times a cycle (every job's key, every nominated job's against each job
-    # behind it): worked out again only when its accounts' sums or any quota moved
-    t, p = h.sums.get((r.tenant, None)), h.sums.get((r.tenant, r.project))
-    basis = (t.version if t is not None else -1, p.version if p is not None else -1, ledger.quota_version)
+    # behind it): worked out again only when any quota moved, or a holder ahead of it in its accounts (what `within`
+    # sums) took more while it stood within, or gave back while it did not. The tenant's sums tell: every change to
+    # a project's sums changes its tenant's too, for the same holder and amounts (holdings._sum, the one writer,
+    # counts a holder in both)
+    t = h.sums.get((r.tenant, None))
+    version = t.version if t is not None else -1
     memo = rec.standing_memo
-    if memo and memo[0] == basis:
-        return memo[1]
+    if memo and memo[1] == ledger.quota_version:
+        if memo[0] == version:
+            return memo[2]
+        if memo[0] >= 0 and t is not None and t.holds_since(memo[0], rec.group, rec.arrival, memo[2]):
+            rec.standing_memo = (version, memo[1], memo[2])
+            return memo[2]
     got = within(h, ledger, r, rec.group, r.compute_milli, r.gpu_memory_mib, arrival=rec.arrival)
-    rec.standing_memo = (basis, got)
+    rec.standing_memo = (version, ledger.quota_version, got)
     return got
 
 
@@ -180,12 +187,11 @@ class Search:
     def rule(self, other: JobRecord, key: Claim) -> str | None:
         """Whether `other` may be stopped for the preemptor of claim `key`, judged on its own (the plan's other
         victims aside): "tier" (its claim is below the preemptor's whatever its standing), "reclaim" (only while it
-        stands beyond quota: `valid` checks that holds for the whole plan), or None."""
-        o = other.request
-        if not may_stop(key, self.victim_claim(other, self.mine)):
-            return None
-        weakest_within = claim(True, o.tier, other.reserved)
-        return "tier" if may_stop(key, weakest_within) else "reclaim"
+        stands beyond quota: `valid` checks that holds for the whole plan), or None. Its claim coming back is never
+        above its within-quota one, so a "tier" victim's standing is not worked out."""
+        if may_stop(key, claim(True, other.request.tier, other.reserved)):
+            return "tier"
+        return "reclaim" if may_stop(key, self.victim_claim(other, self.mine)) else None
 
     def groups(self, key: Claim) -> list[tuple[str, int]]:
         """The (tenant, claim group) tables of the victim index that may hold a victim: groups whose weakest claim

@@ -39,6 +39,7 @@ from streams.core import node_view
 HOLDING = ("placed", "running", "stopping", "migrating")  # states in which a job holds capacity on its nodes
 VIEW_LOG = 8192  # node view changes kept in Holdings.view_log
 MOVES_WINDOW_MS = 3600_000  # defrag.HOUR_MS: the window of the disruption budget
+SUMS_LOG = 32  # latest changes a Sums keeps (Sums.log): a standing older than those is worked out again
 GROUPS = 6  # claim groups: (tier, reserved), weakest first -- see claims.group
 
 
@@ -76,7 +77,7 @@ class JobRecord:
     migrations: int = 0  # runs moved by defragmentation (cmd.migrate)
     migrated_at: tuple[int, ...] = ()
     migration: MigrateJob | None = None  # the move under way: the run stops on from_node, resumes on to_node
-    standing_memo: tuple = ()  # (what it was worked out from, standing): claims.standing_now's memo
+    standing_memo: tuple = ()  # (its tenant's sums version, the quota version, standing): claims.standing_now's memo
     quiet_memo: tuple = ()  # (preempted_at, until, reason): core.Scheduler._quiet's memo
     miss_memo: tuple = ()  # (view seq, nodes closed to it, node epoch, seen): its last attempt no node took
     # command id -> attempt of every cmd.place, cmd.preempt and cmd.migrate sent about it: a node's report names the
@@ -136,6 +137,11 @@ class Sums:
     by_arrival: list[dict[int, list[int]]] = field(default_factory=lambda: [{} for _ in range(GROUPS)])
     _trees: list = field(default_factory=lambda: [None] * GROUPS)
     version: int = 0  # moves on every change: a standing worked out from these sums holds while it does not
+    # the (group, arrival, way) of the latest changes, log[i] the one that made version log_from + i + 1 (way: 1 for
+    # none less, -1 for none more, 0 for more of one and less of the other): a standing worked out at an earlier
+    # version still holds when no change since was ahead of its job the wrong way (`holds_since`)
+    log: list[tuple[int, int, int]] = field(default_factory=list)
+    log_from: int = 0
 
     def at_least(self, g: int) -> tuple[int, int]:
         """What the holders of group g and stronger hold."""
@@ -156,9 +162,27 @@ class Sums:
                 i -= i & -i
         return m, mem
 
+    def holds_since(self, version: int, g: int, arrival: int, within: bool) -> bool:
+        """Whether a standing (`within`) worked out at `version` for a job of group g that arrived `arrival`-th still
+        holds: every change since to a holder ahead of it (what `ahead_of` sums for it) held no more, if it stood
+        within (its accounts only gave back), no less if not (they only took more). False when the changes since
+        are no longer all in the log."""
+        if version < self.log_from:
+            return False
+        keeps = -1 if within else 1
+        for i in range(version - self.log_from, len(self.log)):
+            gg, aa, way = self.log[i]
+            if (gg > g or gg == g and aa < arrival) and way != keeps:
+                return False
+        return True
+
     def add(self, g: int, arrival: int, milli: int, memory: int) -> None:
         """Count a holder's change (holdings._sum, the one writer)."""
         self.version += 1
+        if len(self.log) >= SUMS_LOG:
+            del self.log[:SUMS_LOG // 2]
+            self.log_from += SUMS_LOG // 2
+        self.log.append((g, arrival, 1 if milli >= 0 and memory >= 0 else -1 if milli <= 0 and memory <= 0 else 0))
         self.milli[g] += milli
         self.memory[g] += memory
         got = self.by_arrival[g].setdefault(arrival, [0, 0])

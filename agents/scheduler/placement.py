@@ -649,14 +649,18 @@ def _expected_free(views: dict[str, NodeView], job: JobRequested, order: list[st
     """What would free capacity: the earliest time one of these nodes is expected to have enough completely free
     cards of an allowed model for the job, from the stated durations of the work holding them."""
     best: tuple[int, str, str] | None = None
+    needed = [(m, cards_needed(job.compute_milli, job.gpu_memory_mib, m)) for m in order]  # the same for every node
     for name in nodes:
         v = views[name]
         if _rejects(v, job, skip_host=True):
             continue
-        for m in order:
-            n = cards_needed(job.compute_milli, job.gpu_memory_mib, m)
-            times = sorted(0 if c.milli == 1000 else c.release_ms for c in v.card_free()
-                           if c.model == m and c.healthy and not c.mig and (c.milli == 1000 or c.release_ms is not None))
+        # per model, when each card that will be completely free is (0: now): one pass over the node's cards
+        free_at: dict[str, list[int]] = {}
+        for c in v.card_free():
+            if c.healthy and not c.mig and (c.milli == 1000 or c.release_ms is not None):
+                free_at.setdefault(c.model, []).append(0 if c.milli == 1000 else c.release_ms)
+        for m, n in needed:
+            times = sorted(free_at.get(m, ()))
             if len(times) >= n and (best is None or (times[n - 1], name, m) < best):
                 best = (times[n - 1], name, m)
     if best is None:
@@ -684,11 +688,13 @@ def _unschedulable(index: NodeIndex, views: dict[str, NodeView], job: JobRequest
             why = ("GpuFit", fit if isinstance(fit, str) else "InsufficientGPU")
         rejected.setdefault(why, []).append(name)
 
-    for name in index.down:
+    down = index.down
+    for name in down:
         if name not in seen:
             check(name)
+    limit = EXPLAIN_LIMIT + len(down)
     for name in views:
-        if len(seen) >= EXPLAIN_LIMIT + len(index.down):
+        if len(seen) >= limit:
             break
         if name not in seen:
             check(name)

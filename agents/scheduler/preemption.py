@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from agents.scheduler import topology
 from agents.scheduler.node_index import NodeIndex, cards_needed
@@ -45,8 +46,9 @@ def quiet_until(preempted_at: tuple[int, ...], cfg: PreemptionConfig) -> int:
     return preempted_at[-1] + cfg.victim_quiet_ms if preempted_at else -1
 
 
-@dataclass(frozen=True)
-class Victim:
+class Victim(NamedTuple):
+    """A candidate victim. A named tuple, not a frozen dataclass: a search builds one per job it judges (~190,000 in
+    bench.placement --preemption --jobs 1000), and a frozen dataclass's __init__ costs several times a tuple's."""
     job_id: str
     node: str
     tier_rank: int
@@ -100,22 +102,26 @@ def plan_for(job: JobRequested, nodes: list[node_view.NodeView], candidates: dic
 
 
 def plan_over(job: JobRequested, pairs, limit: int | None = None) -> Plan | None:
-    """The cheapest plan over (node view, its candidate victims[, valid]) pairs, looking at no more than `limit`
-    nodes that can yield a plan (kube-scheduler likewise stops after a number of candidate nodes); pairs may be lazy.
-    `valid(chosen, v)`: whether a "reclaim" victim may join those chosen (claims.Search.valid)."""
+    """The cheapest plan over (node view, its candidate victims[, valid[, room]]) pairs, looking at no more than
+    `limit` nodes that can yield a plan (kube-scheduler likewise stops after a number of candidate nodes); pairs may
+    be lazy. `valid(chosen, v)`: whether a "reclaim" victim may join those chosen (claims.Search.valid). `room`: the
+    node's Room for the job when the caller found already that the node passes the node filters and the job fits
+    with every victim gone (not asked again), else None."""
     best: Plan | None = None
     found = 0
     shape = Shape(job)
     for pair in pairs:
         view, victims = pair[0], pair[1]
         valid = pair[2] if len(pair) > 2 else None
+        room = pair[3] if len(pair) > 3 else None
         if not victims:
             continue
-        if any(f(view, job) for f in NODE_FILTERS):
-            continue  # a node that is down, cordoned or of the wrong kind does not fit whatever we stop
-        room = Room(view, job, shape)
-        if not room.fits(victims):
-            continue
+        if room is None:
+            if any(f(view, job) for f in NODE_FILTERS):
+                continue  # a node that is down, cordoned or of the wrong kind does not fit whatever we stop
+            room = Room(view, job, shape)
+            if not room.fits(victims):
+                continue
         # least disruptive first, until the job fits (the room's tally follows `chosen`)
         room.start()
         chosen: list[Victim] = []
@@ -320,6 +326,8 @@ def plan_gang(job: JobRequested, views: dict[str, node_view.NodeView], index: No
     only as many victims are stopped as its part needs (least disruptive first, then pruned). A node's room once its
     victims are gone is counted by arithmetic (`gang_room_after`)."""
     limit = "nvlink" if job.constraints.interconnect == "nvlink" else job.constraints.max_spread
+    # a node's room is counted from its victims' ids: a LazyVictims gives them without building every node's victims
+    ids_of = getattr(candidates, "ids", None) or (lambda name: [v.job_id for v in candidates.get(name, ())])
     for m in models:
         n = cards_needed(job.compute_milli, job.gpu_memory_mib, m)
         if n < 2:
@@ -334,10 +342,10 @@ def plan_gang(job: JobRequested, views: dict[str, node_view.NodeView], index: No
                 continue  # no healthy plain card of this model: no room whoever stops (the same cards after it)
             if any(f(view, job) for f in NODE_FILTERS):
                 continue
-            victims = candidates.get(name, ())
-            if not victims and name not in free:
+            ids = ids_of(name)
+            if not ids and name not in free:
                 continue  # nobody to stop there and no free card (`candidates` may name nodes that hold nobody)
-            most = gang_room_after(view, job, m, cpu_per, mem_per, [v.job_id for v in victims])
+            most = gang_room_after(view, job, m, cpu_per, mem_per, ids)
             if most > 0:
                 rooms[name] = (gang_room(view, job, m, cpu_per, mem_per), most)
         if sum(most for _, most in rooms.values()) < n:

@@ -116,10 +116,21 @@ class LazyVictims(Mapping):
     """node -> who may be stopped there, for the nodes the index names, each worked out on first look: a multi-node
     gang's plan looks only at nodes of the card model it tries, and a node named here may turn out to hold nobody."""
 
-    def __init__(self, names, victims_on: Callable[[str], list]):
+    def __init__(self, names, victims_on: Callable[[str], list], ids_on: Callable[[str], list[str]] | None = None):
         self._names = dict.fromkeys(names)
         self._victims_on = victims_on
+        self._ids_on = ids_on  # the ids of victims_on's victims, cheaper than building them
         self._memo: dict[str, list] = {}
+
+    def ids(self, name: str) -> list[str]:
+        """The job ids of `self[name]` (none for a node not named), without building the victims when the ids have
+        their own way (`ids_on`): a multi-node gang's plan counts every node's room from the ids alone."""
+        if name not in self._names:
+            return []
+        got = self._memo.get(name)
+        if got is not None or self._ids_on is None:
+            return [v.job_id for v in (got if got is not None else self[name])]
+        return self._ids_on(name)
 
     def __getitem__(self, name: str) -> list:
         if name not in self._names:
