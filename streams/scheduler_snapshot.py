@@ -7,7 +7,8 @@ from there the same outputs, as replaying 0..c-1 (tests/test_scheduler_snapshot.
 The record (topic `gpupool.scheduler-snapshots`, compacted, key = the offset as 20 digits, written by the service
 principal only) is an orjson document:
 
-    {"v": FORMAT, "code": CODE, "offset": k, "log_ms": ..., "records": k, "state": base64(zlib(pickle(state)))}
+    {"v": FORMAT, "code": CODE, "layout": LAYOUT, "offset": k, "log_ms": ..., ["took_over_from": CODE,]
+     "state": base64(zlib(pickle(state)))}
 
 The state itself is a pickle of the scheduler object graph (hundreds of classes of the core: pickle is the one
 encoding that covers every one of them without a second, hand-kept schema); the envelope around it is versioned
