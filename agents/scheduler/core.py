@@ -1304,6 +1304,8 @@ def _at_least(need: tuple, other: tuple) -> bool:
     written out (a zip and all() per failed job of the cycle's list cost ~800,000 generator steps in
     bench.placement --preemption --jobs 1000)."""
     return need[0] >= other[0] and need[1] >= other[1] and need[2] >= other[2] and need[3] >= other[3]
+
+
 _SAME_EPOCH = frozenset({"job.requested", "job.started", "job.checkpointed", "scheduler.tick"})
 
 
