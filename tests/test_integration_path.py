@@ -165,7 +165,11 @@ def test_refolding_from_offset_zero_equals_the_live_tables(stack):
              90, "six completed jobs", stack)
     time.sleep(2)  # a few more telemetry rounds
     stack.stop_process("agent")
-    time.sleep(4)  # the liveness timer marks the silent nodes down (2 missed heartbeats): the last derived facts
+    # the liveness timer marks the silent nodes down (2 missed heartbeats of log time): the last derived facts. Waited
+    # for, not slept on: a node judged after the commits below were read made the refold (which read the judgment
+    # from node control) differ from the changelog read before it
+    wait_for(lambda: {n["node"]: n["state"] for n in stack.client().api("/api/nodes")["nodes"]}
+             == {"node-000": "down", "node-001": "down"}, 60, "both nodes judged silent", stack)
     # Faust flushes a table's changelog before it commits the source offsets, and the telemetry task commits its
     # offsets only after the changelog writes that cover them (streams/telemetry.py), so once both groups have
     # committed up to the end of every source topic, the changelogs hold the live tables.
