@@ -33,7 +33,7 @@ from schemas.events import (
     TIER_RANK, GpuHealth, JobCancelled, JobCheckpointed, JobCompleted, JobFailed, JobInterrupted, JobPending,
     JobRequested, JobStarted, JobStopped, MigrateJob, MigReconfigure, ReservationCancelled, ReservationDecided,
     ReservationRequested, NodeCordon, NodeInventory, NodeLiveness, NodeRemoved, PlaceJob, PreemptJob, QuotaRejected,
-    QuotaSet, Reason, Rejected, ReleaseJob, ResizeJob, SchedulerTick, UsageAccrued,
+    QuotaSet, Reason, Rejected, ReleaseJob, ResizeJob, SchedulerTick, Tier, UsageAccrued,
 )
 from streams.core import node_view
 from streams.core.gateway import SOURCE_PREFIX as GATEWAY_PREFIX
@@ -111,6 +111,18 @@ class Scheduler:
         self._full_epoch = -1
         self._full_ms = -1 << 62
         self._admit_memo: tuple[int, dict] = (-1, {})  # (ledger version, question -> Ledger.admit's answer)
+        # Parked jobs (kube-scheduler's unschedulable pods, Kueue's inadmissible workloads): a waiting job in its
+        # quiet window (it may stop nobody) whose last attempt no node took stays out of the cycle's queue until
+        # something may give it room (`_wake`); its last reasons stand meanwhile. job -> (the nodes closed to it in
+        # that attempt, its tier); the same jobs by their closed nodes; (quiet window's end, job), a heap.
+        self.parked: dict[str, tuple[frozenset[str], Tier]] = {}
+        self._parked_by: dict[frozenset[str], dict[str, None]] = {}
+        self._park_until: list[tuple[int, str]] = []
+        self._unclosed: set[str] = set()  # nodes that may no longer be closed to a parked job (claims, bars ended)
+        self._park_mark = (0, 0)  # (node epoch, quota version) the parked jobs were parked under
+        self._flush = False  # the timed full cycle: every parked job is tried again
+        self._claims: tuple[int, frozenset[str]] = (-1, frozenset())  # (nominations' version, their claimed nodes)
+        self._nominations_version = 0
         # Usage accrues while jobs run: on the first tick usage_tick_ms of log time after the last accrual, every
         # running job is billed [accrued_ms, now) (and at its end, the rest), so a bill includes running work.
         self._usage_ms: int | None = None
@@ -305,6 +317,7 @@ class Scheduler:
                         data={"event_time_ms": env.event_time_ms, "retain_ms": self.retain_ms}),)), env)
                 else:
                     self.arrivals += 1
+                    self._unpark(p.job_id)  # a forgotten job's id again: an old entry says nothing of it
                     rec = JobRecord(request=p, arrival=self.arrivals)
                     self.h.add_job(rec)
                     self.workload.observe(p)
@@ -378,6 +391,7 @@ class Scheduler:
                         self._accrue(out, env, self.jobs[j], self.now_ms)
                 if self.now_ms - self._full_ms >= self.full_cycle_ms:
                     self.epoch += 1  # time alone can change answers (protection expiry, reservation windows)
+                    self._flush = True
                 if self.unsure and self.fleet.settled(self.now_ms):
                     self._judge_pending(out, env, list(self.unsure))
                 self._cycle(out, env)
@@ -639,7 +653,9 @@ class Scheduler:
         if only is not None and self.epoch == self._full_epoch:
             queue = [only] if only.state == "pending" else []
         else:
-            queue = self.pending_order()
+            self._wake()
+            parked = self.parked
+            queue = sorted((self.jobs[j] for j in self.pending if j not in parked), key=self._queue_key)
             self._full_epoch, self._full_ms = self.epoch, self.now_ms
         failed: dict[tuple, list[tuple[tuple[int, ...], tuple]]] = {}  # kind -> (need, (result, quiet)), in order
         for rec in queue:
@@ -665,6 +681,8 @@ class Scheduler:
                 # It asks for at least as much as a job of the same kind (tier, account, standing: the same claim,
                 # the same preemption candidates) that just failed, and nothing was freed since: it fails too.
                 self._unplaced(out, cause, rec, dominated, None)
+                if quiet is not None:
+                    self._park(rec, standing)
                 continue
             exclude = self._claimed_from(rec)
             barred = self._barred(rec, standing) if quiet is not None else frozenset()
@@ -684,6 +702,8 @@ class Scheduler:
                     self._unplaced(out, cause, rec, result, quiet)
                     if kind:
                         failed.setdefault(kind, []).append((need, (result, quiet)))
+                    if quiet is not None:
+                        self._park(rec, standing)
                 continue
             holding = self._holding(result)
             if holding != (r.compute_milli, r.gpu_memory_mib):
@@ -697,6 +717,73 @@ class Scheduler:
                         self._pending(out, cause, rec, quota.reasons)
                     continue
             self._bind(out, cause, rec, result, quota, holding)
+
+    def _park(self, rec: JobRecord, standing: bool) -> None:
+        """`rec`, in its quiet window, was not placed: it leaves the queue (`_wake` says when it comes back). Not a
+        job nominated, on a reservation or waiting for a MIG carve; nor a borrowing one barred from a node that
+        it would not be barred from within quota (its standing may move with any holder of its account: it stays in
+        the queue)."""
+        if rec.nominated is not None or rec.reserved or rec.hold is not None or rec.mig_wait is not None:
+            return
+        barred = self._barred(rec, standing)
+        if not standing and barred != self._barred(rec, True):
+            return
+        r = rec.request
+        closed = self._claimed_from(rec) | barred
+        self.parked[r.job_id] = (closed, r.tier)
+        self._parked_by.setdefault(closed, {})[r.job_id] = None
+        heapq.heappush(self._park_until, (quiet_until(rec.preempted_at, self.preemption), r.job_id))
+
+    def _unpark(self, job_id: str) -> None:
+        got = self.parked.pop(job_id, None)
+        if got is not None:
+            same = self._parked_by[got[0]]
+            del same[job_id]
+            if not same:
+                del self._parked_by[got[0]]
+
+    def _wake(self) -> None:
+        """Parked jobs go back to the queue when their last attempt may no longer hold: a node not closed to them
+        then changed its view other than by a placement (Holdings.opened: a stop, an end, a resize, a MIG carve);
+        a node closed to them then is no longer closed to their tier at its best standing (a claim or a bar ended);
+        their quiet window ended; any node's facts or any quota changed; or the timed full cycle. Otherwise every
+        node open to one of them is the same or fuller and none is newly open: `place` would fail again. (An entry
+        of a job that left the queue otherwise -- cancelled, judged unsatisfiable -- is dropped on the next wake of
+        all; a new request under its id is never parked: `_handle` unparks it.)"""
+        h = self.h
+        self._expire_charges()
+        mark = (self.node_epoch, self.ledger.quota_version)
+        parked = self.parked
+        if parked:
+            if self._flush or mark != self._park_mark:
+                parked.clear()
+                self._parked_by.clear()
+                self._park_until.clear()
+            else:
+                heap = self._park_until
+                while heap and heap[0][0] <= self.now_ms:
+                    self._unpark(heapq.heappop(heap)[1])
+                opened = h.opened
+                if opened:
+                    for closed in [c for c in self._parked_by if not opened <= c]:
+                        for j in self._parked_by.pop(closed):
+                            del parked[j]
+                if self._unclosed:
+                    claimed = self._claimed_all()
+                    for closed in [c for c in self._parked_by if not c.isdisjoint(self._unclosed)]:
+                        left = [n for n in closed & self._unclosed if n not in claimed]
+                        for j in [j for j in self._parked_by[closed] if any(
+                                not self._barred_at_best(n, parked[j][1]) for n in left)]:
+                            self._unpark(j)
+        h.opened.clear()
+        self._unclosed.clear()
+        self._flush = False
+        self._park_mark = mark
+
+    def _barred_at_best(self, node: str, tier: Tier) -> bool:
+        """Whether `node` is barred to quiet jobs of this tier even when they stand within quota (`_barred`)."""
+        f = self.freed_for.get(node)
+        return f is not None and f[1] > self.now_ms and claim(True, tier, False) <= f[0]
 
     def _within_quota(self, rec: JobRecord, result: Placement, holding: tuple[int, int], exclude: frozenset[str],
                       barred: frozenset[str]):
@@ -790,9 +877,10 @@ class Scheduler:
                 continue
             if not any(self.state_of(v) in ("stopping", "migrating") for v in o.nominated[1]):
                 continue  # its victims are gone: it takes what they freed now, or plans again
-            mine = self._queue_key(rec) if mine is None else mine
-            if self._queue_key(o) >= mine:
-                continue
+            if rec.nominated is not None:  # else every nominated job is ahead of it (`_queue_key`)
+                mine = self._queue_key(rec) if mine is None else mine
+                if self._queue_key(o) >= mine:
+                    continue
             kept = {} if kept is None else kept
             for k in ((t, None), (t, o.request.project)):
                 f = kept.setdefault(k, [0, 0])
@@ -1100,6 +1188,7 @@ class Scheduler:
             old = self.freed_for.get(n)
             if old is not None and old[2] == rec.request.job_id:
                 del self.freed_for[n]
+                self._unclosed.add(n)
         self._barred_cache.clear()
 
     def _barred(self, rec: JobRecord, standing: bool) -> frozenset[str]:
@@ -1108,18 +1197,26 @@ class Scheduler:
         request of that claim would stop someone else for it (one of equal claim cannot stop it)."""
         if not self.freed_for:
             return frozenset()
-        now = self.now_ms
-        if now >= self._barred_until:  # a charge expired: drop those, and what was worked out from them
-            self.freed_for = {n: f for n, f in self.freed_for.items() if f[1] > now}
-            self._charged_by = {j: ns for j, ns in self._charged_by.items()
-                                if any(self.freed_for.get(n, ("", 0, ""))[2] == j for n in ns)}
-            self._barred_cache.clear()
-            self._barred_until = min((f[1] for f in self.freed_for.values()), default=1 << 62)
+        self._expire_charges()
         mine = claim(standing, rec.request.tier, rec.reserved)
         got = self._barred_cache.get(mine)
         if got is None:
             got = self._barred_cache[mine] = frozenset(n for n, f in self.freed_for.items() if mine <= f[0])
         return got
+
+    def _expire_charges(self) -> None:
+        """A charge expired (`_charge`): drop those, and what was worked out from them. Done at the start of every
+        full cycle, so that when a charge goes does not hang on which waiting jobs were tried."""
+        now = self.now_ms
+        if now < self._barred_until or not self.freed_for:
+            return
+        gone = [n for n, f in self.freed_for.items() if f[1] <= now]
+        self._unclosed.update(gone)
+        self.freed_for = {n: f for n, f in self.freed_for.items() if f[1] > now}
+        self._charged_by = {j: ns for j, ns in self._charged_by.items()
+                            if any(self.freed_for.get(n, ("", 0, ""))[2] == j for n in ns)}
+        self._barred_cache.clear()
+        self._barred_until = min((f[1] for f in self.freed_for.values()), default=1 << 62)
 
     def _stop_for(self, out: list[Envelope], cause: Envelope, rec: JobRecord, victims) -> None:
         r = rec.request
@@ -1228,6 +1325,8 @@ class Scheduler:
         return a is not None and q is not None and a.used_milli > q.gpu_milli
 
     def _nominate(self, rec: JobRecord, nominated, claim: tuple[str, ...] = ()) -> None:
+        self._unclosed.update(rec.claim)
+        self._nominations_version += 1
         rec.nominated, rec.claim = nominated, claim if nominated is not None else ()
         if nominated is None:
             self.nominations.pop(rec.request.job_id, None)
@@ -1238,9 +1337,19 @@ class Scheduler:
         """Nodes `rec` may not take from: claimed by a nominated job ahead of it in the queue."""
         if not self.nominations:
             return frozenset()
+        if rec.nominated is None:  # every nominated job is ahead of one that is not (`_queue_key`)
+            return self._claimed_all()
         mine = self._queue_key(rec)
         return frozenset(n for o in self.nominations.values() if o is not rec and self._queue_key(o) < mine
                          for n in o.claim)
+
+    def _claimed_all(self) -> frozenset[str]:
+        """Every node a nominated job claims."""
+        v, got = self._claims
+        if v != self._nominations_version:
+            got = frozenset(n for o in self.nominations.values() for n in o.claim)
+            self._claims = (self._nominations_version, got)
+        return got
 
     def _freed_by_stops(self, rec: JobRecord) -> tuple[str, tuple[str, ...]] | None:
         """A node where `rec` fits once the jobs stopping there are gone and the jobs nominated to it have taken

@@ -43,6 +43,9 @@ SUMS_LOG = 32  # latest changes a Sums keeps (Sums.log): a standing older than t
 GROUPS = 6  # claim groups: (tier, reserved), weakest first -- see claims.group
 
 
+_FILLS = (PlaceJob, PreemptJob)  # view changes that never free anything (a stop order frees on the stop)
+
+
 def group(tier: Tier, reserved: bool) -> int:
     """A job's claim group: 0 (offline) .. 5 (inference on its own reservation); higher is stronger."""
     return (2 - TIER_RANK[tier]) * 2 + (1 if reserved else 0)
@@ -241,6 +244,9 @@ class Holdings:
         # first kept): what a waiting job's last failed attempt saw still holds while none it may use is in here
         self.view_log: list[str] = []
         self.view_base = 0
+        # the nodes whose views changed in a way that may give a waiting job room (anything but a placement or a
+        # stop order), since the scheduler last read them: what wakes its parked jobs (core.Scheduler._wake)
+        self.opened: set[str] = set()
         # finished jobs (Ended, the compact record kept for idempotence) and when each is forgotten: a heap of
         # (until_ms, job id), an entry stale once its job's until_ms moved on (a later record about it) or it went
         self.ended: dict[str, Ended] = {}
@@ -362,6 +368,8 @@ class Holdings:
     def _fold(self, name: str, env: Envelope) -> node_view.NodeView:
         view = self.nodes[name] = node_view.evolve(self.nodes.get(name), env)
         self.view_log.append(name)
+        if not isinstance(env.payload, _FILLS):
+            self.opened.add(name)
         if len(self.view_log) > VIEW_LOG:
             del self.view_log[:VIEW_LOG // 2]
             self.view_base += VIEW_LOG // 2
