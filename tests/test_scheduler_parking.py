@@ -164,3 +164,20 @@ def test_a_parked_victim_is_woken_by_capacity_that_opens_for_it(monkeypatch):
     placed = [p.job_id for p in parked if isinstance(p, PlaceJob)]
     preempted = [p.job_id for p in parked if isinstance(p, PreemptJob)]
     assert len(preempted) == 1 and placed.count(preempted[0]) == 2, (placed, preempted)
+
+
+def test_a_parked_victim_is_tried_in_the_cycle_in_which_the_claim_on_its_node_ends(monkeypatch):
+    """Two cards full of offline shares (seven quarters, a half waits); an inference job stops two quarters and is
+    cancelled. The waiting half takes over the stopping work (nominated on the node), the first victim to stop waits
+    parked behind that claim; when the second stops, the half takes its room in a cycle -- and the claim ends there,
+    so the first victim (ahead of the second in the queue) must be tried in that same cycle, as a cycle over the whole
+    queue tries it, and takes the room left before the second victim does (found by the property above)."""
+    o = Tier.OFFLINE
+    reqs = [("a", o, (250, 10), 0, "run", 1)] * 7 + [("a", o, (500, 20), 0, "run", 1),
+                                                      ("a", Tier.INFERENCE, (500, 20), 0, "cancel", 1)]
+    parked, plain, parks = _both([2], {}, reqs, monkeypatch)
+    assert parks >= 1
+    assert decisions(parked) == decisions(plain)
+    stopped = [p.job_id for p in parked if isinstance(p, PreemptJob)]
+    placed_again = [p.job_id for p in parked if isinstance(p, PlaceJob) and p.resume_from]
+    assert stopped and placed_again[:1] == stopped[:1], (stopped, placed_again)

@@ -654,12 +654,19 @@ class Scheduler:
             queue = [only] if only.state == "pending" else []
         else:
             self._wake()
-            parked = self.parked
-            queue = sorted((self.jobs[j] for j in self.pending if j not in parked), key=self._queue_key)
+            queue = self.pending_order()
             self._full_epoch, self._full_ms = self.epoch, self.now_ms
         failed: dict[tuple, list[tuple[tuple[int, ...], tuple]]] = {}  # kind -> (need, (result, quiet)), in order
+        h, parked = self.h, self.parked
         for rec in queue:
             r = rec.request
+            if parked:
+                # a parked job is passed over where the queue's order puts it -- unless what happened since, in this
+                # cycle too (a nominated job ahead took its node: its claim ended), woke it
+                if h.opened or self._unclosed:
+                    self._wake()
+                if r.job_id in parked:
+                    continue
             if rec.mig_wait is not None:
                 node, card = rec.mig_wait
                 if card in self.nodes[node].mig_pending and self.nodes[node].schedulable:
@@ -772,9 +779,10 @@ class Scheduler:
                     claimed = self._claimed_all()
                     for closed in [c for c in self._parked_by if not c.isdisjoint(self._unclosed)]:
                         left = [n for n in closed & self._unclosed if n not in claimed]
-                        for j in [j for j in self._parked_by[closed] if any(
-                                not self._barred_at_best(n, parked[j][1]) for n in left)]:
-                            self._unpark(j)
+                        tiers = {t for t in Tier if any(not self._barred_at_best(n, t) for n in left)}
+                        if tiers:
+                            for j in [j for j in self._parked_by[closed] if parked[j][1] in tiers]:
+                                self._unpark(j)
         h.opened.clear()
         self._unclosed.clear()
         self._flush = False
