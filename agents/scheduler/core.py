@@ -7,6 +7,7 @@ all drive this same class, so replaying the input reproduces every decision bit 
 """
 from __future__ import annotations
 
+import bisect
 import heapq
 from dataclasses import replace
 
@@ -115,8 +116,12 @@ class Scheduler:
         # quiet window (it may stop nobody) whose last attempt no node took stays out of the cycle's queue until
         # something may give it room (`_wake`); its last reasons stand meanwhile. job -> (the nodes closed to it in
         # that attempt, its tier); the same jobs by their closed nodes; (quiet window's end, job), a heap.
-        self.parked: dict[str, tuple[frozenset[str], Tier]] = {}
+        self.parked: dict[str, tuple[frozenset[str], Tier, int]] = {}  # (closed nodes, tier, cycle parked in)
         self._parked_by: dict[frozenset[str], dict[str, None]] = {}
+        # their places in the queue's order (`_queue_key`), kept per tenant while its sums and the quotas stand still
+        self._parked_of: dict[str, dict[str, None]] = {}  # tenant -> its parked jobs
+        self._park_keys: dict[str, tuple] = {}
+        self._park_keys_at: dict[str, tuple[int, int]] = {}  # tenant -> (its sums' version, quota version) of the keys
         self._park_until: list[tuple[int, str]] = []
         self._unclosed: set[str] = set()  # nodes that may no longer be closed to a parked job (claims, bars ended)
         self._park_mark = (0, 0)  # (node epoch, quota version) the parked jobs were parked under
@@ -650,23 +655,33 @@ class Scheduler:
     def _cycle(self, out: list[Envelope], cause: Envelope, only: JobRecord | None = None) -> None:
         self.cycle += 1
         self._reservation_windows(out, cause)
+        full = False
         if only is not None and self.epoch == self._full_epoch:
-            queue = [only] if only.state == "pending" else []
+            queue = [(self._queue_key(only), only)] if only.state == "pending" else []
         else:
             self._wake()
-            queue = self.pending_order()
+            self._park_places()
+            parked = self.parked
+            queue = sorted(((self._queue_key(self.jobs[j]), self.jobs[j]) for j in self.pending if j not in parked),
+                           key=_first)
             self._full_epoch, self._full_ms = self.epoch, self.now_ms
+            full = True
         failed: dict[tuple, list[tuple[tuple[int, ...], tuple]]] = {}  # kind -> (need, (result, quiet)), in order
-        h, parked = self.h, self.parked
-        for rec in queue:
+        h = self.h
+        i, last = 0, None
+        while True:
+            if full and (h.opened or self._unclosed) and self.parked:
+                # A parked job keeps its place in the queue's order: one that something in this cycle woke (a
+                # nominated job ahead took its node, ending its claim) is tried where a cycle over the whole queue
+                # would try it -- if that place is still ahead (else it is tried in the next cycle, as it would be)
+                for key, rec in self._woken():
+                    if last is None or key > last:
+                        bisect.insort(queue, (key, rec), lo=i, key=_first)
+            if i >= len(queue):
+                break
+            last, rec = queue[i]
+            i += 1
             r = rec.request
-            if parked:
-                # a parked job is passed over where the queue's order puts it -- unless what happened since, in this
-                # cycle too (a nominated job ahead took its node: its claim ended), woke it
-                if h.opened or self._unclosed:
-                    self._wake()
-                if r.job_id in parked:
-                    continue
             if rec.mig_wait is not None:
                 node, card = rec.mig_wait
                 if card in self.nodes[node].mig_pending and self.nodes[node].schedulable:
@@ -737,44 +752,89 @@ class Scheduler:
             return
         r = rec.request
         closed = self._claimed_from(rec) | barred
-        self.parked[r.job_id] = (closed, r.tier)
+        self.parked[r.job_id] = (closed, r.tier, self.cycle)
         self._parked_by.setdefault(closed, {})[r.job_id] = None
+        self._parked_of.setdefault(r.tenant, {})[r.job_id] = None
+        self._park_keys_at.pop(r.tenant, None)  # its place is worked out at the next cycle's start
         heapq.heappush(self._park_until, (quiet_until(rec.preempted_at, self.preemption), r.job_id))
 
-    def _unpark(self, job_id: str) -> None:
+    def _unpark(self, job_id: str) -> tuple | None:
         got = self.parked.pop(job_id, None)
         if got is not None:
             same = self._parked_by[got[0]]
             del same[job_id]
             if not same:
                 del self._parked_by[got[0]]
+            rec = self.jobs.get(job_id)
+            tenant = rec.request.tenant if rec is not None else next(t for t, js in self._parked_of.items()
+                                                                      if job_id in js)
+            mine = self._parked_of[tenant]
+            del mine[job_id]
+            if not mine:
+                del self._parked_of[tenant]
+                self._park_keys_at.pop(tenant, None)
+            return got[2], self._park_keys.pop(job_id, None)
+        return None
 
-    def _wake(self) -> None:
+    def _park_places(self) -> None:
+        """At a full cycle's start: each parked job's place in the queue's order as it stands now (`_queue_key`),
+        worked out again for the tenants whose sums or quotas moved since (a standing is a function of those)."""
+        qv = self.ledger.quota_version
+        for tenant, mine in list(self._parked_of.items()):
+            s = self.h.sums.get((tenant, None))
+            at = (s.version if s is not None else -1, qv)
+            if self._park_keys_at.get(tenant) == at:
+                continue
+            for j in list(mine):
+                rec = self.jobs.get(j)
+                if rec is None or rec.state != "pending":
+                    self._unpark(j)  # cancelled, judged unsatisfiable: it left the queue
+                else:
+                    self._park_keys[j] = self._queue_key(rec)
+            if tenant in self._parked_of:
+                self._park_keys_at[tenant] = at
+
+    def _woken(self) -> list[tuple[tuple, JobRecord]]:
+        """(place in the queue at this cycle's start, job) of the jobs parked before this cycle that `_wake` woke."""
+        out = []
+        for j, (cycle, key) in self._wake().items():
+            rec = self.jobs.get(j)
+            if cycle != self.cycle and key is not None and rec is not None and rec.state == "pending":
+                out.append((key, rec))
+        return out
+
+    def _wake(self) -> dict[str, tuple]:
         """Parked jobs go back to the queue when their last attempt may no longer hold: a node not closed to them
         then changed its view other than by a placement (Holdings.opened: a stop, an end, a resize, a MIG carve);
         a node closed to them then is no longer closed to their tier at its best standing (a claim or a bar ended);
         their quiet window ended; any node's facts or any quota changed; or the timed full cycle. Otherwise every
         node open to one of them is the same or fuller and none is newly open: `place` would fail again. (An entry
         of a job that left the queue otherwise -- cancelled, judged unsatisfiable -- is dropped on the next wake of
-        all; a new request under its id is never parked: `_handle` unparks it.)"""
+        all; a new request under its id is never parked: `_handle` unparks it.) Returns the jobs woken: job -> (the
+        cycle it was parked in, its place in the queue then)."""
         h = self.h
         self._expire_charges()
         mark = (self.node_epoch, self.ledger.quota_version)
         parked = self.parked
+        woken: dict[str, tuple] = {}
         if parked:
             if self._flush or mark != self._park_mark:
-                parked.clear()
-                self._parked_by.clear()
+                woken = {j: (p[2], self._park_keys.get(j)) for j, p in parked.items()}
+                for d in (parked, self._parked_by, self._parked_of, self._park_keys, self._park_keys_at):
+                    d.clear()
                 self._park_until.clear()
             else:
                 heap = self._park_until
                 while heap and heap[0][0] <= self.now_ms:
-                    self._unpark(heapq.heappop(heap)[1])
+                    j = heapq.heappop(heap)[1]
+                    got = self._unpark(j)
+                    if got is not None:
+                        woken[j] = got
                 opened = h.opened
                 if opened:
                     for closed in [c for c in self._parked_by if not opened <= c]:
-                        for j in self._parked_by.pop(closed):
-                            del parked[j]
+                        for j in list(self._parked_by[closed]):
+                            woken[j] = self._unpark(j)
                 if self._unclosed:
                     claimed = self._claimed_all()
                     for closed in [c for c in self._parked_by if not c.isdisjoint(self._unclosed)]:
@@ -782,11 +842,12 @@ class Scheduler:
                         tiers = {t for t in Tier if any(not self._barred_at_best(n, t) for n in left)}
                         if tiers:
                             for j in [j for j in self._parked_by[closed] if parked[j][1] in tiers]:
-                                self._unpark(j)
+                                woken[j] = self._unpark(j)
         h.opened.clear()
         self._unclosed.clear()
         self._flush = False
         self._park_mark = mark
+        return woken
 
     def _barred_at_best(self, node: str, tier: Tier) -> bool:
         """Whether `node` is barred to quiet jobs of this tier even when they stand within quota (`_barred`)."""
@@ -1414,6 +1475,10 @@ class Scheduler:
 
 
 _NO_CONSTRAINTS = JobRequested.model_fields["constraints"].default
+
+
+def _first(pair: tuple):
+    return pair[0]
 
 
 def _at_least(need: tuple, other: tuple) -> bool:
