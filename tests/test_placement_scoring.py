@@ -4,7 +4,7 @@ from agents.scheduler.node_index import NodeIndex
 from agents.scheduler.placement import Placement, place
 from agents.scheduler.scoring import Shape, Workload, fragmentation
 from schemas.envelope import envelope
-from schemas.events import Assignment, PlaceJob
+from schemas.events import Assignment, PlaceJob, ReleaseJob
 from streams.core import node_view
 from tests.builders import inventory, job
 
@@ -162,3 +162,27 @@ def test_a_light_job_keeps_off_the_cpu_limited_4_card_node_when_many_card_demand
     before = place(index, views, light, w, k=50)
     assert sorted((s.cards, s.weight) for s in w.shapes("A100-80GB") if s.cards > 1) == [(4, 3 * 4333), (8, 12 * 6500)]
     assert isinstance(before, Placement) and before.node == "four"
+
+
+def test_expected_free_from_the_per_view_cache_is_what_a_fresh_pass_says():
+    """ExpectedFree (a waiting job's explanation) reads each node's sorted free times from a cache kept per view
+    object (NodeIndex.free_at_cache): the same answer as a pass over the cards, and a new view is read afresh."""
+    from agents.scheduler.placement import _expected_free
+    views, index = _views(("x", (1000, 0)), ("y", (1000, 1000)))
+    big = job("big", compute=2000, mem_gib=160)  # two whole cards
+    order = ["A100-80GB"]
+    fresh = _expected_free(views, big, order, ["x", "y"])
+    assert _expected_free(views, big, order, ["x", "y"], index) == fresh  # fills the cache
+    assert _expected_free(views, big, order, ["x", "y"], index) == fresh  # read from it
+    assert set(index.free_at_cache) == {"x", "y"}
+    # x frees its held card: the cache must not answer for the old view
+    v = views["x"]
+    held = next(iter(v.allocations))
+    v = node_view.evolve(v, envelope(ReleaseJob(command_id="r", job_id=held, node="x"), source="s3", seq=1,
+                                     time_ms=5))
+    views["x"] = v
+    index.update(v)
+    assert "x" not in index.free_at_cache
+    after = _expected_free(views, big, order, ["x", "y"], index)
+    assert after == _expected_free(views, big, order, ["x", "y"]) and after != fresh
+    assert after.nodes == ("x",) and after.data["at_ms"] == 0

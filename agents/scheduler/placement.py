@@ -645,7 +645,25 @@ def _mixed_gang(index: NodeIndex, views: dict[str, NodeView], job: JobRequested,
     return None
 
 
-def _expected_free(views: dict[str, NodeView], job: JobRequested, order: list[str], nodes) -> Reason | None:
+def _free_at(index: NodeIndex | None, v: NodeView) -> dict[str, list[int]]:
+    """Per model, when each card of the node that will be completely free is (0: now), sorted: one pass over the
+    node's cards, kept per view (`NodeIndex.free_at_cache`; it depends on nothing else)."""
+    entry = index.free_at_cache.get(v.node) if index is not None else None
+    if entry is not None and entry[0] is v:
+        return entry[1]
+    free_at: dict[str, list[int]] = {}
+    for c in v.card_free():
+        if c.healthy and not c.mig and (c.milli == 1000 or c.release_ms is not None):
+            free_at.setdefault(c.model, []).append(0 if c.milli == 1000 else c.release_ms)
+    for times in free_at.values():
+        times.sort()
+    if index is not None:
+        index.free_at_cache[v.node] = (v, free_at)
+    return free_at
+
+
+def _expected_free(views: dict[str, NodeView], job: JobRequested, order: list[str], nodes,
+                   index: NodeIndex | None = None) -> Reason | None:
     """What would free capacity: the earliest time one of these nodes is expected to have enough completely free
     cards of an allowed model for the job, from the stated durations of the work holding them."""
     best: tuple[int, str, str] | None = None
@@ -654,13 +672,9 @@ def _expected_free(views: dict[str, NodeView], job: JobRequested, order: list[st
         v = views[name]
         if _rejects(v, job, skip_host=True):
             continue
-        # per model, when each card that will be completely free is (0: now): one pass over the node's cards
-        free_at: dict[str, list[int]] = {}
-        for c in v.card_free():
-            if c.healthy and not c.mig and (c.milli == 1000 or c.release_ms is not None):
-                free_at.setdefault(c.model, []).append(0 if c.milli == 1000 else c.release_ms)
+        free_at = _free_at(index, v)
         for m, n in needed:
-            times = sorted(free_at.get(m, ()))
+            times = free_at.get(m, ())
             if len(times) >= n and (best is None or (times[n - 1], name, m) < best):
                 best = (times[n - 1], name, m)
     if best is None:
@@ -706,7 +720,7 @@ def _unschedulable(index: NodeIndex, views: dict[str, NodeView], job: JobRequest
         count = len(ns) + (extra if (plugin, code) == ("GpuFit", "InsufficientGPU") else 0)
         reasons.append(Reason(code=code, plugin=plugin, nodes=tuple(ns[:20]), data={"count": count},
                               message=f"{count} node(s) rejected by {plugin}: {code}"))
-    freeing = _expected_free(views, job, order, rejected.get(("GpuFit", "InsufficientGPU"), ()))
+    freeing = _expected_free(views, job, order, rejected.get(("GpuFit", "InsufficientGPU"), ()), index)
     if freeing is not None:
         reasons.append(freeing)
     return Unschedulable(tuple(reasons) or (Reason(code="NoNodes", message="the pool has no nodes"),))
