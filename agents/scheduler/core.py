@@ -755,7 +755,9 @@ class Scheduler:
         self.parked[r.job_id] = (closed, r.tier, self.cycle)
         self._parked_by.setdefault(closed, {})[r.job_id] = None
         self._parked_of.setdefault(r.tenant, {})[r.job_id] = None
-        self._park_keys_at.pop(r.tenant, None)  # its place is worked out at the next cycle's start
+        # its place now: the tenant's mark (`_park_places`) says it holds at the next cycle's start only if the
+        # tenant's sums and the quotas are where they are now (versions only grow), else all are worked out again
+        self._park_keys[r.job_id] = self._queue_key(rec)
         heapq.heappush(self._park_until, (quiet_until(rec.preempted_at, self.preemption), r.job_id))
 
     def _unpark(self, job_id: str) -> tuple | None:
