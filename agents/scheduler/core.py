@@ -300,6 +300,7 @@ class Scheduler:
                 self.node_epoch += 1  # a node's facts changed: waiting jobs are explained afresh
                 before = self.nodes.get(p.node)
                 self.h.apply(env)
+                self._typical()
                 self._node_changed(out, env, before, self.nodes[p.node])
                 self._cycle(out, env)
             case JobRequested():
@@ -326,6 +327,7 @@ class Scheduler:
                     rec = JobRecord(request=p, arrival=self.arrivals)
                     self.h.add_job(rec)
                     self.workload.observe(p)
+                    self._typical()
                     if self._judge(out, env, rec):
                         return
                     if p.reservation_id:
@@ -612,6 +614,13 @@ class Scheduler:
         self.h.set_state(rec, "pending")
 
     # ---------------------------------------------------------------- admission against the fleet
+
+    def _typical(self) -> None:
+        """Bring the workload's typical set and the fleet's hosts (scoring.Workload) up to date now, on the input
+        that changed them (a request, a node's facts), rather than when a placement next asks: which waiting jobs
+        are tried (parked or not) then decides nothing about the scores."""
+        self.workload.fleet(self.index)
+        self.workload.version()
 
     def _judge(self, out: list[Envelope], env: Envelope, rec: JobRecord) -> bool:
         """Reject `rec` at once when no placement in the fleet could ever hold it (True: rejected). While the
