@@ -143,7 +143,7 @@ def _both(fleet, quota, reqs, monkeypatch):
     return parked, plain, parks
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=400, deadline=None)
 @given(fleets, quotas, requests)
 def test_parking_changes_no_decision(fleet, quota, reqs):
     with pytest.MonkeyPatch.context() as mp:
