@@ -134,6 +134,7 @@ class Search:
         self._keys: dict[str, Claim] = {}
         self._over: dict[tuple[str, int], bool] = {}
         self._bounded: dict[tuple[str, str], bool] = {}  # (tenant, project) -> whether any quota bounds it
+        self.bounded = self._bounded  # read as is by core.Scheduler._plan_nodes
         self._back: dict[str, Claim] = {}  # job -> its claim coming back after the preemptor alone (victim_claim)
         self._tables: dict[Claim, frozenset[tuple[str, int]]] = {}
 
