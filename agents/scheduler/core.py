@@ -1052,6 +1052,7 @@ class Scheduler:
         sk = _shape_key(r)
         my_tenant, quota_version, bounded, sums = r.tenant, self.ledger.quota_version, search.bounded, self.h.sums
         versions: dict[str, int] = {}
+        surely, slack = search.surely_within, search.slack
 
         def version_of(tenant: str) -> int:
             t = sums.get((tenant, None))
@@ -1079,7 +1080,8 @@ class Scheduler:
                     facts[ids_key] = ok
             if not ok:
                 continue
-            entries = []
+            # who may be stopped here, and the work each loses: enough to know whether the node yields a plan
+            cands = []
             reclaim = False
             for j in ids:
                 o = jobs[j]
@@ -1088,32 +1090,20 @@ class Scheduler:
                     continue
                 if o.preempted_at and protected(o.preempted_at, now, cfg):
                     continue
-                req = o.request
-                tr = TIER_RANK[req.tier]
+                tr = TIER_RANK[o.request.tier]
                 if (1, 2 - tr, 1 if o.reserved else 0) < key:
                     rule = "tier"
-                    # its standing coming back (Search.victim_claim), its memos read here first: a reserved job
-                    # and an account no quota bounds stand within; another tenant's job stands as it stands now
-                    # (standing_now's memo, while its tenant's sums and the quotas have not moved)
-                    if o.reserved or bounded.get((req.tenant, req.project)) is False:
-                        borrowed = False
-                    else:
-                        sm = o.standing_memo
-                        if sm and req.tenant != my_tenant and sm[1] == quota_version and sm[0] == (
-                                versions[req.tenant] if req.tenant in versions else version_of(req.tenant)):
-                            borrowed = not sm[2]
-                        else:
-                            borrowed = not search.victim_claim(o, mine)[0]
                 elif search.victim_claim(o, mine) < key:
-                    rule, borrowed, reclaim = "reclaim", True, True
+                    rule = "reclaim"
+                    reclaim = True
                 else:
                     continue
                 since = max(o.started_ms, o.checkpoint_ms) if state == "running" else now
-                entries.append((0 if borrowed else 1, -tr, max(0, now - since), j, rule))
-            if not entries:
+                cands.append((j, o, tr, max(0, now - since), rule))
+            if not cands:
                 continue
-            if len(entries) != len(ids):
-                got_key = (sk, tuple(e[3] for e in entries))
+            if len(cands) != len(ids):
+                got_key = (sk, tuple(c[0] for c in cands))
                 ok = facts.get(got_key) if keep else None
                 if ok is None:
                     ok = room.fits_without(got_key[1])
@@ -1121,6 +1111,49 @@ class Scheduler:
                         facts[got_key] = ok
                 if not ok:
                     continue
+            if keep and not reclaim and best is not None:
+                # It yields a plan (the job fits with them all gone, and no victim's account is asked: the choice
+                # adds victims until it fits). Whether that plan could be cheaper than the best so far, before any
+                # standing is worked out: a plan of one victim stops a job that alone makes room; none does: two
+                # or more.
+                if best.cost[0] == 1:
+                    cheaper = False  # a job that loses no more than the best plan's victim and alone makes room
+                    for c in cands:
+                        if c[3] <= best.cost[1]:
+                            one = ("one", sk, c[0])
+                            alone = facts.get(one)
+                            if alone is None:
+                                alone = facts[one] = room.fits_without((c[0],))
+                            if alone:
+                                cheaper = True
+                                break
+                    if not cheaper:
+                        found += 1  # a plan, no cheaper than the best
+                        if found >= limit:
+                            break
+                        continue
+            entries = []
+            for j, o, tr, lost, rule in cands:
+                if rule == "reclaim":
+                    entries.append((0, -tr, lost, j, rule))
+                    continue
+                # its standing coming back (Search.victim_claim), its memos read here first: a reserved job and
+                # an account no quota bounds stand within; another tenant's job stands as it stands now
+                # (standing_now's memo, while its tenant's sums and the quotas have not moved)
+                req = o.request
+                if o.reserved or bounded.get((req.tenant, req.project)) is False:
+                    borrowed = False
+                elif (req.compute_milli <= (sl := slack[k] if (k := (req.tenant, req.project, o.group)) in slack
+                                            else surely(*k))[0] and req.gpu_memory_mib <= sl[1]):
+                    borrowed = False  # its account's stronger and equal holders, the preemptor and it fit
+                else:
+                    sm = o.standing_memo
+                    if sm and req.tenant != my_tenant and sm[1] == quota_version and sm[0] == (
+                            versions[req.tenant] if req.tenant in versions else version_of(req.tenant)):
+                        borrowed = not sm[2]
+                    else:
+                        borrowed = not search.victim_claim(o, mine)[0]
+                entries.append((0 if borrowed else 1, -tr, lost, j, rule))
             entries.sort()  # disruption_order: (borrowed first, lowest tier, least progress lost, job id), ids unique
             if reclaim or not keep:
                 ordered = [Victim(e[3], name, -e[1], e[0] == 0, e[2], e[4]) for e in entries]
