@@ -915,7 +915,7 @@ class Scheduler:
     def _victim_nodes(self, search: Search, key):
         """The nodes that may hold a victim for the search's job of claim `key`, in node order (the victim index; a
         superset of the nodes `_victims_on` finds anyone on, and the same order as a walk over every node)."""
-        self.victim_index.sync(self.nodes, self.jobs)
+        self._sync_victim_index()
         return self.victim_index.in_order(self.nodes, self.victim_index.nodes_for(search.groups(key)))
 
     def _rule(self, o, search, key) -> str | None:
@@ -937,9 +937,25 @@ class Scheduler:
         """The jobs on this node of the (tenant, claim group) tables that may hold a victim for claim `key`
         (Search.groups: a superset of who may be stopped), from the victim index's entries, before any standing is
         worked out."""
-        self.victim_index.sync(self.nodes, self.jobs)
+        self._sync_victim_index()
         tables = search.tables(key)
-        return [j for j, (g, t) in self.victim_index.held.get(view.node, {}).items() if (t, g) in tables]
+        if not self.search_memo:
+            return [j for j, (g, t) in self.victim_index.held.get(view.node, {}).items() if (t, g) in tables]
+        # a node's entries are a function of the jobs its view holds (victims.py): kept with the view
+        facts = self._view_facts(view)
+        got = facts.get(tables)
+        if got is None:
+            got = facts[tables] = tuple(j for j, (g, t) in self.victim_index.held.get(view.node, {}).items()
+                                        if (t, g) in tables)
+        return got
+
+    def _sync_victim_index(self) -> None:
+        """The victim index's sync; when it reads every view afresh (views set by hand), what was kept per view goes
+        too (a node's candidates are kept with its view)."""
+        vi = self.victim_index
+        if vi.stale or len(vi.pos) != len(self.nodes):
+            self._node_memo.clear()
+        vi.sync(self.nodes, self.jobs)
 
     def _victims_on(self, view: node_view.NodeView, search: Search, key=None) -> list[Victim]:
         """Who on this node may be stopped for the search's job: work whose claim is below the job's (claims.py:
@@ -1046,6 +1062,7 @@ class Scheduler:
         victims in a given disruption order -- is kept while the node's view object is the same one (views are
         immutable: a change makes a new one). Choices that ask the claim order (a "reclaim" victim) are not kept."""
         best: Plan | None = None
+        best_cost = None  # best.cost (a property that sums each time it is read)
         found, limit = 0, self.preemption.candidate_nodes
         now, cfg, jobs = self.now_ms, self.preemption, self.jobs
         mine = search.mine
@@ -1059,13 +1076,19 @@ class Scheduler:
             v = versions[tenant] = t.version if t is not None else -1
             return v
 
+        node_keys: dict[frozenset, Claim] = {}  # its claim on a node, by the node's card models (Search.node_key)
         for name in self._victim_nodes(search, strongest):
             view = self.nodes[name]
-            key = search.node_key(view)
+            facts = self._view_facts(view)
+            models = facts.get("models")
+            if models is None:
+                models = facts["models"] = frozenset(g.model for g in view.cards())
+            key = node_keys.get(models)
+            if key is None:
+                key = node_keys[models] = search.node_key(view)
             ids = self._candidates_on(view, search, key)
             if not ids or any(f(view, r) for f in NODE_FILTERS):
                 continue
-            facts = self._view_facts(view)
             room = facts.get(sk)
             if room is None:
                 room = Room(view, r, shape)
@@ -1111,15 +1134,15 @@ class Scheduler:
                         facts[got_key] = ok
                 if not ok:
                     continue
-            if keep and not reclaim and best is not None:
+            if keep and not reclaim and best_cost is not None:
                 # It yields a plan (the job fits with them all gone, and no victim's account is asked: the choice
                 # adds victims until it fits). Whether that plan could be cheaper than the best so far, before any
                 # standing is worked out: a plan of one victim stops a job that alone makes room; none does: two
                 # or more.
-                if best.cost[0] == 1:
+                if best_cost[0] == 1:
                     cheaper = False  # a job that loses no more than the best plan's victim and alone makes room
                     for c in cands:
-                        if c[3] <= best.cost[1]:
+                        if c[3] <= best_cost[1]:
                             one = ("one", sk, c[0])
                             alone = facts.get(one)
                             if alone is None:
@@ -1170,8 +1193,9 @@ class Scheduler:
                                                       for e in entries if e[3] in picked]
             if chosen is not None:
                 plan = Plan(name, tuple(chosen))
-                if best is None or plan.cost < best.cost:
-                    best = plan
+                cost = plan.cost
+                if best_cost is None or cost < best_cost:
+                    best, best_cost = plan, cost
                 found += 1
                 if found >= limit:
                     break
