@@ -134,6 +134,9 @@ class Search:
         self._keys: dict[str, Claim] = {}
         self._over: dict[tuple[str, int], bool] = {}
         self._bounded: dict[tuple[str, str], bool] = {}  # (tenant, project) -> whether any quota bounds it
+        self.bounded = self._bounded  # read as is by core.Scheduler._plan_nodes
+        self._slack: dict[tuple[str, str, int], tuple[int, int]] = {}  # surely_within's
+        self.slack = self._slack  # read as is by core.Scheduler._plan_nodes
         self._back: dict[str, Claim] = {}  # job -> its claim coming back after the preemptor alone (victim_claim)
         self._tables: dict[Claim, frozenset[tuple[str, int]]] = {}
 
@@ -183,6 +186,39 @@ class Search:
         # its own holding is not ahead of it (within its group, only earlier arrivals are)
         return claim(within(self.h, self.ledger, o, other.group, o.compute_milli, o.gpu_memory_mib, mine + others,
                             other.arrival), o.tier, False)
+
+    def surely_within(self, tenant: str, project: str, g: int) -> tuple[int, int]:
+        """What a job of (tenant, project) and claim group g may ask, (milli, MiB), and be sure to stand within quota
+        coming back after the preemptor alone (`victim_claim(.., self.mine)`), whatever its arrival: every quota of
+        its account holds what its holders of group g and above hold (all of those ahead of it, and more: holdings
+        are never negative), the preemptor's ask (whether or not it is ahead) and the job's. (-1, -1) when that
+        much is already over a quota. Worked out once per search and account and group."""
+        k = (tenant, project, g)
+        got = self._slack.get(k)
+        if got is None:
+            r = self.r
+            milli, memory = 1 << 62, 1 << 62
+            for key, q in self._quota_keys(tenant, project):
+                s = self.h.sums.get(key)
+                m, mem = s.at_least(g) if s is not None else (0, 0)
+                if tenant == r.tenant and (key[1] is None or key[1] == r.project):
+                    m, mem = m + r.compute_milli, mem + r.gpu_memory_mib
+                milli = min(milli, q.gpu_milli - m)
+                if q.gpu_memory_mib is not None:
+                    memory = min(memory, q.gpu_memory_mib - mem)
+            got = self._slack[k] = (milli, memory) if milli >= 0 and memory >= 0 else (-1, -1)
+        return got
+
+    def _quota_keys(self, tenant: str, project: str):
+        """`_quotas` for an account named by tenant and project."""
+        out = []
+        q = self.ledger.tenant_quota(tenant)
+        if q is not None:
+            out.append(((tenant, None), q))
+        pa = self.ledger.accounts.get((tenant, project))
+        if pa is not None and pa.quota is not None:
+            out.append(((tenant, project), pa.quota))
+        return out
 
     def rule(self, other: JobRecord, key: Claim) -> str | None:
         """Whether `other` may be stopped for the preemptor of claim `key`, judged on its own (the plan's other

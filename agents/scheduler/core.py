@@ -21,8 +21,8 @@ from agents.scheduler.node_index import cards_needed
 from agents.scheduler.placement import DEFAULT_CANDIDATES, MigPlan, Placement, Unschedulable, place
 from agents.scheduler.placement import allowed_models, fit_cards
 from agents.scheduler.preemption import (
-    NODE_FILTERS, PreemptionConfig, Room, Shape, Victim, disruption_order, fits, placed, plan_gang, plan_over,
-    protected, quiet_until, released,
+    NODE_FILTERS, Plan, PreemptionConfig, Room, Shape, Victim, disruption_order, fits, least_disruptive, placed,
+    plan_gang, plan_over, protected, quiet_until, released,
 )
 from agents.scheduler.quota import Admission, Ledger, held
 from agents.scheduler.reservations import LIVE, Book, Booking
@@ -64,6 +64,7 @@ class Scheduler:
     full_cycle_ms: int = 10_000
     usage_tick_ms: int = 60_000
     retain_ms: int | None = RETAIN_MS
+    search_memo = True  # the claim search keeps per-node facts (_plan_nodes); off: the reference walk (tests)
 
     def __init__(self, *, ledger: Ledger | None = None, preemption: PreemptionConfig | None = None,
                  candidates: int = DEFAULT_CANDIDATES, full_cycle_ms: int | None = None,
@@ -102,6 +103,8 @@ class Scheduler:
         self._charged_by: dict[str, tuple[str, ...]] = {}  # job -> the nodes freed for it (freed_for)
         self._barred_cache: dict[Claim, frozenset[str]] = {}  # claim -> the nodes barred to quiet jobs of it
         self._barred_until = -1 << 62  # the cache holds until the first charge in it expires
+        # node -> (its view, facts kept while that view object is current): the claim search's (_plan_nodes)
+        self._node_memo: dict[str, tuple[node_view.NodeView, dict]] = {}
         self.book = Book()
         # The pending queue is retried as a whole only when something may have changed its answers: the epoch moves
         # on every input that can free capacity or change quota, health or reservations, and on a tick every
@@ -1080,7 +1083,7 @@ class Scheduler:
     def _victim_nodes(self, search: Search, key):
         """The nodes that may hold a victim for the search's job of claim `key`, in node order (the victim index; a
         superset of the nodes `_victims_on` finds anyone on, and the same order as a walk over every node)."""
-        self.victim_index.sync(self.nodes, self.jobs)
+        self._sync_victim_index()
         return self.victim_index.in_order(self.nodes, self.victim_index.nodes_for(search.groups(key)))
 
     def _rule(self, o, search, key) -> str | None:
@@ -1102,9 +1105,25 @@ class Scheduler:
         """The jobs on this node of the (tenant, claim group) tables that may hold a victim for claim `key`
         (Search.groups: a superset of who may be stopped), from the victim index's entries, before any standing is
         worked out."""
-        self.victim_index.sync(self.nodes, self.jobs)
+        self._sync_victim_index()
         tables = search.tables(key)
-        return [j for j, (g, t) in self.victim_index.held.get(view.node, {}).items() if (t, g) in tables]
+        if not self.search_memo:
+            return [j for j, (g, t) in self.victim_index.held.get(view.node, {}).items() if (t, g) in tables]
+        # a node's entries are a function of the jobs its view holds (victims.py): kept with the view
+        facts = self._view_facts(view)
+        got = facts.get(tables)
+        if got is None:
+            got = facts[tables] = tuple(j for j, (g, t) in self.victim_index.held.get(view.node, {}).items()
+                                        if (t, g) in tables)
+        return got
+
+    def _sync_victim_index(self) -> None:
+        """The victim index's sync; when it reads every view afresh (views set by hand), what was kept per view goes
+        too (a node's candidates are kept with its view)."""
+        vi = self.victim_index
+        if vi.stale or len(vi.pos) != len(self.nodes):
+            self._node_memo.clear()
+        vi.sync(self.nodes, self.jobs)
 
     def _victims_on(self, view: node_view.NodeView, search: Search, key=None) -> list[Victim]:
         """Who on this node may be stopped for the search's job: work whose claim is below the job's (claims.py:
@@ -1122,13 +1141,18 @@ class Scheduler:
     def _stoppable_on(self, view: node_view.NodeView, search: Search, key=None):
         """(job, rule) for each job on this node that may be stopped for the search's job (`_victims_on`)."""
         key = key or search.node_key(view)
+        jobs, now, cfg, mine = self.jobs, self.now_ms, self.preemption, search.mine
         for j in self._candidates_on(view, search, key):
-            other = self.jobs[j]
+            other = jobs[j]
             if other.state not in ("placed", "running") or other.placement is None:
                 continue
-            rule = self._rule(other, search, key)
-            if rule is not None:
-                yield other, rule
+            # `_rule`, said here: it is asked of every job on every node a search looks at
+            if other.preempted_at and protected(other.preempted_at, now, cfg):
+                continue
+            if (1, 2 - TIER_RANK[other.request.tier], 1 if other.reserved else 0) < key:  # claim(True, ..) below
+                yield other, "tier"
+            elif search.victim_claim(other, mine) < key:
+                yield other, "reclaim"
 
     def _preempt_for(self, out: list[Envelope], cause: Envelope, rec: JobRecord) -> bool:
         """True when the job waits on preemptions (already under way, or started now)."""
@@ -1156,29 +1180,13 @@ class Scheduler:
         plan_key = weakest
         shape = Shape(r)
         if not all(too_big.values()):  # else no node has cards enough, whoever stops: only a multi-node gang plan
-            def pairs():
-                for name in self._victim_nodes(search, strongest):
-                    view = self.nodes[name]
-                    key = search.node_key(view)  # its claim on this node's cards
-                    # a node where the job would not fit even with every job that may be a victim gone yields no
-                    # plan: passed over before any victim's standing is worked out (what plan_over would find)
-                    ids = self._candidates_on(view, search, key)
-                    if not ids or any(f(view, r) for f in NODE_FILTERS):
-                        continue
-                    room = Room(view, r, shape)
-                    if not room.fits_without(ids):
-                        continue
-                    victims = self._victims_on(view, search, key)
-                    valid = (lambda chosen, v, key=key: search.valid(chosen, v, key))
-                    # when every job it may stop there is a victim, the room found already that the job fits with
-                    # them all gone: plan_over does not ask again
-                    yield view, victims, valid, room if len(victims) == len(ids) else None
-            plan = plan_over(r, pairs(), self.preemption.candidate_nodes)
+            plan = (self._plan_nodes if self.search_memo else self._plan_walk)(search, r, shape, strongest)
             if plan is not None:
                 plan_key = search.node_key(self.nodes[plan.node])
         if plan is None and r.gang and any(too_big.values()):
             plan = plan_gang(rec.request, self.nodes, self.index, allowed_models(self.index, rec.request),
-                             self._victims(search, weakest), lambda chosen, v: search.valid(chosen, v, weakest))
+                             self._victims(search, weakest), lambda chosen, v: search.valid(chosen, v, weakest),
+                             self._view_facts if self.search_memo else None, self.search_memo)
         if plan is None:
             return False
         self._stop_for(out, cause, rec, plan.victims)
@@ -1191,6 +1199,182 @@ class Scheduler:
             message=f"waiting for {len(plan.victims)} job(s) to checkpoint and stop on {', '.join(where)}",
             data={"victims": ",".join(rec.nominated[1])}),))
         return True
+
+    def _plan_walk(self, search: Search, r: JobRequested, shape: Shape, strongest: Claim):
+        """The claim search over single nodes as `plan_over` says it, every candidate node's victims built: the
+        reference `_plan_nodes` is held to (tests/test_search_memo.py), taken when `search_memo` is off."""
+        def pairs():
+            for name in self._victim_nodes(search, strongest):
+                view = self.nodes[name]
+                key = search.node_key(view)  # its claim on this node's cards
+                # a node where the job would not fit even with every job that may be a victim gone yields no
+                # plan: passed over before any victim's standing is worked out (what plan_over would find)
+                ids = self._candidates_on(view, search, key)
+                if not ids or any(f(view, r) for f in NODE_FILTERS):
+                    continue
+                room = Room(view, r, shape)
+                if not room.fits_without(ids):
+                    continue
+                victims = self._victims_on(view, search, key)
+                valid = (lambda chosen, v, key=key: search.valid(chosen, v, key))
+                # when every job it may stop there is a victim, the room found already that the job fits with
+                # them all gone: plan_over does not ask again
+                yield view, victims, valid, room if len(victims) == len(ids) else None
+        return plan_over(r, pairs(), self.preemption.candidate_nodes)
+
+    def _plan_nodes(self, search: Search, r: JobRequested, shape: Shape, strongest: Claim):
+        """What `plan_over` over `_preempt_for`'s pairs (the reference, taken when `search_memo` is off) chooses, the
+        same nodes visited and counted, with less work per node: each candidate's rule, standing and progress are
+        worked out in one pass (no Victim built but for the plan's), and what is a function of the node's view and
+        the job's shape alone -- the node's Room, whether the job fits with a set of jobs gone, the choice among
+        victims in a given disruption order -- is kept while the node's view object is the same one (views are
+        immutable: a change makes a new one). Choices that ask the claim order (a "reclaim" victim) are not kept."""
+        best: Plan | None = None
+        best_cost = None  # best.cost (a property that sums each time it is read)
+        found, limit = 0, self.preemption.candidate_nodes
+        now, cfg, jobs = self.now_ms, self.preemption, self.jobs
+        mine = search.mine
+        sk = _shape_key(r)
+        my_tenant, quota_version, bounded, sums = r.tenant, self.ledger.quota_version, search.bounded, self.h.sums
+        versions: dict[str, int] = {}
+        surely, slack = search.surely_within, search.slack
+
+        def version_of(tenant: str) -> int:
+            t = sums.get((tenant, None))
+            v = versions[tenant] = t.version if t is not None else -1
+            return v
+
+        node_keys: dict[frozenset, Claim] = {}  # its claim on a node, by the node's card models (Search.node_key)
+        for name in self._victim_nodes(search, strongest):
+            view = self.nodes[name]
+            facts = self._view_facts(view)
+            models = facts.get("models")
+            if models is None:
+                models = facts["models"] = frozenset(g.model for g in view.cards())
+            key = node_keys.get(models)
+            if key is None:
+                key = node_keys[models] = search.node_key(view)
+            ids = self._candidates_on(view, search, key)
+            if not ids or any(f(view, r) for f in NODE_FILTERS):
+                continue
+            room = facts.get(sk)
+            if room is None:
+                room = Room(view, r, shape)
+                if not room.mig:  # a MIG node's trial runs on a scratch view with the whole job: never kept
+                    facts[sk] = room
+            keep = not room.mig
+            ids_key = (sk, tuple(ids))
+            ok = facts.get(ids_key) if keep else None
+            if ok is None:
+                ok = room.fits_without(ids)
+                if keep:
+                    facts[ids_key] = ok
+            if not ok:
+                continue
+            # who may be stopped here, and the work each loses: enough to know whether the node yields a plan
+            cands = []
+            reclaim = False
+            for j in ids:
+                o = jobs[j]
+                state = o.state
+                if state != "placed" and state != "running" or o.placement is None:
+                    continue
+                if o.preempted_at and protected(o.preempted_at, now, cfg):
+                    continue
+                tr = TIER_RANK[o.request.tier]
+                if (1, 2 - tr, 1 if o.reserved else 0) < key:
+                    rule = "tier"
+                elif search.victim_claim(o, mine) < key:
+                    rule = "reclaim"
+                    reclaim = True
+                else:
+                    continue
+                since = max(o.started_ms, o.checkpoint_ms) if state == "running" else now
+                cands.append((j, o, tr, max(0, now - since), rule))
+            if not cands:
+                continue
+            if len(cands) != len(ids):
+                got_key = (sk, tuple(c[0] for c in cands))
+                ok = facts.get(got_key) if keep else None
+                if ok is None:
+                    ok = room.fits_without(got_key[1])
+                    if keep:
+                        facts[got_key] = ok
+                if not ok:
+                    continue
+            if keep and not reclaim and best_cost is not None:
+                # It yields a plan (the job fits with them all gone, and no victim's account is asked: the choice
+                # adds victims until it fits). Whether that plan could be cheaper than the best so far, before any
+                # standing is worked out: a plan of one victim stops a job that alone makes room; none does: two
+                # or more.
+                if best_cost[0] == 1:
+                    cheaper = False  # a job that loses no more than the best plan's victim and alone makes room
+                    for c in cands:
+                        if c[3] <= best_cost[1]:
+                            one = ("one", sk, c[0])
+                            alone = facts.get(one)
+                            if alone is None:
+                                alone = facts[one] = room.fits_without((c[0],))
+                            if alone:
+                                cheaper = True
+                                break
+                    if not cheaper:
+                        found += 1  # a plan, no cheaper than the best
+                        if found >= limit:
+                            break
+                        continue
+            entries = []
+            for j, o, tr, lost, rule in cands:
+                if rule == "reclaim":
+                    entries.append((0, -tr, lost, j, rule))
+                    continue
+                # its standing coming back (Search.victim_claim), its memos read here first: a reserved job and
+                # an account no quota bounds stand within; another tenant's job stands as it stands now
+                # (standing_now's memo, while its tenant's sums and the quotas have not moved)
+                req = o.request
+                if o.reserved or bounded.get((req.tenant, req.project)) is False:
+                    borrowed = False
+                elif (req.compute_milli <= (sl := slack[k] if (k := (req.tenant, req.project, o.group)) in slack
+                                            else surely(*k))[0] and req.gpu_memory_mib <= sl[1]):
+                    borrowed = False  # its account's stronger and equal holders, the preemptor and it fit
+                else:
+                    sm = o.standing_memo
+                    if sm and req.tenant != my_tenant and sm[1] == quota_version and sm[0] == (
+                            versions[req.tenant] if req.tenant in versions else version_of(req.tenant)):
+                        borrowed = not sm[2]
+                    else:
+                        borrowed = not search.victim_claim(o, mine)[0]
+                entries.append((0 if borrowed else 1, -tr, lost, j, rule))
+            entries.sort()  # disruption_order: (borrowed first, lowest tier, least progress lost, job id), ids unique
+            if reclaim or not keep:
+                ordered = [Victim(e[3], name, -e[1], e[0] == 0, e[2], e[4]) for e in entries]
+                chosen = least_disruptive(room, ordered,
+                                          (lambda chosen, v, key=key: search.valid(chosen, v, key)) if reclaim
+                                          else None)
+            else:
+                order_key = ("order", sk, tuple(e[3] for e in entries))
+                picked = facts.get(order_key, False)
+                if picked is False:
+                    got = least_disruptive(room, [_Pick(e[3]) for e in entries])
+                    picked = facts[order_key] = None if got is None else frozenset(p.job_id for p in got)
+                chosen = None if picked is None else [Victim(e[3], name, -e[1], e[0] == 0, e[2], e[4])
+                                                      for e in entries if e[3] in picked]
+            if chosen is not None:
+                plan = Plan(name, tuple(chosen))
+                cost = plan.cost
+                if best_cost is None or cost < best_cost:
+                    best, best_cost = plan, cost
+                found += 1
+                if found >= limit:
+                    break
+        return best
+
+    def _view_facts(self, view: node_view.NodeView) -> dict:
+        """What the claim search keeps of this node while its view object is current (`_node_memo`)."""
+        m = self._node_memo.get(view.node)
+        if m is None or m[0] is not view:
+            m = self._node_memo[view.node] = (view, {})
+        return m[1]
 
     def _defragment(self, out: list[Envelope], cause: Envelope, rec: JobRecord) -> bool:
         """Defragmentation (defrag.py), after allocate and before preempt: when the job's block of cards is free in
@@ -1490,6 +1674,24 @@ _NO_CONSTRAINTS = JobRequested.model_fields["constraints"].default
 
 def _first(pair: tuple):
     return pair[0]
+
+
+class _Pick(tuple):
+    """A candidate as `least_disruptive` sees it when no "reclaim" victim is among them: its id alone."""
+    __slots__ = ()
+    rule = "tier"
+
+    def __new__(cls, job_id: str):
+        return tuple.__new__(cls, (job_id,))
+
+    job_id = property(lambda self: self[0])
+
+
+def _shape_key(r: JobRequested) -> tuple:
+    """Everything of `r` a Room (on a node without MIG cards) reads: two jobs of one key get the same Room there."""
+    c = r.constraints
+    return (r.cpu_milli, r.memory_mib, r.compute_milli, r.gpu_memory_mib, r.isolation_asked, r.gang,
+            tuple(c.models) if c.models else (), c.min_compute_capability, c.min_driver, c.min_cuda)
 
 
 def _at_least(need: tuple, other: tuple) -> bool:

@@ -122,31 +122,39 @@ def plan_over(job: JobRequested, pairs, limit: int | None = None) -> Plan | None
             room = Room(view, job, shape)
             if not room.fits(victims):
                 continue
-        # least disruptive first, until the job fits (the room's tally follows `chosen`)
-        room.start()
-        chosen: list[Victim] = []
-        for v in sorted(victims, key=disruption_order):
-            if valid is not None and v.rule == "reclaim" and not valid(chosen, v):
-                continue  # taking it too would bring its account back within quota
-            chosen.append(v)
-            room.add(v.job_id)
-            if room.ok():
-                # as much as it needs: drop, most disruptive first, every victim the job fits without (`chosen` is
-                # in disruption order already, and stays so)
-                for extra in reversed(chosen):
-                    room.add(extra.job_id, -1)
-                    if room.ok():
-                        chosen = [c for c in chosen if c is not extra]
-                    else:
-                        room.add(extra.job_id)
-                plan = Plan(view.node, tuple(chosen))
-                if best is None or plan.cost < best.cost:
-                    best = plan
-                found += 1
-                break
+        chosen = least_disruptive(room, sorted(victims, key=disruption_order), valid)
+        if chosen is not None:
+            plan = Plan(view.node, tuple(chosen))
+            if best is None or plan.cost < best.cost:
+                best = plan
+            found += 1
         if limit is not None and found >= limit:
             break
     return best
+
+
+def least_disruptive(room: "Room", ordered, valid=None) -> list | None:
+    """One node's plan: victims taken least disruptive first (`ordered`: in disruption order) until the job fits
+    (the room's tally follows what is chosen), then pruned; None when it never fits. A victim is anything with
+    `job_id` and `rule`; `valid` as in plan_over."""
+    room.start()
+    chosen: list = []
+    for v in ordered:
+        if valid is not None and v.rule == "reclaim" and not valid(chosen, v):
+            continue  # taking it too would bring its account back within quota
+        chosen.append(v)
+        room.add(v.job_id)
+        if room.ok():
+            # as much as it needs: drop, most disruptive first, every victim the job fits without (`chosen` is
+            # in disruption order already, and stays so)
+            for extra in reversed(chosen):
+                room.add(extra.job_id, -1)
+                if room.ok():
+                    chosen = [c for c in chosen if c is not extra]
+                else:
+                    room.add(extra.job_id)
+            return chosen
+    return None
 
 
 NODE_FILTERS = tuple(f for name, f in FILTERS if name != "HostResources")  # what stopping work does not change
@@ -320,14 +328,20 @@ def fits(view: node_view.NodeView, job: JobRequested) -> bool:
 
 
 def plan_gang(job: JobRequested, views: dict[str, node_view.NodeView], index: NodeIndex, models: list[str],
-              candidates: Mapping[str, list[Victim]], valid=None) -> Plan | None:
+              candidates: Mapping[str, list[Victim]], valid=None, facts=None, bound: bool = True) -> Plan | None:
     """Preemption for a gang that spans nodes: the tightest level (rack, data center, anywhere, within the job's
     max_spread) where free cards plus what lower-tier work holds add up; free cards are used first, and on each node
     only as many victims are stopped as its part needs (least disruptive first, then pruned). A node's room once its
-    victims are gone is counted by arithmetic (`gang_room_after`)."""
+    victims are gone is counted by arithmetic (`gang_room_after`). `facts(view)`: a dict kept for that view object
+    (views are immutable), where a node's rooms are kept for the next search; None: worked out every time. `bound`:
+    a group whose plan would stop more jobs than the best one so far is passed over unplanned (`_gang_fewest`)."""
     limit = "nvlink" if job.constraints.interconnect == "nvlink" else job.constraints.max_spread
     # a node's room is counted from its victims' ids: a LazyVictims gives them without building every node's victims
     ids_of = getattr(candidates, "ids", None) or (lambda name: [v.job_id for v in candidates.get(name, ())])
+    ids_memo: dict[str, list[str]] = {}
+    c = job.constraints  # all a node's gang room reads of the job but for its part's cards, CPU and memory
+    allowed = (tuple(c.models) if c.models else (), c.min_compute_capability, c.min_driver, c.min_cuda)
+    ids_of = (lambda name, _of=ids_of: ids_memo[name] if name in ids_memo else ids_memo.setdefault(name, _of(name)))
     for m in models:
         n = cards_needed(job.compute_milli, job.gpu_memory_mib, m)
         if n < 2:
@@ -345,9 +359,22 @@ def plan_gang(job: JobRequested, views: dict[str, node_view.NodeView], index: No
             ids = ids_of(name)
             if not ids and name not in free:
                 continue  # nobody to stop there and no free card (`candidates` may name nodes that hold nobody)
-            most = gang_room_after(view, job, m, cpu_per, mem_per, ids)
+            if facts is None:
+                most = gang_room_after(view, job, m, cpu_per, mem_per, ids)
+                if most > 0:
+                    rooms[name] = (gang_room(view, job, m, cpu_per, mem_per), most)
+                continue
+            kept = facts(view)
+            k = ("gang", m, cpu_per, mem_per, allowed, tuple(ids))
+            most = kept.get(k)
+            if most is None:
+                most = kept[k] = gang_room_after(view, job, m, cpu_per, mem_per, ids)
             if most > 0:
-                rooms[name] = (gang_room(view, job, m, cpu_per, mem_per), most)
+                k = ("gang room", m, cpu_per, mem_per, allowed)
+                now = kept.get(k)
+                if now is None:
+                    now = kept[k] = gang_room(view, job, m, cpu_per, mem_per)
+                rooms[name] = (now, most)
         if sum(most for _, most in rooms.values()) < n:
             continue
         for level in ("rack", "datacenter", "any"):
@@ -355,12 +382,48 @@ def plan_gang(job: JobRequested, views: dict[str, node_view.NodeView], index: No
                 return None
             best: Plan | None = None
             for members in group_by(level, rooms, views):
+                if bound and best is not None and _gang_fewest(job, views, m, n, cpu_per, mem_per, members, rooms,
+                                                     ids_of) > best.cost[0]:
+                    continue  # its plan would stop more jobs than the best one: it cannot be cheaper
                 plan = _gang_plan(job, views, m, n, cpu_per, mem_per, members, rooms, candidates, valid)
                 if plan is not None and (best is None or plan.cost < best.cost):
                     best = plan
             if best is not None:
                 return best
     return None
+
+
+def _gang_fewest(job, views, m, n, cpu_per, mem_per, members, rooms, ids_of) -> int | float:
+    """A lower bound of how many victims `_gang_plan` stops for these members (inf: it finds no plan), from the
+    nodes' cards alone: a node it takes victims from (its part's room now below what it takes there) stops at least
+    one, and at least as many as it takes cards beyond its whole free ones, over the most cards of that model one of
+    its victims holds (a job's release frees no more cards whole than it holds slices on)."""
+    total, fewest = 0, 0
+    for name in sorted(members, key=lambda x: (-rooms[x][0], -rooms[x][1], x)):
+        now, most = rooms[name]
+        take = min(most, n - total)
+        if take <= 0:
+            break
+        if now < take:
+            view = views[name]
+            tally = GangTally(view, job, m, cpu_per, mem_per)
+            if tally.room() < take:  # no victim gone: what _gang_plan's choice starts from
+                full = tally.full
+                whole = sum(1 for _, milli, memory in tally.cards if milli == 1000 and memory == full)
+                if take > whole:
+                    cards = {c[0] for c in tally.cards}
+                    most_cards = 0
+                    for j in ids_of(name):
+                        held = view.allocations.get(j)
+                        if held is not None:
+                            most_cards = max(most_cards, len({a.gpu_uuid for a in held.slices} & cards))
+                    if most_cards == 0:
+                        return float("inf")
+                    fewest += max(1, -(-(take - whole) // most_cards))
+                else:
+                    fewest += 1
+        total += take
+    return fewest
 
 
 def _gang_plan(job, views, m, n, cpu_per, mem_per, members, rooms, candidates, valid=None) -> Plan | None:
