@@ -35,6 +35,19 @@ requests = st.lists(st.tuples(st.sampled_from(("a", "b", "c")), st.sampled_from(
                     min_size=1, max_size=12)
 
 
+def agent_answer(s, p, stop_delay_ms: int = 500):
+    """A prompt node agent's answer to the scheduler's output `p`: (payload, source, delay in ms), or None. A
+    `cmd.place` is answered by `job.started`, a `cmd.preempt` by `job.stopped` with a checkpoint."""
+    if isinstance(p, PlaceJob):
+        return JobStarted(job_id=p.job_id, node=p.node, command_id=p.command_id), f"{p.node}/job/{p.job_id}", 10
+    if isinstance(p, PreemptJob):
+        rec = s.jobs[p.job_id]
+        place_cmd = next(part.command_id for part in rec.parts if part.node == p.node)
+        return (JobStopped(job_id=p.job_id, node=p.node, command_id=place_cmd, checkpoint=f"ckpt:{p.job_id}"),
+                f"{p.node}/job/{p.job_id}", stop_delay_ms)
+    return None
+
+
 def drive(fleet, quota, reqs, stop_delay_ms=500):
     """Run the scheduler with prompt agents until nothing is left to answer; returns (scheduler, clock, outputs
     in order with their log time, the number of requests)."""
@@ -75,15 +88,9 @@ def drive(fleet, quota, reqs, stop_delay_ms=500):
             quiet_ticks = 0  # it moved: settle again
         for o in outs:
             log.append((clock.now, o.payload))
-            p = o.payload
-            if isinstance(p, PlaceJob):
-                answers.append((JobStarted(job_id=p.job_id, node=p.node, command_id=p.command_id),
-                                f"{p.node}/job/{p.job_id}", 10))
-            elif isinstance(p, PreemptJob):
-                rec = s.jobs[p.job_id]
-                place_cmd = next(part.command_id for part in rec.parts if part.node == p.node)
-                answers.append((JobStopped(job_id=p.job_id, node=p.node, command_id=place_cmd,
-                                           checkpoint=f"ckpt:{p.job_id}"), f"{p.node}/job/{p.job_id}", stop_delay_ms))
+            got = agent_answer(s, o.payload, stop_delay_ms)
+            if got is not None:
+                answers.append(got)
     return s, clock, log, n
 
 

@@ -24,8 +24,9 @@ from agents.scheduler.core import Scheduler
 from agents.scheduler.placement import allowed_models
 from agents.scheduler.preemption import Shape, plan_gang
 from agents.scheduler.quota import Ledger
-from schemas.events import JobStarted, JobStopped, PlaceJob, PreemptJob, QuotaSet, SchedulerTick, Tier
+from schemas.events import PreemptJob, QuotaSet, SchedulerTick, Tier
 from tests.builders import Clock, job
+from tests.test_claim_properties import agent_answer
 from tests.test_scheduler_invariants import SchedulerMachine
 
 TIERS = (Tier.INFERENCE, Tier.ONLINE_TRAINING, Tier.OFFLINE)
@@ -103,15 +104,9 @@ def drive(fleet, quota, reqs, stop_delay_ms=500):
             quiet_ticks = 0
         for o in outs:
             log.append((clock.now, o.payload))
-            p = o.payload
-            if isinstance(p, PlaceJob):
-                answers.append((JobStarted(job_id=p.job_id, node=p.node, command_id=p.command_id),
-                                f"{p.node}/job/{p.job_id}", 10))
-            elif isinstance(p, PreemptJob):
-                rec = s.jobs[p.job_id]
-                place_cmd = next(part.command_id for part in rec.parts if part.node == p.node)
-                answers.append((JobStopped(job_id=p.job_id, node=p.node, command_id=place_cmd,
-                                           checkpoint=f"ckpt:{p.job_id}"), f"{p.node}/job/{p.job_id}", stop_delay_ms))
+            got = agent_answer(s, o.payload, stop_delay_ms)
+            if got is not None:
+                answers.append(got)
     return log
 
 
