@@ -1141,18 +1141,14 @@ class Scheduler:
     def _stoppable_on(self, view: node_view.NodeView, search: Search, key=None):
         """(job, rule) for each job on this node that may be stopped for the search's job (`_victims_on`)."""
         key = key or search.node_key(view)
-        jobs, now, cfg, mine = self.jobs, self.now_ms, self.preemption, search.mine
+        jobs = self.jobs
         for j in self._candidates_on(view, search, key):
             other = jobs[j]
             if other.state not in ("placed", "running") or other.placement is None:
                 continue
-            # `_rule`, said here: it is asked of every job on every node a search looks at
-            if other.preempted_at and protected(other.preempted_at, now, cfg):
-                continue
-            if (1, 2 - TIER_RANK[other.request.tier], 1 if other.reserved else 0) < key:  # claim(True, ..) below
-                yield other, "tier"
-            elif search.victim_claim(other, mine) < key:
-                yield other, "reclaim"
+            rule = self._rule(other, search, key)
+            if rule is not None:
+                yield other, rule
 
     def _preempt_for(self, out: list[Envelope], cause: Envelope, rec: JobRecord) -> bool:
         """True when the job waits on preemptions (already under way, or started now)."""
@@ -1232,7 +1228,7 @@ class Scheduler:
         best: Plan | None = None
         best_cost = None  # best.cost (a property that sums each time it is read)
         found, limit = 0, self.preemption.candidate_nodes
-        now, cfg, jobs = self.now_ms, self.preemption, self.jobs
+        now = self.now_ms
         mine = search.mine
         sk = _shape_key(r)
         my_tenant, quota_version, bounded, sums = r.tenant, self.ledger.quota_version, search.bounded, self.h.sums
@@ -1274,23 +1270,10 @@ class Scheduler:
             # who may be stopped here, and the work each loses: enough to know whether the node yields a plan
             cands = []
             reclaim = False
-            for j in ids:
-                o = jobs[j]
-                state = o.state
-                if state != "placed" and state != "running" or o.placement is None:
-                    continue
-                if o.preempted_at and protected(o.preempted_at, now, cfg):
-                    continue
-                tr = TIER_RANK[o.request.tier]
-                if (1, 2 - tr, 1 if o.reserved else 0) < key:
-                    rule = "tier"
-                elif search.victim_claim(o, mine) < key:
-                    rule = "reclaim"
-                    reclaim = True
-                else:
-                    continue
-                since = max(o.started_ms, o.checkpoint_ms) if state == "running" else now
-                cands.append((j, o, tr, max(0, now - since), rule))
+            for o, rule in self._stoppable_on(view, search, key):
+                reclaim = reclaim or rule == "reclaim"
+                since = max(o.started_ms, o.checkpoint_ms) if o.state == "running" else now
+                cands.append((o.request.job_id, o, TIER_RANK[o.request.tier], max(0, now - since), rule))
             if not cands:
                 continue
             if len(cands) != len(ids):
