@@ -56,3 +56,34 @@ def test_a_moved_job_counts_a_migration_not_a_preemption_and_resumes():
     assert (v.state, v.preemptions, v.migrations, v.checkpoint) == ("pending", 0, 1, "k")
     v = evolve(v, c.env(JobStarted(job_id="j1", node="n2", command_id="c3"), "n2/job/j1"))
     assert (v.state, v.node, v.progress_ms) == ("running", "n2", 700)
+
+
+def test_a_pending_read_after_the_run_it_preceded_started_does_not_stick():
+    """Decisions and job events are separate topics: the live worker can read the scheduler's "no nodes" after the
+    node's start. Every interleaving that keeps each source's order folds to the same view (a CI failure of
+    test_integration_path's refold: the live table kept a stale NoNodes on a completed job)."""
+    from itertools import combinations
+
+    from schemas.envelope import envelope
+    from schemas.events import JobCheckpointed
+
+    req = envelope(job("j"), source="cli", seq=1, time_ms=1)
+    sched = [envelope(JobPending(job_id="j", reasons=(Reason(code="NoNodes"),)), source="scheduler", seq=1,
+                      time_ms=2)]
+    node = [envelope(JobStarted(job_id="j", node="n1", command_id="c1"), source="n1/job/j", seq=1, time_ms=5),
+            envelope(JobCheckpointed(job_id="j", node="n1", progress_ms=10), source="n1/job/j", seq=2, time_ms=6),
+            envelope(JobCompleted(job_id="j", node="n1", command_id="c1"), source="n1/job/j", seq=3, time_ms=7)]
+    views = set()
+    n = len(sched) + len(node)
+    for at in combinations(range(n), len(sched)):
+        a, b = iter(sched), iter(node)
+        order = [req] + [next(a) if i in at else next(b) for i in range(n)]
+        v = None
+        for e in order:
+            v = evolve(v, e)
+        assert (v.state, v.reasons) == ("completed", ())
+        views.add(v)
+    assert len(views) == 1
+    # and while it waits, the reason is the view's
+    v = evolve(evolve(None, req), sched[0])
+    assert (v.state, v.reasons) == ("pending", (Reason(code="NoNodes"),))

@@ -85,7 +85,9 @@ def evolve(view: JobView | None, env: Envelope) -> JobView:
             return _mark(view, env, state="pending", node="", interruptions=view.interruptions + 1,
                          checkpoint=p.checkpoint or view.checkpoint, reasons=p.reasons,
                          superseded=view.superseded + p.commands)
-        case JobPending() if not finished:
+        case JobPending() if view.state in ("unknown", "pending"):
+            # why a waiting job waits; the scheduler's decisions and the node's reports are different topics, so a
+            # pending said before a placement can be read after the run it led to started: stale then, not news
             return _mark(view, env, reasons=p.reasons)
         case Rejected() if view.request is not None and env.causation_id != view.request_event_id:
             return _mark(view, env, refused=view.refused + (p.code,))  # about another request, not this job
