@@ -1186,8 +1186,10 @@ class Scheduler:
         if plan is None:
             return False
         self._stop_for(out, cause, rec, plan.victims)
+        # it claims every node it counted on: a gang part's free cards as much as the ones its victims free (one
+        # left out went to the victims' requeue, and the gang stopped more work again elsewhere, for ever)
         self._nominate(rec, (plan.node, tuple(v.job_id for v in plan.victims)),
-                       tuple(sorted({plan.node} | {v.node for v in plan.victims})))
+                       tuple(sorted({plan.node, *plan.nodes} | {v.node for v in plan.victims})))
         self._charge(rec, plan_key)
         where = tuple(sorted({v.node for v in plan.victims}))
         self._pending(out, cause, rec, (Reason(

@@ -61,6 +61,9 @@ class Victim(NamedTuple):
 class Plan:
     node: str
     victims: tuple[Victim, ...]
+    # every node the job takes cards on once the victims are gone (a multi-node gang's parts, its free cards
+    # included): what the job claims while it waits, so that nobody behind it takes a part it counted on
+    nodes: tuple[str, ...] = ()
 
     @property
     def cost(self) -> tuple:
@@ -427,13 +430,14 @@ def _gang_fewest(job, views, m, n, cpu_per, mem_per, members, rooms, ids_of) -> 
 
 
 def _gang_plan(job, views, m, n, cpu_per, mem_per, members, rooms, candidates, valid=None) -> Plan | None:
-    total, victims, first = 0, [], None
+    total, victims, first, used = 0, [], None, []
     for name in sorted(members, key=lambda x: (-rooms[x][0], -rooms[x][1], x)):
         now, most = rooms[name]
         take = min(most, n - total)
         if take <= 0:
             break
         first = first or name
+        used.append(name)
         if now < take:
             tally = GangTally(views[name], job, m, cpu_per, mem_per)
             chosen: list[Victim] = []
@@ -457,7 +461,7 @@ def _gang_plan(job, views, m, n, cpu_per, mem_per, members, rooms, candidates, v
         total += take
     if total < n or not victims:
         return None  # enough without stopping anything is the placement's business, not preemption's
-    return Plan(first, tuple(sorted(victims, key=disruption_order)))
+    return Plan(first, tuple(sorted(victims, key=disruption_order)), tuple(sorted(used)))
 
 
 def gang_room_after(view: node_view.NodeView, job: JobRequested, model_name: str, cpu_per: int, mem_per: int,
