@@ -220,14 +220,21 @@ class Search:
             out.append(((tenant, project), pa.quota))
         return out
 
-    def rule(self, other: JobRecord, key: Claim) -> str | None:
+    def rule(self, other: JobRecord, key: Claim, below: bool | None = None) -> str | None:
         """Whether `other` may be stopped for the preemptor of claim `key`, judged on its own (the plan's other
-        victims aside): "tier" (its claim is below the preemptor's whatever its standing), "reclaim" (only while it
-        stands beyond quota: `valid` checks that holds for the whole plan), or None. Its claim coming back is never
-        above its within-quota one, so a "tier" victim's standing is not worked out."""
-        if may_stop(key, claim(True, other.request.tier, other.reserved)):
+        victims aside): "tier" (its claim is below the preemptor's whatever its standing: `below`), "reclaim" (only
+        while it stands beyond quota: `valid` checks that holds for the whole plan), or None. Its claim coming back
+        is never above its within-quota one, so a "tier" victim's standing is not worked out. `below`: what
+        `below(other, key)` says, when the caller knows it already."""
+        if below if below is not None else self.below(other, key):
             return "tier"
         return "reclaim" if may_stop(key, self.victim_claim(other, self.mine)) else None
+
+    @staticmethod
+    def below(other: JobRecord, key: Claim) -> bool:
+        """Whether `other`'s claim is below `key` whatever its standing (rule "tier"): a function of its tier and
+        whether it is on its reservation alone, facts that stay as they are while it holds capacity."""
+        return may_stop(key, claim(True, other.request.tier, other.reserved))
 
     def groups(self, key: Claim) -> list[tuple[str, int]]:
         """The (tenant, claim group) tables of the victim index that may hold a victim: groups whose weakest claim
