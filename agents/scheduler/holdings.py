@@ -255,6 +255,10 @@ class Holdings:
         # refused as stale): (until_ms, source, job id), their dedupe entries dropped then unless the job is known
         self.strays: list[tuple[int, str, str]] = []
         self.done_now: list[JobRecord] = []  # records set to done in the step under way (buried at its end)
+        # node -> how many times the state or placement of a job holding capacity there changed: what is kept of who
+        # may be stopped on a node is kept while its view object and this count stay the same (a job's state can
+        # change without its node's view: a move leaves the node it stops on as it is until the stop)
+        self.node_jobs: dict[str, int] = {}
 
     # ---------------------------------------------------------------- the write path
 
@@ -272,6 +276,7 @@ class Holdings:
         """The one writer of a record's state; keeps the pending and stopping sets."""
         j = rec.request.job_id
         rec.state = state
+        self._moved(rec)
         if state == "pending":
             self.pending.add(j)
         else:
@@ -282,6 +287,11 @@ class Holdings:
             self.stopping.discard(j)
         if state == "done":
             self.done_now.append(rec)
+
+    def _moved(self, rec: JobRecord) -> None:
+        """A change to the record of a job holding capacity on its parts' nodes (`node_jobs`)."""
+        for part in rec.parts:
+            self.node_jobs[part.node] = self.node_jobs.get(part.node, 0) + 1
 
     def bury(self, rec: JobRecord, until_ms: int | None) -> None:
         """Replace a finished job's record by what is kept of it (Ended), to be forgotten at `until_ms`."""
@@ -426,6 +436,7 @@ class Holdings:
     def _ended(self, rec: JobRecord) -> None:
         """The run holds nothing any more: off every index (the state the policy gives it next)."""
         j = rec.request.job_id
+        self._moved(rec)
         if rec.hold is None:
             self.held_by_tier[TIER_RANK[rec.request.tier]] -= 1
         self.running.pop(j, None)
