@@ -140,10 +140,10 @@ class Sums:
     by_arrival: list[dict[int, list[int]]] = field(default_factory=lambda: [{} for _ in range(GROUPS)])
     _trees: list = field(default_factory=lambda: [None] * GROUPS)
     version: int = 0  # moves on every change: a standing worked out from these sums holds while it does not
-    # the (group, arrival, way) of the latest changes, log[i] the one that made version log_from + i + 1 (way: 1 for
-    # none less, -1 for none more, 0 for more of one and less of the other): a standing worked out at an earlier
-    # version still holds when no change since was ahead of its job the wrong way (`holds_since`)
-    log: list[tuple[int, int, int]] = field(default_factory=list)
+    # the (group, arrival, milli, MiB) of the latest changes, log[i] the one that made version log_from + i + 1: a
+    # standing worked out at an earlier version still holds when the changes since ahead of its job did not move
+    # their holdings by as much as it had to spare (`holds_since`)
+    log: list[tuple[int, int, int, int]] = field(default_factory=list)
     log_from: int = 0
 
     def at_least(self, g: int) -> tuple[int, int]:
@@ -165,19 +165,29 @@ class Sums:
                 i -= i & -i
         return m, mem
 
-    def holds_since(self, version: int, g: int, arrival: int, within: bool) -> bool:
+    def holds_since(self, version: int, g: int, arrival: int, within: bool,
+                    room: tuple[int, int]) -> tuple[int, int] | None:
         """Whether a standing (`within`) worked out at `version` for a job of group g that arrived `arrival`-th still
-        holds: every change since to a holder ahead of it (what `ahead_of` sums for it) held no more, if it stood
-        within (its accounts only gave back), no less if not (they only took more). False when the changes since
-        are no longer all in the log."""
+        holds, and by how much now (None: it may not): `room` (milli, MiB) is by how much it held then
+        (claims.within_by) -- if it stood within, the holders ahead of it (what `ahead_of` sums for it) took no
+        more since than its slack in either unit; if not, they gave back less than it was beyond by in one unit.
+        What they gave back (within) or took (beyond) is not counted: it only helps. None also when the changes
+        since are no longer all in the log."""
         if version < self.log_from:
-            return False
-        keeps = -1 if within else 1
+            return None
+        rm, rmem = room
         for i in range(version - self.log_from, len(self.log)):
-            gg, aa, way = self.log[i]
-            if (gg > g or gg == g and aa < arrival) and way != keeps:
-                return False
-        return True
+            gg, aa, m, mem = self.log[i]
+            if gg > g or gg == g and aa < arrival:
+                if within:
+                    rm, rmem = rm - max(m, 0), rmem - max(mem, 0)
+                    if rm < 0 or rmem < 0:
+                        return None
+                else:
+                    rm, rmem = rm + min(m, 0), rmem + min(mem, 0)
+                    if rm <= 0 and rmem <= 0:
+                        return None
+        return rm, rmem
 
     def add(self, g: int, arrival: int, milli: int, memory: int) -> None:
         """Count a holder's change (holdings._sum, the one writer)."""
@@ -185,7 +195,7 @@ class Sums:
         if len(self.log) >= SUMS_LOG:
             del self.log[:SUMS_LOG // 2]
             self.log_from += SUMS_LOG // 2
-        self.log.append((g, arrival, 1 if milli >= 0 and memory >= 0 else -1 if milli <= 0 and memory <= 0 else 0))
+        self.log.append((g, arrival, milli, memory))
         self.milli[g] += milli
         self.memory[g] += memory
         got = self.by_arrival[g].setdefault(arrival, [0, 0])
