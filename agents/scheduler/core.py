@@ -1136,14 +1136,16 @@ class Scheduler:
     def _victim_ids_on(self, view: node_view.NodeView, search: Search, key=None) -> list[str] | tuple[str, ...]:
         """The ids of `_victims_on`'s victims, without building them (a multi-node gang's plan counts every node's
         room from these, and builds the victims of the nodes it takes from only: ~1,000 nodes per card model).
-        Kept with the view, per claim, while no job record on the node changed (Holdings.node_jobs) -- when they
-        read nothing else: every candidate's claim below `key` whatever its standing, and none protected now (a
+        Kept with the view while no job record on the node changed (Holdings.node_jobs), by the candidates and
+        their `Search.below` (`_judged_on`: searches of other claims often judge a node's candidates alike) -- when
+        they read nothing else: every candidate's claim below whatever its standing, and none protected now (a
         protection only ever ends while a job holds capacity: its stops are the same)."""
         key = key or search.node_key(view)
         if not self.search_memo:
             return [o.request.job_id for o, _ in self._stoppable_on(view, search, key)]
         facts = self._view_facts(view)
-        k = ("ids", search.tables(key), key)
+        judged = self._judged_on(view, search, key)
+        k = ("ids", judged)
         moved = self.h.node_jobs.get(view.node, 0)
         got = facts.get(k)
         if got is not None and got[0] == moved:
@@ -1151,7 +1153,7 @@ class Scheduler:
         ids = tuple(o.request.job_id for o, _ in self._stoppable_on(view, search, key))
         jobs, now, cfg = self.jobs, self.now_ms, self.preemption
         if all(below and not (jobs[j].preempted_at and protected(jobs[j].preempted_at, now, cfg))
-               for j, below in self._judged_on(view, search, key)):
+               for j, below in judged):
             facts[k] = (moved, ids)
         return ids
 
