@@ -1150,12 +1150,29 @@ class Scheduler:
         got = facts.get(k)
         if got is not None and got[0] == moved:
             return got[1]
-        ids = tuple(o.request.job_id for o, _ in self._stoppable_on(view, search, key))
-        jobs, now, cfg = self.jobs, self.now_ms, self.preemption
-        if all(below and not (jobs[j].preempted_at and protected(jobs[j].preempted_at, now, cfg))
-               for j, below in judged):
+        pairs, keep = self._stoppable_kept(view, search, key, judged, moved)
+        ids = tuple(o.request.job_id for o, _ in pairs)
+        if keep:
             facts[k] = (moved, ids)
         return ids
+
+    def _stoppable_kept(self, view: node_view.NodeView, search: Search, key, judged=None, moved=None):
+        """`_stoppable_on`, kept with the view like `_victim_ids_on`'s ids (the same conditions); returns (the
+        pairs, whether they are kept)."""
+        facts = self._view_facts(view)
+        judged = judged if judged is not None else self._judged_on(view, search, key)
+        moved = moved if moved is not None else self.h.node_jobs.get(view.node, 0)
+        k = ("stoppable", judged)
+        got = facts.get(k)
+        if got is not None and got[0] == moved:
+            return got[1], True
+        pairs = tuple(self._stoppable_on(view, search, key))
+        jobs, now, cfg = self.jobs, self.now_ms, self.preemption
+        keep = all(below and not (jobs[j].preempted_at and protected(jobs[j].preempted_at, now, cfg))
+                   for j, below in judged)
+        if keep:
+            facts[k] = (moved, pairs)
+        return pairs, keep
 
     def _stoppable_on(self, view: node_view.NodeView, search: Search, key=None) -> list[tuple[JobRecord, str]]:
         """(job, rule) for each job on this node that may be stopped for the search's job (`_victims_on`): `_rule`
@@ -1315,7 +1332,7 @@ class Scheduler:
             # who may be stopped here, and the work each loses: enough to know whether the node yields a plan
             cands = []
             reclaim = False
-            for o, rule in self._stoppable_on(view, search, key):
+            for o, rule in self._stoppable_kept(view, search, key)[0]:
                 reclaim = reclaim or rule == "reclaim"
                 since = max(o.started_ms, o.checkpoint_ms) if o.state == "running" else now
                 cands.append((o.request.job_id, o, TIER_RANK[o.request.tier], max(0, now - since), rule))
