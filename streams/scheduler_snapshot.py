@@ -68,7 +68,7 @@ UPCASTERS: dict[int, Any] = {}  # format -> fn(doc) -> doc of format+1
 
 # Moved by hand when a change gives fields the state already has another meaning (a memo keyed differently, a unit
 # changed): state_layout sees only the state's shape, and a snapshot whose layout matches is loaded by new code.
-STATE_SEMANTICS = 1
+STATE_SEMANTICS = 2  # 2: a standing memo says by how much (claims.within_by), the sums log the amounts
 
 
 def _state_sources() -> list[Path]:

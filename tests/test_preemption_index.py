@@ -3,7 +3,7 @@ quotas with borrowing, reservations, preemption and requeue), the incrementally 
 the node views, every node where someone may be stopped for a pending job is among the nodes it names, and it names
 them in the scheduler's node order (the order the walk over every node used, so plans and tie-breaks stay the same).
 Who may be stopped is checked against a reference: each job's claim worked out by a walk over every job record
-(claims.py's standings from scratch). The inherited teardown replays the inputs into a fresh scheduler that never
+(claims.py's standings from scratch) -- also as the claim search keeps it per node view across steps. The inherited teardown replays the inputs into a fresh scheduler that never
 syncs between steps: the same outputs show the lazy sync does not change decisions."""
 from hypothesis import settings
 from hypothesis.stateful import invariant
@@ -101,8 +101,16 @@ class VictimIndexMachine(SchedulerMachine):
                 named = list(s._victim_nodes(search, key))
                 assert named == [n for n in order if n in set(named)]
                 for n in order:
-                    assert sorted(s._victims_on(s.nodes[n], search, key), key=lambda v: v.job_id) == sorted(
-                        victims_by_walk(s, s.nodes[n], rec, key), key=lambda v: v.job_id)
+                    view = s.nodes[n]
+                    walk = victims_by_walk(s, view, rec, key)
+                    assert sorted(s._victims_on(view, search, key), key=lambda v: v.job_id) == sorted(
+                        walk, key=lambda v: v.job_id)
+                    # and what the search keeps of them per view (Scheduler._stoppable_kept, _victim_ids_on: kept
+                    # across these steps while the node's view and job records stand still) says the same
+                    assert sorted(s._victim_ids_on(view, search, key)) == sorted(v.job_id for v in walk)
+                    kept, _ = s._stoppable_kept(view, search, key)
+                    assert [(o.request.job_id, rule) for o, rule in kept] == [
+                        (o.request.job_id, rule) for o, rule in s._stoppable_on(view, search, key)]
                 with_victims = [n for n in order if victims_by_walk(s, s.nodes[n], rec, key)]
                 assert set(with_victims) <= set(named), (rec.request.job_id, key)
                 # and the index is tight: a node it names holds work of a (tenant, group) the search picked

@@ -84,6 +84,20 @@ def within(h: Holdings, ledger: Ledger, r: JobRequested, g: int, milli: int, mem
     quota: the holders ahead of it in its account (stronger groups, and its own group's earlier arrivals: the
     tie-break), plus it, fit. `adjust`: (tenant, project, group, arrival, milli, memory) added to the holders
     (negative: taken away) -- the state after a plan; an entry counts when it is ahead of the job."""
+    return within_by(h, ledger, r, g, milli, memory, adjust, arrival)[0]
+
+
+NO_LIMIT = 1 << 62
+
+
+def within_by(h: Holdings, ledger: Ledger, r: JobRequested, g: int, milli: int, memory: int, adjust=(),
+              arrival: int = 1 << 62) -> tuple[bool, int, int]:
+    """`within`, and by how much, in (milli, MiB): while within, how much more the holders ahead of it could hold
+    with it still within (the least slack of its quotas, in each unit; NO_LIMIT where none limits); while beyond,
+    how much less they would have to hold for it to come within in one unit (the most any quota is exceeded by in
+    that unit; 0 or less in a unit no quota is exceeded in) -- it stays beyond while they give back less than
+    that in either unit."""
+    slack_m = slack_mem = NO_LIMIT
     for key, q in _quotas(ledger, r):
         s = h.sums.get(key)
         m, mem = s.ahead_of(g, arrival) if s is not None else (0, 0)
@@ -91,9 +105,12 @@ def within(h: Holdings, ledger: Ledger, r: JobRequested, g: int, milli: int, mem
             if (gg > g or gg == g and aa < arrival) and tenant == key[0] and (key[1] is None or key[1] == project):
                 m += am
                 mem += amem
-        if m + milli > q.gpu_milli or (q.gpu_memory_mib is not None and mem + memory > q.gpu_memory_mib):
-            return False
-    return True
+        slack_m = min(slack_m, q.gpu_milli - m - milli)
+        if q.gpu_memory_mib is not None:
+            slack_mem = min(slack_mem, q.gpu_memory_mib - mem - memory)
+    if slack_m >= 0 and slack_mem >= 0:
+        return True, slack_m, slack_mem
+    return False, -slack_m, -slack_mem
 
 
 def standing_now(h: Holdings, ledger: Ledger, rec: JobRecord) -> bool:
@@ -102,21 +119,24 @@ def standing_now(h: Holdings, ledger: Ledger, rec: JobRecord) -> bool:
         return True
     r = rec.request
     # the queue's order asks for it many times a cycle (every job's key, every nominated job's against each job
-    # behind it): worked out again only when any quota moved, or a holder ahead of it in its accounts (what `within`
-    # sums) took more while it stood within, or gave back while it did not. The tenant's sums tell: every change to
-    # a project's sums changes its tenant's too, for the same holder and amounts (holdings._sum, the one writer,
-    # counts a holder in both)
+    # behind it): worked out again only when any quota moved, or the holders ahead of it in its accounts (what
+    # `within` sums) took more than its slack while it stood within, or gave back as much as it is beyond by while
+    # it did not (`within_by`). The tenant's sums tell: every change to a project's sums changes its tenant's too,
+    # for the same holder and amounts (holdings._sum, the one writer, counts a holder in both), so what the
+    # tenant's holders ahead took or gave back bounds what its project's did
     t = h.sums.get((r.tenant, None))
     version = t.version if t is not None else -1
-    memo = rec.standing_memo
+    memo = rec.standing_memo  # (tenant's sums version, quota version, standing, (by how much: within_by))
     if memo and memo[1] == ledger.quota_version:
         if memo[0] == version:
             return memo[2]
-        if memo[0] >= 0 and t is not None and t.holds_since(memo[0], rec.group, rec.arrival, memo[2]):
-            rec.standing_memo = (version, memo[1], memo[2])
-            return memo[2]
-    got = within(h, ledger, r, rec.group, r.compute_milli, r.gpu_memory_mib, arrival=rec.arrival)
-    rec.standing_memo = (version, ledger.quota_version, got)
+        if memo[0] >= 0 and t is not None:
+            left = t.holds_since(memo[0], rec.group, rec.arrival, memo[2], memo[3])
+            if left is not None:
+                rec.standing_memo = (version, memo[1], memo[2], left)
+                return memo[2]
+    got, m, mem = within_by(h, ledger, r, rec.group, r.compute_milli, r.gpu_memory_mib, arrival=rec.arrival)
+    rec.standing_memo = (version, ledger.quota_version, got, (m, mem))
     return got
 
 
@@ -220,14 +240,21 @@ class Search:
             out.append(((tenant, project), pa.quota))
         return out
 
-    def rule(self, other: JobRecord, key: Claim) -> str | None:
+    def rule(self, other: JobRecord, key: Claim, below: bool | None = None) -> str | None:
         """Whether `other` may be stopped for the preemptor of claim `key`, judged on its own (the plan's other
-        victims aside): "tier" (its claim is below the preemptor's whatever its standing), "reclaim" (only while it
-        stands beyond quota: `valid` checks that holds for the whole plan), or None. Its claim coming back is never
-        above its within-quota one, so a "tier" victim's standing is not worked out."""
-        if may_stop(key, claim(True, other.request.tier, other.reserved)):
+        victims aside): "tier" (its claim is below the preemptor's whatever its standing: `below`), "reclaim" (only
+        while it stands beyond quota: `valid` checks that holds for the whole plan), or None. Its claim coming back
+        is never above its within-quota one, so a "tier" victim's standing is not worked out. `below`: what
+        `below(other, key)` says, when the caller knows it already."""
+        if below if below is not None else self.below(other, key):
             return "tier"
         return "reclaim" if may_stop(key, self.victim_claim(other, self.mine)) else None
+
+    @staticmethod
+    def below(other: JobRecord, key: Claim) -> bool:
+        """Whether `other`'s claim is below `key` whatever its standing (rule "tier"): a function of its tier and
+        whether it is on its reservation alone, facts that stay as they are while it holds capacity."""
+        return may_stop(key, claim(True, other.request.tier, other.reserved))
 
     def groups(self, key: Claim) -> list[tuple[str, int]]:
         """The (tenant, claim group) tables of the victim index that may hold a victim: groups whose weakest claim

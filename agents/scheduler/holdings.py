@@ -140,10 +140,10 @@ class Sums:
     by_arrival: list[dict[int, list[int]]] = field(default_factory=lambda: [{} for _ in range(GROUPS)])
     _trees: list = field(default_factory=lambda: [None] * GROUPS)
     version: int = 0  # moves on every change: a standing worked out from these sums holds while it does not
-    # the (group, arrival, way) of the latest changes, log[i] the one that made version log_from + i + 1 (way: 1 for
-    # none less, -1 for none more, 0 for more of one and less of the other): a standing worked out at an earlier
-    # version still holds when no change since was ahead of its job the wrong way (`holds_since`)
-    log: list[tuple[int, int, int]] = field(default_factory=list)
+    # the (group, arrival, milli, MiB) of the latest changes, log[i] the one that made version log_from + i + 1: a
+    # standing worked out at an earlier version still holds when the changes since ahead of its job did not move
+    # their holdings by as much as it had to spare (`holds_since`)
+    log: list[tuple[int, int, int, int]] = field(default_factory=list)
     log_from: int = 0
 
     def at_least(self, g: int) -> tuple[int, int]:
@@ -165,19 +165,29 @@ class Sums:
                 i -= i & -i
         return m, mem
 
-    def holds_since(self, version: int, g: int, arrival: int, within: bool) -> bool:
+    def holds_since(self, version: int, g: int, arrival: int, within: bool,
+                    room: tuple[int, int]) -> tuple[int, int] | None:
         """Whether a standing (`within`) worked out at `version` for a job of group g that arrived `arrival`-th still
-        holds: every change since to a holder ahead of it (what `ahead_of` sums for it) held no more, if it stood
-        within (its accounts only gave back), no less if not (they only took more). False when the changes since
-        are no longer all in the log."""
+        holds, and by how much now (None: it may not): `room` (milli, MiB) is by how much it held then
+        (claims.within_by) -- if it stood within, the holders ahead of it (what `ahead_of` sums for it) took no
+        more since than its slack in either unit; if not, they gave back less than it was beyond by in one unit.
+        What they gave back (within) or took (beyond) is not counted: it only helps. None also when the changes
+        since are no longer all in the log."""
         if version < self.log_from:
-            return False
-        keeps = -1 if within else 1
+            return None
+        rm, rmem = room
         for i in range(version - self.log_from, len(self.log)):
-            gg, aa, way = self.log[i]
-            if (gg > g or gg == g and aa < arrival) and way != keeps:
-                return False
-        return True
+            gg, aa, m, mem = self.log[i]
+            if gg > g or gg == g and aa < arrival:
+                if within:
+                    rm, rmem = rm - max(m, 0), rmem - max(mem, 0)
+                    if rm < 0 or rmem < 0:
+                        return None
+                else:
+                    rm, rmem = rm + min(m, 0), rmem + min(mem, 0)
+                    if rm <= 0 and rmem <= 0:
+                        return None
+        return rm, rmem
 
     def add(self, g: int, arrival: int, milli: int, memory: int) -> None:
         """Count a holder's change (holdings._sum, the one writer)."""
@@ -185,7 +195,7 @@ class Sums:
         if len(self.log) >= SUMS_LOG:
             del self.log[:SUMS_LOG // 2]
             self.log_from += SUMS_LOG // 2
-        self.log.append((g, arrival, 1 if milli >= 0 and memory >= 0 else -1 if milli <= 0 and memory <= 0 else 0))
+        self.log.append((g, arrival, milli, memory))
         self.milli[g] += milli
         self.memory[g] += memory
         got = self.by_arrival[g].setdefault(arrival, [0, 0])
@@ -255,6 +265,10 @@ class Holdings:
         # refused as stale): (until_ms, source, job id), their dedupe entries dropped then unless the job is known
         self.strays: list[tuple[int, str, str]] = []
         self.done_now: list[JobRecord] = []  # records set to done in the step under way (buried at its end)
+        # node -> how many times the state or placement of a job holding capacity there changed: what is kept of who
+        # may be stopped on a node is kept while its view object and this count stay the same (a job's state can
+        # change without its node's view: a move leaves the node it stops on as it is until the stop)
+        self.node_jobs: dict[str, int] = {}
 
     # ---------------------------------------------------------------- the write path
 
@@ -272,6 +286,7 @@ class Holdings:
         """The one writer of a record's state; keeps the pending and stopping sets."""
         j = rec.request.job_id
         rec.state = state
+        self._moved(rec)
         if state == "pending":
             self.pending.add(j)
         else:
@@ -282,6 +297,11 @@ class Holdings:
             self.stopping.discard(j)
         if state == "done":
             self.done_now.append(rec)
+
+    def _moved(self, rec: JobRecord) -> None:
+        """A change to the record of a job holding capacity on its parts' nodes (`node_jobs`)."""
+        for part in rec.parts:
+            self.node_jobs[part.node] = self.node_jobs.get(part.node, 0) + 1
 
     def bury(self, rec: JobRecord, until_ms: int | None) -> None:
         """Replace a finished job's record by what is kept of it (Ended), to be forgotten at `until_ms`."""
@@ -426,6 +446,7 @@ class Holdings:
     def _ended(self, rec: JobRecord) -> None:
         """The run holds nothing any more: off every index (the state the policy gives it next)."""
         j = rec.request.job_id
+        self._moved(rec)
         if rec.hold is None:
             self.held_by_tier[TIER_RANK[rec.request.tier]] -= 1
         self.running.pop(j, None)

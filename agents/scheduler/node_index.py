@@ -80,6 +80,9 @@ class NodeIndex:
     # node -> (view, {model: when each card that will be completely free is, sorted}): the explanation's ExpectedFree
     # (placement._expected_free) on this exact view
     free_at_cache: dict[str, tuple] = field(default_factory=dict)
+    # node -> (view, {(job shape, models tried): why it does not take such a job}): the explanation's answer per
+    # node (placement._unschedulable) on this exact view
+    why_cache: dict[str, tuple] = field(default_factory=dict)
     _capacity_basis: dict[str, tuple] = field(default_factory=dict)  # node -> what its `cu` was computed from
     # node -> (cards per model, CPU, host memory) of its inventory: what it could ever host (scarcity weights)
     hosts: dict[str, tuple] = field(default_factory=dict)
@@ -106,6 +109,7 @@ class NodeIndex:
     def update(self, v: NodeView) -> None:
         self.fit_cache.pop(v.node, None)
         self.free_at_cache.pop(v.node, None)
+        self.why_cache.pop(v.node, None)
         self._capacity(v)
         new = _keys(v)
         old = self.keys.get(v.node)

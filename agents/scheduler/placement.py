@@ -663,20 +663,29 @@ def _free_at(index: NodeIndex | None, v: NodeView) -> dict[str, list[int]]:
 
 
 def _expected_free(views: dict[str, NodeView], job: JobRequested, order: list[str], nodes,
-                   index: NodeIndex | None = None) -> Reason | None:
+                   index: NodeIndex | None = None, shape: tuple | None = None) -> Reason | None:
     """What would free capacity: the earliest time one of these nodes is expected to have enough completely free
-    cards of an allowed model for the job, from the stated durations of the work holding them."""
+    cards of an allowed model for the job, from the stated durations of the work holding them. `shape`: the job's
+    key in `NodeIndex.why_cache` (`_unschedulable`), where each node's earliest (time, model) is kept per view."""
     best: tuple[int, str, str] | None = None
     needed = [(m, cards_needed(job.compute_milli, job.gpu_memory_mib, m)) for m in order]  # the same for every node
+    key = ("free", shape)
     for name in nodes:
         v = views[name]
-        if _rejects(v, job, skip_host=True):
-            continue
-        free_at = _free_at(index, v)
-        for m, n in needed:
-            times = free_at.get(m, ())
-            if len(times) >= n and (best is None or (times[n - 1], name, m) < best):
-                best = (times[n - 1], name, m)
+        known = _view_memo(index, v) if shape is not None and index is not None else None
+        mine = known.get(key, False) if known is not None else False
+        if mine is False:  # the node's earliest (time, model), or None
+            mine = None
+            if not _rejects(v, job, skip_host=True):
+                free_at = _free_at(index, v)
+                for m, n in needed:
+                    times = free_at.get(m, ())
+                    if len(times) >= n and (mine is None or (times[n - 1], m) < mine):
+                        mine = (times[n - 1], m)
+            if known is not None:
+                known[key] = mine
+        if mine is not None and (best is None or (mine[0], name, mine[1]) < best):
+            best = (mine[0], name, mine[1])
     if best is None:
         return None
     at, name, m = best
@@ -684,7 +693,16 @@ def _expected_free(views: dict[str, NodeView], job: JobRequested, order: list[st
                   message=f"{name} is expected to have room for it at {at} ms (from running jobs' stated durations)")
 
 
+def _view_memo(index: NodeIndex, v: NodeView) -> dict:
+    """What the explanation keeps of this exact view (`NodeIndex.why_cache`): answers by job shape."""
+    entry = index.why_cache.get(v.node)
+    if entry is None or entry[0] is not v:
+        entry = index.why_cache[v.node] = (v, {})
+    return entry[1]
+
+
 EXPLAIN_LIMIT = 64  # nodes checked one by one to explain a failure; the rest are counted from the index
+EXPLAIN_MEMO = True  # each node's answer kept per view (`_view_memo`); off: worked out every time (the tests' reference)
 
 
 def _unschedulable(index: NodeIndex, views: dict[str, NodeView], job: JobRequested,
@@ -692,14 +710,28 @@ def _unschedulable(index: NodeIndex, views: dict[str, NodeView], job: JobRequest
     """Why no node fits. The nodes looked at say why; down nodes and up to EXPLAIN_LIMIT others are checked one by
     one; beyond that, nodes the index holds in no bucket that could take the job are counted as InsufficientGPU."""
     order = allowed_models(index, job)
+    # a node's answer is a function of its view and of what the filters and fit_cards read of the job: kept per view
+    # (`NodeIndex.why_cache`) for a job without constraints, by its shape and the models tried -- each waiting victim
+    # is explained once, against the same first EXPLAIN_LIMIT nodes, most of them unchanged since the last one
+    shape = (job.compute_milli, job.gpu_memory_mib, job.cpu_milli, job.memory_mib, job.gang, job.isolation_asked,
+             tuple(order)) if EXPLAIN_MEMO and job.constraints == _NO_CONSTRAINTS else None
 
     def check(name: str) -> None:
         seen.add(name)
         v = views[name]
+        known = None
+        if shape is not None:
+            known = _view_memo(index, v)
+            why = known.get(shape)
+            if why is not None:
+                rejected.setdefault(why, []).append(name)
+                return
         why = _rejects(v, job)
         if why is None:
             fit = fit_cards(v, job, order)
             why = ("GpuFit", fit if isinstance(fit, str) else "InsufficientGPU")
+        if known is not None:
+            known[shape] = why
         rejected.setdefault(why, []).append(name)
 
     down = index.down
@@ -720,7 +752,7 @@ def _unschedulable(index: NodeIndex, views: dict[str, NodeView], job: JobRequest
         count = len(ns) + (extra if (plugin, code) == ("GpuFit", "InsufficientGPU") else 0)
         reasons.append(Reason(code=code, plugin=plugin, nodes=tuple(ns[:20]), data={"count": count},
                               message=f"{count} node(s) rejected by {plugin}: {code}"))
-    freeing = _expected_free(views, job, order, rejected.get(("GpuFit", "InsufficientGPU"), ()), index)
+    freeing = _expected_free(views, job, order, rejected.get(("GpuFit", "InsufficientGPU"), ()), index, shape)
     if freeing is not None:
         reasons.append(freeing)
     return Unschedulable(tuple(reasons) or (Reason(code="NoNodes", message="the pool has no nodes"),))
