@@ -128,6 +128,8 @@ def _plan_over_by_trials(job, pairs, limit=None):
                     rest = [c for c in chosen if c is not extra]
                     if ok(view, rest):
                         chosen = rest
+                if not chosen:
+                    break  # it fits with nobody stopped: no plan (preemption.least_disruptive)
                 plan = Plan(view.node, tuple(sorted(chosen, key=disruption_order)))
                 if best is None or plan.cost < best.cost:
                     best = plan

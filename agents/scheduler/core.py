@@ -1331,6 +1331,13 @@ class Scheduler:
                 ok = facts[ids_key] = room.fits_without(ids)
             if not ok:
                 continue
+            # a node where it fits with nobody gone yields no plan (least_disruptive), and is not counted as one
+            none_key = (what, ())
+            free = facts.get(none_key)
+            if free is None:
+                free = facts[none_key] = room.fits_without(())
+            if free:
+                continue
             # who may be stopped here, and the work each loses: enough to know whether the node yields a plan
             cands = []
             reclaim = False

@@ -138,7 +138,7 @@ def plan_over(job: JobRequested, pairs, limit: int | None = None) -> Plan | None
 
 def least_disruptive(room: "Room", ordered, valid=None) -> list | None:
     """One node's plan: victims taken least disruptive first (`ordered`: in disruption order) until the job fits
-    (the room's tally follows what is chosen), then pruned; None when it never fits. A victim is anything with
+    (the room's tally follows what is chosen), then pruned; None when it never fits, or fits with none of them. A victim is anything with
     `job_id` and `rule`; `valid` as in plan_over."""
     room.start()
     chosen: list = []
@@ -156,7 +156,9 @@ def least_disruptive(room: "Room", ordered, valid=None) -> list | None:
                     chosen = [c for c in chosen if c is not extra]
                 else:
                     room.add(extra.job_id)
-            return chosen
+            # none left: the job fits there with nobody stopped, yet the placement did not take it (a node claimed
+            # by a job ahead of it): stopping nobody is no plan
+            return chosen or None
     return None
 
 
