@@ -50,7 +50,8 @@ def agent_answer(s, p, stop_delay_ms: int = 500):
 
 def drive(fleet, quota, reqs, stop_delay_ms=500):
     """Run the scheduler with prompt agents until nothing is left to answer; returns (scheduler, clock, outputs
-    in order with their log time, the number of requests)."""
+    in order with their log time, the number of requests). `fleet`: GPUs per node, or (GPUs, rack); `reqs`:
+    (tenant, tier, (milli-CU, GiB)[, project], gap before it arrives in steps of the agents' loop)."""
     clock = Clock()
     s = Scheduler(ledger=Ledger(default_quota_milli=None), usage_tick_ms=10**12)
     cfg = s.preemption
@@ -73,15 +74,14 @@ def drive(fleet, quota, reqs, stop_delay_ms=500):
             clock.now += max(cfg.victim_quiet_ms, cfg.protect_ms) + 1
             env = clock.env(SchedulerTick(now_ms=clock.now), "tick")
             quiet_ticks += 1
-        elif pending_reqs and (not answers or pending_reqs[0][3] == 0):
-            tenant, tier, (milli, gib), _ = pending_reqs.popleft()
+        elif pending_reqs and (not answers or pending_reqs[0][-1] == 0):
+            tenant, tier, (milli, gib), *project, _ = pending_reqs.popleft()
             n += 1
-            env = clock.env(job(f"j{n}", tenant, milli, gib, tier=tier, duration=None, checkpoint_interval_s=60),
-                            f"cli/j{n}", dt=1000)
+            env = clock.env(job(f"j{n}", tenant, milli, gib, tier=tier, duration=None, checkpoint_interval_s=60,
+                                **({"project": project[0]} if project else {})), f"cli/j{n}", dt=1000)
         else:
             if pending_reqs:
-                t, tier, size, gap = pending_reqs[0]
-                pending_reqs[0] = (t, tier, size, gap - 1)
+                pending_reqs[0] = (*pending_reqs[0][:-1], pending_reqs[0][-1] - 1)
             payload, src, dt = answers.popleft()
             env = clock.env(payload, src, dt=dt)
         outs = s.step(env)

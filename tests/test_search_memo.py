@@ -9,7 +9,6 @@ same way, the candidates' standings read from their memos in one pass, and `plan
 plan cannot be cheaper than the best one (`_gang_fewest`)."""
 from __future__ import annotations
 
-from collections import deque
 from contextlib import contextmanager
 
 import pytest
@@ -17,16 +16,13 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import invariant
 
-from agents.node.fleet import make_node
 from agents.scheduler import core
 from agents.scheduler.claims import Search
 from agents.scheduler.core import Scheduler
 from agents.scheduler.placement import allowed_models
 from agents.scheduler.preemption import Shape, plan_gang
-from agents.scheduler.quota import Ledger
-from schemas.events import PreemptJob, QuotaSet, SchedulerTick, Tier
-from tests.builders import Clock, job
-from tests.test_claim_properties import agent_answer
+from schemas.events import PreemptJob, Tier
+from tests.test_claim_properties import drive as claim_drive
 from tests.test_scheduler_invariants import SchedulerMachine
 
 TIERS = (Tier.INFERENCE, Tier.ONLINE_TRAINING, Tier.OFFLINE)
@@ -65,48 +61,8 @@ def search_memo_off():
 
 
 def drive(fleet, quota, reqs, stop_delay_ms=500):
-    """tests/test_claim_properties.drive with racks and projects: prompt agents, nothing completes; the outputs in
-    order with their log time."""
-    clock = Clock()
-    s = Scheduler(ledger=Ledger(default_quota_milli=None), usage_tick_ms=10**12)
-    cfg = s.preemption
-    for i, (gpus, rack) in enumerate(fleet):
-        s.step(clock.env(make_node(f"n{i}", "A100-80GB", gpus, rack=f"rack-{rack}"), f"n{i}/inventory"))
-    for tenant, (milli, pct) in sorted(quota.items()):
-        s.step(clock.env(QuotaSet(tenant=tenant, gpu_milli=milli, overcommit_pct=pct), "operator"))
-    log: list[tuple[int, object]] = []
-    answers: deque = deque()
-    pending_reqs = deque(reqs)
-    n = steps = quiet_ticks = 0
-    while pending_reqs or answers or quiet_ticks < 2:
-        steps += 1
-        # every run settles (a multi-node gang that claimed only the nodes it stopped work on did not, before
-        # e2141aa: test_claim_properties.test_a_gang_claims_the_free_cards_it_counts_on_...)
-        assert steps <= 3000, "no convergence"
-        if not pending_reqs and not answers:
-            clock.now += max(cfg.victim_quiet_ms, cfg.protect_ms) + 1
-            env = clock.env(SchedulerTick(now_ms=clock.now), "tick")
-            quiet_ticks += 1
-        elif pending_reqs and (not answers or pending_reqs[0][4] == 0):
-            tenant, tier, (milli, gib), project, _ = pending_reqs.popleft()
-            n += 1
-            env = clock.env(job(f"j{n}", tenant, milli, gib, tier=tier, duration=None, checkpoint_interval_s=60,
-                                project=project), f"cli/j{n}", dt=1000)
-        else:
-            if pending_reqs:
-                t, tier, size, project, gap = pending_reqs[0]
-                pending_reqs[0] = (t, tier, size, project, gap - 1)
-            payload, src, dt = answers.popleft()
-            env = clock.env(payload, src, dt=dt)
-        outs = s.step(env)
-        if outs and isinstance(env.payload, SchedulerTick):
-            quiet_ticks = 0
-        for o in outs:
-            log.append((clock.now, o.payload))
-            got = agent_answer(s, o.payload, stop_delay_ms)
-            if got is not None:
-                answers.append(got)
-    return log
+    """tests/test_claim_properties.drive (racks and projects given): the outputs in order with their log time."""
+    return claim_drive(fleet, quota, reqs, stop_delay_ms)[2]
 
 
 # multi-node gangs: small nodes over a few racks, and requests of four and eight cards among the rest
