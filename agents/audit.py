@@ -478,6 +478,8 @@ def export(cfg, tenant: str, out: Path, window: tuple[int | None, int | None], k
             if cur is None or (env.event_time_ms, env.seq) >= (cur.event_time_ms, cur.seq):
                 latest[env.payload.node] = env
     report = verification(cfg, window)
+    if not report["ok"]:  # the pack records it; whoever ran the export is told why at once
+        print("\n".join(report["lines"]), file=sys.stderr)
     summary = evidence.write_pack(client, tenant, out, window[0], window[1], report,
                                   evidence.signing_key(cfg.home, key), list(latest.values()),
                                   [f for f in facts if f[3].kind != "node.inventory"])

@@ -24,7 +24,7 @@ def cli(stack, *argv: str, user: str | None = None, check: bool = True) -> str |
                          timeout=120)
     if not check:
         return out
-    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.returncode == 0, out.stderr[-3000:] + "\n--- stdout ---\n" + out.stdout[-3000:]
     return out.stdout
 
 
