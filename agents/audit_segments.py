@@ -438,16 +438,20 @@ def verify_source(src, jobs: int = 1, window=(None, None), offsets=(None, None),
     sink's acknowledged offsets per (topic, partition) (then each result carries its usage events for the bill);
     `on_result(Result)`: called per segment, in order. Returns the verdict as data and its lines."""
     t0 = time.monotonic()
-    committed, end = src.committed(), src.input_end()
-    snaps = src.snapshots()
-    segs = plan(snaps, end)
-    chosen = covering(segs, offsets, window)
-    unusable = [s for s in snaps if not s.usable]
+    committed = src.committed()
     spill = tempfile.mkdtemp(prefix="gpupool-audit-")
     try:
         t = time.monotonic()
         outside, n_out = spill_outputs(src.read_outputs(), spill, window, bucket)
         prepass_s = time.monotonic() - t
+        # the input's end is read after the outputs (agents/audit.read_log's order): every recorded output's input
+        # is then below it. Read before, a live scheduler's outputs of inputs (ticks) that came in between were
+        # "extra" (a CI failure of test_security.test_the_authenticated_actor_is_recorded)
+        end = src.input_end()
+        snaps = src.snapshots()
+        segs = plan(snaps, end)
+        chosen = covering(segs, offsets, window)
+        unusable = [s for s in snaps if not s.usable]
         ids = {s.index for s in chosen}
         tasks = [Task(s, src.spec(), committed, window, offsets, spill, sink,
                       digest_start=s.start_snap is not None and s.index - 1 in ids,
