@@ -138,8 +138,8 @@ def plan_over(job: JobRequested, pairs, limit: int | None = None) -> Plan | None
 
 def least_disruptive(room: "Room", ordered, valid=None) -> list | None:
     """One node's plan: victims taken least disruptive first (`ordered`: in disruption order) until the job fits
-    (the room's tally follows what is chosen), then pruned; None when it never fits, or fits with none of them. A victim is anything with
-    `job_id` and `rule`; `valid` as in plan_over."""
+    (the room's tally follows what is chosen), then pruned; None when it never fits, or fits with none of them. A
+    victim is anything with `job_id` and `rule`; `valid` as in plan_over."""
     room.start()
     chosen: list = []
     for v in ordered:
