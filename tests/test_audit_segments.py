@@ -292,3 +292,35 @@ def test_the_verdict_names_the_code_an_upgrade_took_over_from():
                and "--to" in ln for ln in lines), lines
     assert not any("took over" in ln for ln in code_lines([snap_info(186, snapshot.dump(ElasticScheduler(), 186, 0),
                                                                      "f")], ok=True))
+
+
+def test_outputs_of_an_input_stepped_while_the_outputs_are_read_are_not_extra(clean_log, tmp_path):
+    """A live scheduler keeps stepping inputs (ticks) while the audit reads its log. verify_source reads the
+    recorded outputs, then the input's end (agents/audit.read_log's order), so every output it read has its input
+    below that end. Here the log grows by one input and that input's outputs the moment the outputs are read: read
+    in the other order (before 7dfffbe), the end was taken before the growth and those outputs were "extra"."""
+    d = copy_log(clean_log, tmp_path / "log")
+    log = FileLog(d)
+    replayed = replay_records([r for chunk in log.read_input(0, log.input_end(), 10_000) for r in chunk])
+    last = max(off for off, _ in replayed)  # the last input with outputs: the one stepped during the read
+    tail = {env.event_id for off, env in replayed if off == last}
+    grown = list(log.read_outputs())
+    meta = d / "meta.json"
+    rewrite_outputs(d, lambda recs: [r for r in recs if decode(r.value).event_id not in tail])
+    meta.write_text(orjson.dumps({"records": last, "committed": last}).decode())
+
+    class Live(FileLog):
+        def read_outputs(self):
+            # the scheduler steps input `last` and records its outputs (its offset is not committed yet)
+            rewrite_outputs(self.dir, lambda _: grown)
+            meta.write_text(orjson.dumps({"records": last + 1, "committed": last}).decode())
+            self._meta = FileLog(self.dir)._meta
+            return super().read_outputs()
+
+    res = seg.verify_source(Live(d), jobs=1)
+    assert res["ok"], res["lines"]
+    assert res["input_records"] == last + 1 and res["committed_offset"] == last
+    # the end taken before the growth: the new input's outputs are extra (what the racy order reported)
+    meta.write_text(orjson.dumps({"records": last, "committed": last}).decode())
+    stale = seg.verify_source(FileLog(d), jobs=1)
+    assert not stale["ok"] and len(stale["report"].extra) == len(tail) > 0
