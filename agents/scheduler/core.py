@@ -125,6 +125,7 @@ class Scheduler:
         self._parked_of: dict[str, dict[str, None]] = {}  # tenant -> its parked jobs
         self._park_keys: dict[str, tuple] = {}
         self._park_keys_at: dict[str, tuple[int, int]] = {}  # tenant -> (its sums' version, quota version) of the keys
+        self._unsettled: set[str] = set()  # tenants whose parked jobs' places are worked out when needed (_settle)
         self._park_until: list[tuple[int, str]] = []
         self._unclosed: set[str] = set()  # nodes that may no longer be closed to a parked job (claims, bars ended)
         self._park_mark = (0, 0)  # (node epoch, quota version) the parked jobs were parked under
@@ -165,6 +166,8 @@ class Scheduler:
                        correlation_id=getattr(payload, "job_id", None))
         out.append(env)
         if env.is_command:
+            if self._unsettled:
+                self._settle_for(getattr(payload, "job_id", ""))
             self.h.apply(env)
 
     def _command_id(self) -> str:
@@ -437,6 +440,8 @@ class Scheduler:
         self._uncharge(rec)  # it lets go of what was freed for it
         if rec.placement is None:
             return
+        if self._unsettled:
+            self._settle_for(rec.request.job_id)
         self.epoch += 1  # capacity freed: the whole queue may fit differently
         borrowed, milli, memory = rec.placement.borrowed, rec.held_milli, rec.held_memory_mib
         for part in rec.parts:
@@ -751,6 +756,7 @@ class Scheduler:
                         self._pending(out, cause, rec, quota.reasons)
                     continue
             self._bind(out, cause, rec, result, quota, holding)
+        self._unsettled.clear()  # the places are needed in this cycle only
 
     def _park(self, rec: JobRecord, standing: bool) -> None:
         """`rec`, in its quiet window, was not placed: it leaves the queue (`_wake` says when it comes back). Not a
@@ -791,30 +797,51 @@ class Scheduler:
         return None
 
     def _park_places(self) -> None:
-        """At a full cycle's start: each parked job's place in the queue's order as it stands now (`_queue_key`),
-        worked out again for the tenants whose sums or quotas moved since (a standing is a function of those)."""
+        """At a full cycle's start: each parked job's place in the queue's order as it stands now (`_queue_key`) is
+        needed only if something in this cycle wakes it (`_woken`). For the tenants whose sums or quotas moved since
+        their jobs' places were worked out (a standing is a function of those), it is worked out then -- or, should
+        the cycle change the tenant's sums first, just before (`_settle`): as of the cycle's start either way."""
         qv = self.ledger.quota_version
-        for tenant, mine in list(self._parked_of.items()):
-            s = self.h.sums.get((tenant, None))
-            at = (s.version if s is not None else -1, qv)
-            if self._park_keys_at.get(tenant) == at:
-                continue
-            for j in list(mine):
-                rec = self.jobs.get(j)
-                if rec is None or rec.state != "pending":
-                    self._unpark(j)  # cancelled, judged unsatisfiable: it left the queue
-                else:
-                    self._park_keys[j] = self._queue_key(rec)
-            if tenant in self._parked_of:
-                self._park_keys_at[tenant] = at
+        sums = self.h.sums
+        self._unsettled.clear()
+        for tenant in self._parked_of:
+            s = sums.get((tenant, None))
+            if self._park_keys_at.get(tenant) != (s.version if s is not None else -1, qv):
+                self._unsettled.add(tenant)
+
+    def _settle(self, tenant: str) -> None:
+        """The places of `tenant`'s parked jobs, as they stand now: before this cycle changes its sums."""
+        self._unsettled.discard(tenant)
+        mine = self._parked_of.get(tenant)
+        if not mine:
+            return
+        s = self.h.sums.get((tenant, None))
+        for j in list(mine):
+            rec = self.jobs.get(j)
+            if rec is None or rec.state != "pending":
+                self._unpark(j)  # cancelled, judged unsatisfiable: it left the queue
+            else:
+                self._park_keys[j] = self._queue_key(rec)
+        if tenant in self._parked_of:
+            self._park_keys_at[tenant] = (s.version if s is not None else -1, self.ledger.quota_version)
+
+    def _settle_for(self, job_id: str) -> None:
+        """Before a command or fact about `job_id` changes its tenant's sums in a cycle (`_park_places`)."""
+        if self._unsettled:
+            rec = self.jobs.get(job_id)
+            if rec is not None and rec.request.tenant in self._unsettled:
+                self._settle(rec.request.tenant)
 
     def _woken(self) -> list[tuple[tuple, JobRecord]]:
         """(place in the queue at this cycle's start, job) of the jobs parked before this cycle that `_wake` woke."""
         out = []
         for j, (cycle, key) in self._wake().items():
             rec = self.jobs.get(j)
-            if cycle != self.cycle and key is not None and rec is not None and rec.state == "pending":
-                out.append((key, rec))
+            if cycle != self.cycle and rec is not None and rec.state == "pending":
+                if rec.request.tenant in self._unsettled:  # its tenant's sums have not moved in this cycle
+                    key = self._queue_key(rec)
+                if key is not None:
+                    out.append((key, rec))
         return out
 
     def _wake(self) -> dict[str, tuple]:
@@ -846,7 +873,17 @@ class Scheduler:
                         woken[j] = got
                 opened = h.opened
                 if opened:
+                    claimed = None
                     for closed in [c for c in self._parked_by if not opened <= c]:
+                        extra = opened - closed
+                        claimed = self._claimed_all() if claimed is None else claimed
+                        if extra <= claimed:
+                            # every node that opened for them is claimed by a nominated job, ahead of every job
+                            # not nominated: still closed to them. They stay parked, closed to those nodes too, so
+                            # the claim's end wakes them (`_unclosed`) -- a stop on a node its preemptor claims
+                            # woke every victim parked before the claim, to fail and park again
+                            self._reclose(closed, closed | extra)
+                            continue
                         for j in list(self._parked_by[closed]):
                             woken[j] = self._unpark(j)
                 if self._unclosed:
@@ -862,6 +899,16 @@ class Scheduler:
         self._flush = False
         self._park_mark = mark
         return woken
+
+    def _reclose(self, closed: frozenset[str], wider: frozenset[str]) -> None:
+        """The jobs parked closed to `closed` are closed to `wider` now (a superset): what wakes them follows."""
+        moved = self._parked_by.pop(closed)
+        into = self._parked_by.setdefault(wider, {})
+        parked = self.parked
+        for j in moved:
+            into[j] = None
+            p = parked[j]
+            parked[j] = (wider, p[1], p[2])
 
     def _barred_at_best(self, node: str, tier: Tier) -> bool:
         """Whether `node` is barred to quiet jobs of this tier even when they stand within quota (`_barred`)."""
@@ -992,6 +1039,8 @@ class Scheduler:
                 cmd = PlaceJob(command_id=f"hold-{r.job_id}-{i}", job_id=r.job_id, tenant=r.tenant, node=part.node,
                                assignments=part.assignments, cpu_milli=part.cpu_milli, memory_mib=part.memory_mib,
                                borrowed=quota.borrowed, gang_size=gang, gang_index=i, gang_nodes=nodes)
+                if self._unsettled:
+                    self._settle_for(r.job_id)
                 self.h.apply(envelope(cmd, source=SOURCE, seq=self._hold_seq(), time_ms=self.now_ms))
                 cmds.append(cmd)
                 continue
@@ -1338,22 +1387,33 @@ class Scheduler:
                 free = facts[none_key] = room.fits_without(())
             if free:
                 continue
-            # who may be stopped here, and the work each loses: enough to know whether the node yields a plan
-            cands = []
-            reclaim = False
-            for o, rule in self._stoppable_kept(view, search, key)[0]:
-                reclaim = reclaim or rule == "reclaim"
-                since = max(o.started_ms, o.checkpoint_ms) if o.state == "running" else now
-                cands.append((o.request.job_id, o, TIER_RANK[o.request.tier], max(0, now - since), rule))
-            if not cands:
+            # who may be stopped here (kept with the view, `_stoppable_kept`), and what of each does not move while
+            # that is kept: its id, tier, the account its standing is read in; the work each loses is read now
+            pairs = self._stoppable_kept(view, search, key)[0]
+            if not pairs:
                 continue
-            if len(cands) != len(ids):
-                got_key = (what, tuple(c[0] for c in cands))
+            got = facts.get("rows")
+            if got is None or got[0] is not pairs:
+                rows = tuple((o.request.job_id, o, TIER_RANK[o.request.tier], rule,
+                              (o.request.tenant, o.request.project, o.group)) for o, rule in pairs)
+                accounts: dict[tuple, list[int]] = {}
+                for _, o, _, rule, k in rows:
+                    a = accounts.setdefault(k, [0, 0])
+                    a[0], a[1] = max(a[0], o.request.compute_milli), max(a[1], o.request.gpu_memory_mib)
+                got = facts["rows"] = (pairs, rows, tuple(c[0] for c in rows), any(c[3] == "reclaim" for c in rows),
+                                       tuple((k, a[0], a[1]) for k, a in accounts.items()))
+            rows, cand_ids, reclaim, accounts = got[1], got[2], got[3], got[4]
+            if len(rows) != len(ids):
+                got_key = (what, cand_ids)
                 ok = facts.get(got_key)
                 if ok is None:
-                    ok = facts[got_key] = room.fits_without(got_key[1])
+                    ok = facts[got_key] = room.fits_without(cand_ids)
                 if not ok:
                     continue
+            lost_of = []
+            for _, o, _, _, _ in rows:
+                since = max(o.started_ms, o.checkpoint_ms) if o.state == "running" else now
+                lost_of.append(now - since if since < now else 0)
             if keep and not reclaim and best_cost is not None:
                 # It yields a plan (the job fits with them all gone, and no victim's account is asked: the choice
                 # adds victims until it fits). Whether that plan could be cheaper than the best so far, before any
@@ -1361,8 +1421,8 @@ class Scheduler:
                 # or more.
                 if best_cost[0] == 1:
                     cheaper = False  # a job that loses no more than the best plan's victim and alone makes room
-                    for c in cands:
-                        if c[3] <= best_cost[1]:
+                    for c, lost in zip(rows, lost_of):
+                        if lost <= best_cost[1]:
                             one = ("one", sk, c[0])
                             alone = facts.get(one)
                             if alone is None:
@@ -1375,19 +1435,27 @@ class Scheduler:
                         if found >= limit:
                             break
                         continue
+            # each one's standing coming back (Search.victim_claim): none is asked when every account's largest job
+            # here is sure to stand within (surely_within: its stronger and equal holders, the preemptor and it fit)
+            surely_all = True
+            for k, most_m, most_mem in accounts:
+                sl = slack[k] if k in slack else surely(*k)
+                if most_m > sl[0] or most_mem > sl[1]:
+                    surely_all = False
+                    break
             entries = []
-            for j, o, tr, lost, rule in cands:
-                if rule == "reclaim":
-                    entries.append((0, -tr, lost, j, rule))
+            for (j, o, tr, rule, k), lost in zip(rows, lost_of):
+                if rule == "reclaim" or surely_all:
+                    entries.append((0 if rule == "reclaim" else 1, -tr, lost, j, rule))
                     continue
-                # its standing coming back (Search.victim_claim), its memos read here first: a reserved job and
-                # an account no quota bounds stand within; another tenant's job stands as it stands now
-                # (standing_now's memo, while its tenant's sums and the quotas have not moved)
+                # its memos read here first: a reserved job and an account no quota bounds stand within; another
+                # tenant's job stands as it stands now (standing_now's memo, while its tenant's sums and the quotas
+                # have not moved)
                 req = o.request
                 if o.reserved or bounded.get((req.tenant, req.project)) is False:
                     borrowed = False
-                elif (req.compute_milli <= (sl := slack[k] if (k := (req.tenant, req.project, o.group)) in slack
-                                            else surely(*k))[0] and req.gpu_memory_mib <= sl[1]):
+                elif (req.compute_milli <= (sl := slack[k] if k in slack else surely(*k))[0]
+                      and req.gpu_memory_mib <= sl[1]):
                     borrowed = False  # its account's stronger and equal holders, the preemptor and it fit
                 else:
                     sm = o.standing_memo
