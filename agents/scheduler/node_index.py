@@ -87,6 +87,7 @@ class NodeIndex:
     # node -> (cards per model, CPU, host memory) of its inventory: what it could ever host (scarcity weights)
     hosts: dict[str, tuple] = field(default_factory=dict)
     hosts_version: int = 0
+    _with_model: tuple[int, dict[str, frozenset[str]]] = (-1, {})  # (hosts_version, model -> nodes with such cards)
 
     def copy(self) -> "NodeIndex":
         """An independent copy (bucket dicts copied, order kept) that can be updated without touching this one."""
@@ -152,6 +153,19 @@ class NodeIndex:
             if host is not None and self.hosts.get(v.node) != host:
                 self.hosts[v.node] = host
                 self.hosts_version += 1
+
+    def with_model(self, model_name: str) -> frozenset[str]:
+        """The nodes whose inventory has cards of this model (removed nodes aside): a superset of the nodes with a
+        healthy card of it, kept while no inventory changes."""
+        v, got = self._with_model
+        if v != self.hosts_version:
+            got = {}
+            for node, host in self.hosts.items():
+                for name, _ in host[0]:
+                    got.setdefault(name, set()).add(node)
+            got = {name: frozenset(ns) for name, ns in got.items()}
+            self._with_model = (self.hosts_version, got)
+        return got.get(model_name, frozenset())
 
     def _share_states(self, model_name: str) -> list[tuple[int, int, int, int]]:
         if self._shares is None:

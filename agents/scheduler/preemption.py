@@ -353,14 +353,24 @@ def plan_gang(job: JobRequested, views: dict[str, node_view.NodeView], index: No
             continue
         cpu_per, mem_per = -(-job.cpu_milli // n), -(-job.memory_mib // n)
         free = {name for name, _ in index.whole_free(m)}
-        names = sorted(set(candidates) | free)
+        # a node without cards of this model has no room whoever stops (removed nodes: NodeReady says so too)
+        names = sorted((set(candidates) | free) & index.with_model(m))
         rooms: dict[str, tuple[int, int]] = {}
         for name in names:
             view = views[name]
             if m not in view.fit_summary.by_model:
                 continue  # no healthy plain card of this model: no room whoever stops (the same cards after it)
-            if any(f(view, job) for f in NODE_FILTERS):
-                continue
+            if facts is None:
+                if any(f(view, job) for f in NODE_FILTERS):
+                    continue
+            else:
+                kept = facts(view)
+                k = ("filters", c)  # what they read: the view, and of the job its constraints alone
+                rejected = kept.get(k)
+                if rejected is None:
+                    rejected = kept[k] = any(f(view, job) for f in NODE_FILTERS)
+                if rejected:
+                    continue
             ids = ids_of(name)
             if not ids and name not in free:
                 continue  # nobody to stop there and no free card (`candidates` may name nodes that hold nobody)
@@ -388,7 +398,7 @@ def plan_gang(job: JobRequested, views: dict[str, node_view.NodeView], index: No
             best: Plan | None = None
             for members in group_by(level, rooms, views):
                 if bound and best is not None and _gang_fewest(job, views, m, n, cpu_per, mem_per, members, rooms,
-                                                     ids_of) > best.cost[0]:
+                                                     ids_of, facts, allowed) > best.cost[0]:
                     continue  # its plan would stop more jobs than the best one: it cannot be cheaper
                 plan = _gang_plan(job, views, m, n, cpu_per, mem_per, members, rooms, candidates, valid)
                 if plan is not None and (best is None or plan.cost < best.cost):
@@ -398,11 +408,12 @@ def plan_gang(job: JobRequested, views: dict[str, node_view.NodeView], index: No
     return None
 
 
-def _gang_fewest(job, views, m, n, cpu_per, mem_per, members, rooms, ids_of) -> int | float:
+def _gang_fewest(job, views, m, n, cpu_per, mem_per, members, rooms, ids_of, facts=None, allowed=None) -> int | float:
     """A lower bound of how many victims `_gang_plan` stops for these members (inf: it finds no plan), from the
     nodes' cards alone: a node it takes victims from (its part's room now below what it takes there) stops at least
     one, and at least as many as it takes cards beyond its whole free ones, over the most cards of that model one of
-    its victims holds (a job's release frees no more cards whole than it holds slices on)."""
+    its victims holds (a job's release frees no more cards whole than it holds slices on). What it reads of a node
+    is kept with the view (`facts`, as plan_gang's) by what of the job it reads (`allowed`: its card constraints)."""
     total, fewest = 0, 0
     for name in sorted(members, key=lambda x: (-rooms[x][0], -rooms[x][1], x)):
         now, most = rooms[name]
@@ -411,17 +422,26 @@ def _gang_fewest(job, views, m, n, cpu_per, mem_per, members, rooms, ids_of) -> 
             break
         if now < take:
             view = views[name]
-            tally = GangTally(view, job, m, cpu_per, mem_per)
-            if tally.room() < take:  # no victim gone: what _gang_plan's choice starts from
+            ids = ids_of(name)
+            k = ("fewest", m, cpu_per, mem_per, allowed, tuple(ids))
+            kept = facts(view) if facts is not None else None
+            got = kept.get(k) if kept is not None else None
+            if got is None:
+                tally = GangTally(view, job, m, cpu_per, mem_per)
                 full = tally.full
                 whole = sum(1 for _, milli, memory in tally.cards if milli == 1000 and memory == full)
+                cards = {c[0] for c in tally.cards}
+                most_cards = 0
+                for j in ids:
+                    held = view.allocations.get(j)
+                    if held is not None:
+                        most_cards = max(most_cards, len({a.gpu_uuid for a in held.slices} & cards))
+                got = (tally.room(), whole, most_cards)
+                if kept is not None:
+                    kept[k] = got
+            room0, whole, most_cards = got
+            if room0 < take:  # no victim gone: what _gang_plan's choice starts from
                 if take > whole:
-                    cards = {c[0] for c in tally.cards}
-                    most_cards = 0
-                    for j in ids_of(name):
-                        held = view.allocations.get(j)
-                        if held is not None:
-                            most_cards = max(most_cards, len({a.gpu_uuid for a in held.slices} & cards))
                     if most_cards == 0:
                         return float("inf")
                     fewest += max(1, -(-(take - whole) // most_cards))
