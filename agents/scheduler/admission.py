@@ -83,6 +83,29 @@ class Fleet:
 
 
 def _never_fits(job: JobRequested, kinds: list[list]) -> tuple[Reason, ...] | None:
+    # most requests fit one card, or one node, of the first node kinds: said without reading every kind (the
+    # verdict below says the same: None once a usable kind with the host room has a card that holds the job, or,
+    # for a gang, the cards of one model it needs)
+    for _, inv in kinds:
+        if inv.cpu_milli < job.cpu_milli or inv.memory_mib < job.memory_mib:
+            continue
+        allowed = [g for g in inv.gpus if gpu_allowed(g, job)]
+        if not allowed or inventory_rejects(inv, job) is not None:
+            continue
+        per_model: dict[str, int] = {}
+        for g in allowed:
+            m = model(g.model)
+            if job.compute_milli <= m.cu_milli and job.gpu_memory_mib <= m.memory_mib:
+                return None
+            per_model[g.model] = per_model.get(g.model, 0) + 1
+        if job.gang and any(2 <= cards_needed(job.compute_milli, job.gpu_memory_mib, name) <= n
+                            for name, n in per_model.items()):
+            return None
+    return _verdict(job, kinds)
+
+
+def _verdict(job: JobRequested, kinds: list[list]) -> tuple[Reason, ...] | None:
+    """`_never_fits` from a reading of every kind (tests/test_admission_verdict.py holds the two equal)."""
     c = job.constraints
     rejected: dict[str, int] = {}
     usable: list[tuple[int, NodeInventory, list]] = []  # (nodes, inventory, its allowed cards)
