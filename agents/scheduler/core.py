@@ -1344,6 +1344,7 @@ class Scheduler:
         mine = search.mine
         sk = _shape_key(r)
         my_tenant, quota_version, bounded, sums = r.tenant, self.ledger.quota_version, search.bounded, self.h.sums
+        h, ledger = self.h, self.ledger
         versions: dict[str, int] = {}
         surely, slack = search.surely_within, search.slack
 
@@ -1410,10 +1411,9 @@ class Scheduler:
                     ok = facts[got_key] = room.fits_without(cand_ids)
                 if not ok:
                     continue
-            lost_of = []
-            for _, o, _, _, _ in rows:
-                since = max(o.started_ms, o.checkpoint_ms) if o.state == "running" else now
-                lost_of.append(now - since if since < now else 0)
+            # the work each loses (now - max(start, checkpoint) while it runs, else none)
+            lost_of = [now - since if (since := max(o.started_ms, o.checkpoint_ms)) < now and o.state == "running"
+                       else 0 for _, o, _, _, _ in rows]
             if keep and not reclaim and best_cost is not None:
                 # It yields a plan (the job fits with them all gone, and no victim's account is asked: the choice
                 # adds victims until it fits). Whether that plan could be cheaper than the best so far, before any
@@ -1457,13 +1457,16 @@ class Scheduler:
                 elif (req.compute_milli <= (sl := slack[k] if k in slack else surely(*k))[0]
                       and req.gpu_memory_mib <= sl[1]):
                     borrowed = False  # its account's stronger and equal holders, the preemptor and it fit
-                else:
+                elif req.tenant != my_tenant:
+                    # another tenant's job stands as it stands now: its standing_now (whose memo it reads first)
                     sm = o.standing_memo
-                    if sm and req.tenant != my_tenant and sm[1] == quota_version and sm[0] == (
+                    if sm and sm[1] == quota_version and sm[0] == (
                             versions[req.tenant] if req.tenant in versions else version_of(req.tenant)):
                         borrowed = not sm[2]
                     else:
-                        borrowed = not search.victim_claim(o, mine)[0]
+                        borrowed = not standing_now(h, ledger, o)
+                else:
+                    borrowed = not search.victim_claim(o, mine)[0]
                 entries.append((0 if borrowed else 1, -tr, lost, j, rule))
             entries.sort()  # disruption_order: (borrowed first, lowest tier, least progress lost, job id), ids unique
             if reclaim or not keep:
