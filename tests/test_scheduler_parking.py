@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from agents.node.fleet import make_node
 from agents.scheduler import core
 from agents.scheduler.core import Scheduler
+from agents.scheduler.holdings import Holdings
 from agents.scheduler.preemption import PreemptionConfig
 from agents.scheduler.quota import Ledger
 from schemas.events import (
@@ -181,3 +182,45 @@ def test_a_parked_victim_is_tried_in_the_cycle_in_which_the_claim_on_its_node_en
     stopped = [p.job_id for p in parked if isinstance(p, PreemptJob)]
     placed_again = [p.job_id for p in parked if isinstance(p, PlaceJob) and p.resume_from]
     assert stopped and placed_again[:1] == stopped[:1], (stopped, placed_again)
+
+
+
+@settings(max_examples=300, deadline=None)
+@given(fleets, quotas, requests)
+def test_a_tenants_parked_places_are_settled_before_a_cycle_moves_its_sums(fleet, quota, reqs):
+    """A parked job woken in a cycle is tried where the queue's order at the cycle's start puts it: its place is
+    worked out when it is woken (`_woken`), or, if the cycle changes its tenant's sums first, just before that
+    change (core.Scheduler._settle). Held here: no tenant's sums change in a cycle (Holdings._sum, their one
+    writer) while its parked jobs' places are still to be worked out; and a job woken in a cycle gets the place
+    every parked job had at the cycle's start."""
+    real_places, real_woken, real_sum = core.Scheduler._park_places, core.Scheduler._woken, Holdings._sum
+    changes, woken_in_cycle = [], []
+
+    def places(self):
+        self.h.scheduler_under_test = self
+        self.ref_keys = {j: self._queue_key(self.jobs[j]) for j in self.parked
+                         if j in self.jobs and self.jobs[j].state == "pending"}
+        real_places(self)
+
+    def woken(self):
+        got = real_woken(self)
+        for key, rec in got:
+            assert key == self.ref_keys[rec.request.job_id], rec.request.job_id
+            woken_in_cycle.append(rec.request.job_id)
+        return got
+
+    def sums(self, rec, *a):
+        s = getattr(self, "scheduler_under_test", None)
+        t = rec.request.tenant
+        if s is not None and s._parked_of.get(t):
+            assert t not in s._unsettled, f"{t}'s sums moved in a cycle before its parked jobs' places were settled"
+            changes.append(t)
+        real_sum(self, rec, *a)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(core.Scheduler, "_park_places", places)
+        mp.setattr(core.Scheduler, "_woken", woken)
+        mp.setattr(Holdings, "_sum", sums)
+        drive(fleet, quota, reqs)
+    event(f"sums moved with parked jobs: {min(len(changes), 3)}+")
+    event(f"woken in a cycle: {min(len(woken_in_cycle), 1)}+")
