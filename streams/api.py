@@ -141,7 +141,10 @@ SELECT job_id, tenant, state, tier, project, compute_milli,
        submitted_by, rejections
 FROM (
   SELECT job_id, any(tenant_of) AS tenant,
-         multiIf(countIf(kind = 'job.completed') > 0, 'completed', countIf(kind = 'job.failed') > 0, 'failed',
+         -- an end of a run the scheduler interrupted left out too: a node that comes back and reports the old run
+         -- completed or failed does not end the job's new run (job_view's rule)
+         multiIf(arrayExists(x -> x.3 = 'job.completed' AND NOT has(superseded, x.2), ends), 'completed',
+                 arrayExists(x -> x.3 = 'job.failed' AND NOT has(superseded, x.2), ends), 'failed',
                  countIf(kind = 'job.cancelled') > 0, 'cancelled',
                  countIf(kind = 'job.rejected' AND code != 'duplicate_job_id') > 0, 'rejected',
                  -- the last of its runs' turns, a start of a run the scheduler interrupted left out: a node
@@ -160,7 +163,9 @@ FROM (
          groupArrayIf((event_time_ms, node, JSONLength(payload, 'assignments')), kind = 'cmd.place') AS places,
          minIf(event_time_ms, kind IN ('job.requested', 'job.rejected')) AS submitted_ms,
          minIf(event_time_ms, kind = 'job.started') AS started_ms,
-         maxIf(event_time_ms, kind IN ('job.completed', 'job.failed', 'job.cancelled', 'job.rejected')) AS ended_ms,
+         greatest(maxIf(event_time_ms, kind IN ('job.cancelled', 'job.rejected')),
+                  arrayMax(arrayMap(x -> if(has(superseded, x.2), 0, x.1), arrayPushBack(ends, (0, '', ''))))) AS ended_ms,
+         groupArrayIf((event_time_ms, command_id, kind), kind IN ('job.completed', 'job.failed')) AS ends,
          argMinIf(actor, event_time, kind = 'job.requested') AS submitted_by,
          arrayStringConcat(groupUniqArrayIf(code, kind = 'job.rejected'), ',') AS rejections,
          toUnixTimestamp64Milli(now64(3)) AS now_ms

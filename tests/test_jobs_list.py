@@ -78,3 +78,39 @@ def test_a_job_interrupted_while_its_node_reports_late_starts_is_listed_pending_
     old = JOBS_SQL.replace("arrayFilter(x -> NOT (x.3 = 'job.started' AND has(superseded, x.4)),", "arrayFilter(x -> 1,")
     res = client.query(old.replace("{inner}", "1").replace("{outer}", "1"))
     assert [dict(zip(res.column_names, r)) for r in res.result_rows if r[0] == "t/j"][0]["state"] == "running"
+
+
+def test_a_late_completion_of_a_run_on_a_lost_node_does_not_end_the_job_running_elsewhere(store):
+    """The job runs on n0; n0 is lost, the scheduler interrupts the run and places the job on n1, where it starts;
+    then n0 comes back and reports the old run completed. The scheduler ignores it (the job still runs); the list
+    must too (the view does: streams/core/job_view.py), and not show an end time."""
+    from schemas.events import JobCompleted, NodeLiveness
+
+    client, sink = store
+    c = Clock()
+    s = Scheduler(ledger=open_ledger())
+    logged = [c.env(inventory("n0", "A100-80GB", gpus=1), "n0/inventory"),
+              c.env(inventory("n1", "A100-80GB", gpus=1), "n1/inventory"), c.env(job("t/k", "t", 1000, 40), "cli/k")]
+    for e in list(logged):
+        logged += s.step(e)
+    first = next(o.payload for o in logged if o.kind == "cmd.place")
+    e = c.env(JobStarted(job_id="t/k", node=first.node, command_id=first.command_id), f"{first.node}/job/t/k", dt=100)
+    logged += [e] + s.step(e)
+    e = c.env(NodeLiveness(node=first.node, alive=False, last_heartbeat_ms=c.now + 500), f"{first.node}/liveness",
+              dt=3000)
+    out = s.step(e)
+    logged += [e] + out
+    (again,) = [o.payload for o in out if o.kind == "cmd.place"]
+    assert again.node != first.node
+    for p, src in ((JobStarted(job_id="t/k", node=again.node, command_id=again.command_id), f"{again.node}/job/t/k"),
+                   (JobCompleted(job_id="t/k", node=first.node, command_id=first.command_id),
+                    f"{first.node}/job/t/k")):
+        e = c.env(p, src, dt=100)
+        logged += [e] + s.step(e)
+    assert s.state_of("t/k") == "running"
+    _store(sink, logged)
+    sql, params = jobs_sql(None)
+    res = client.query(sql, parameters=params)
+    [row] = [dict(zip(res.column_names, r)) for r in res.result_rows if r[0] == "t/k"]
+    assert row["state"] == "running" and row["nodes"] == again.node, row
+    assert row["elapsed_s"] > 0
