@@ -1345,6 +1345,7 @@ class Scheduler:
         sk = _shape_key(r)
         my_tenant, quota_version, bounded, sums = r.tenant, self.ledger.quota_version, search.bounded, self.h.sums
         h, ledger = self.h, self.ledger
+        my_milli, my_memory = r.compute_milli, r.gpu_memory_mib
         versions: dict[str, int] = {}
         surely, slack = search.surely_within, search.slack
 
@@ -1465,6 +1466,10 @@ class Scheduler:
                         borrowed = not sm[2]
                     else:
                         borrowed = not standing_now(h, ledger, o)
+                elif not standing_now(h, ledger, o):
+                    borrowed = True  # beyond quota now: the preemptor's holding, if counted ahead of it, only adds
+                elif (sl := o.standing_memo[3])[0] >= my_milli and sl[1] >= my_memory:
+                    borrowed = False  # within by more than the preemptor will hold, wherever that counts
                 else:
                     borrowed = not search.victim_claim(o, mine)[0]
                 entries.append((0 if borrowed else 1, -tr, lost, j, rule))
