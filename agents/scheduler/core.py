@@ -359,7 +359,7 @@ class Scheduler:
                 elif self._superseded(out, env, rec, p.node, p.command_id, runs=True):
                     pass
                 elif rec.state in ("running", "stopping", "migrating"):
-                    rec.checkpoint, rec.checkpoint_ms = p.checkpoint or rec.checkpoint, self._fact_ms(env)
+                    self.h.checkpointed(rec, p.checkpoint or rec.checkpoint, self._fact_ms(env))
             case JobCompleted() | JobFailed():
                 rec = self.jobs.get(p.job_id)
                 if rec is None:
@@ -1398,12 +1398,16 @@ class Scheduler:
             if got is None or got[0] is not pairs:
                 rows = tuple((o.request.job_id, o, TIER_RANK[o.request.tier], rule,
                               (o.request.tenant, o.request.project, o.group)) for o, rule in pairs)
+                # since when each would lose work if stopped (a start, a checkpoint and a state change each move
+                # the node's count, Holdings.node_jobs, and so the pairs kept): NO_LOSS while it does not run
+                sinces = tuple(max(o.started_ms, o.checkpoint_ms) if o.state == "running" else _NO_LOSS
+                               for _, o, _, _, _ in rows)
                 accounts: dict[tuple, list[int]] = {}
                 for _, o, _, rule, k in rows:
                     a = accounts.setdefault(k, [0, 0])
                     a[0], a[1] = max(a[0], o.request.compute_milli), max(a[1], o.request.gpu_memory_mib)
                 got = facts["rows"] = (pairs, rows, tuple(c[0] for c in rows), any(c[3] == "reclaim" for c in rows),
-                                       tuple((k, a[0], a[1]) for k, a in accounts.items()))
+                                       tuple((k, a[0], a[1]) for k, a in accounts.items()), sinces)
             rows, cand_ids, reclaim, accounts = got[1], got[2], got[3], got[4]
             if len(rows) != len(ids):
                 got_key = (what, cand_ids)
@@ -1412,9 +1416,7 @@ class Scheduler:
                     ok = facts[got_key] = room.fits_without(cand_ids)
                 if not ok:
                     continue
-            # the work each loses (now - max(start, checkpoint) while it runs, else none)
-            lost_of = [now - since if (since := max(o.started_ms, o.checkpoint_ms)) < now and o.state == "running"
-                       else 0 for _, o, _, _, _ in rows]
+            lost_of = [now - since if since < now else 0 for since in got[5]]  # the work each loses
             if keep and not reclaim and best_cost is not None:
                 # It yields a plan (the job fits with them all gone, and no victim's account is asked: the choice
                 # adds victims until it fits). Whether that plan could be cheaper than the best so far, before any
@@ -1468,7 +1470,7 @@ class Scheduler:
                         borrowed = not standing_now(h, ledger, o)
                 elif not standing_now(h, ledger, o):
                     borrowed = True  # beyond quota now: the preemptor's holding, if counted ahead of it, only adds
-                elif (sl := o.standing_memo[3])[0] >= my_milli and sl[1] >= my_memory:
+                elif (sm := o.standing_memo) and sm[3][0] >= my_milli and sm[3][1] >= my_memory:
                     borrowed = False  # within by more than the preemptor will hold, wherever that counts
                 else:
                     borrowed = not search.victim_claim(o, mine)[0]
@@ -1798,6 +1800,9 @@ class Scheduler:
 
 
 _NO_CONSTRAINTS = JobRequested.model_fields["constraints"].default
+
+
+_NO_LOSS = 1 << 62  # `since` of a candidate that does not run: it loses no work
 
 
 def _first(pair: tuple):

@@ -298,6 +298,11 @@ class Holdings:
         if state == "done":
             self.done_now.append(rec)
 
+    def checkpointed(self, rec: JobRecord, checkpoint: str, at_ms: int) -> None:
+        """A run's checkpoint: what it resumes from, and from when it would lose work if stopped."""
+        rec.checkpoint, rec.checkpoint_ms = checkpoint, at_ms
+        self._moved(rec)
+
     def _moved(self, rec: JobRecord) -> None:
         """A change to the record of a job holding capacity on its parts' nodes (`node_jobs`)."""
         for part in rec.parts:
@@ -378,6 +383,7 @@ class Holdings:
             case JobStarted():
                 rec = self.jobs[p.job_id]
                 rec.started_ms = rec.accrued_ms = env.event_time_ms if fact_ms is None else fact_ms
+                self._moved(rec)  # the work it would lose if stopped counts from here
                 if rec.state == "placed":
                     self.set_state(rec, "running")
                 self.running[p.job_id] = None
