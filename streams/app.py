@@ -342,7 +342,10 @@ class Worker:
             if env.kind in NODE_FACTS_FOR_SCHEDULER:
                 await self.scheduler_input.send(key=env.source.encode(), value=event.value)
             if before is not None and not before.alive and after.alive and env.kind != "node.liveness":
-                # alive again (an inventory from a node that was silent): a later position than the silence
+                # alive again (an inventory from a node that was silent): a later position than the silence; its
+                # silence counts from this record now, not from its last heartbeat before it went silent
+                self.liveness.revived(after.node, partition_of(after.node.encode(), TELEMETRY.partitions),
+                                      round(event.message.timestamp * 1000))
                 await self.send(envelope(NodeLiveness(node=after.node, alive=True,
                                                       last_heartbeat_ms=after.last_heartbeat_ms),
                                          source=f"{after.node}/liveness",

@@ -91,3 +91,20 @@ def test_alive_again_always_has_a_later_sequence_than_the_silence_it_answers():
     assert alive > silent
     # a restarted worker (no memory) still numbers above: the log's time has moved on
     assert Liveness().next_seq("n1", T + 6000) > alive
+
+
+def test_a_node_revived_by_its_inventory_is_not_declared_silent_again_before_two_intervals():
+    """n1 went silent (its last heartbeat at T); 20 s later its agent comes back and reports its inventory first
+    (the nodes topic), which makes its view alive again, and its heartbeats follow. The silence counts from that
+    record: a probe right after it found n1's last heartbeat 20 s old and declared it silent again (a live run showed
+    the flap: the job just placed on it was interrupted and placed once more)."""
+    lv = Liveness(interval_ms=1000, recovery_ms=0)
+    lv.silent([], T, {})
+    heard(lv, "n1", 0, 0, T)
+    assert watch(lv, ["n1"], T + 1000, T + 2001, {0: 1}) == ["n1"]
+    lv.revived("n1", 0, T + 20_000)  # its inventory, read back alive at T + 20 s
+    assert watch(lv, ["n1"], T + 20_000, T + 21_900, {0: 1}) == []
+    heard(lv, "n1", 0, 1, T + 21_000)  # its first heartbeat
+    assert lv.silent(["n1"], T + 22_500, {0: 2}) == []
+    # and if no heartbeat follows, it is silent two intervals after the last thing heard from it
+    assert lv.silent(["n1"], T + 23_001, {0: 2}) == ["n1"]

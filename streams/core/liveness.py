@@ -38,6 +38,15 @@ class Liveness:
         self.heard[node] = (partition, max(log_ms, prev[1]) if prev else log_ms)
         self.folded(partition, offset, log_ms)
 
+    def revived(self, node: str, partition: int, log_ms: int) -> None:
+        """The node's view came alive again from a record that is not a heartbeat (its inventory, on the nodes topic:
+        an agent that comes back reports it first): its silence counts from that record's log time, not from its last
+        heartbeat before it went silent -- else the next probe declared it silent again at once, and the work just
+        placed on it was interrupted (a restart for nothing). `partition`: its telemetry partition, whose read time
+        judges it."""
+        prev = self.heard.get(node)
+        self.heard[node] = (partition, max(log_ms, prev[1]) if prev else log_ms)
+
     def folded(self, partition: int, offset: int, log_ms: int) -> None:
         nxt, t = self.read.get(partition, (0, 0))
         self.read[partition] = (max(nxt, offset + 1), max(t, log_ms))

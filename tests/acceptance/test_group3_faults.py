@@ -6,7 +6,7 @@ import time
 
 from schemas.events import GpuHealth, InferenceLoad, ServiceDeclared, ServiceRemoved
 from tests.acceptance.conftest import answers, inject
-from tests.acceptance.probe import cancel, nodes, placements, submit, timeline, wait_state
+from tests.acceptance.probe import cancel, nodes, placements, rows, submit, timeline, wait_state
 from tests.live import job_states, wait_for
 
 GROUP = 3
@@ -144,6 +144,15 @@ def test_a_service_keeps_its_replicas_through_a_node_loss(pool, evidence):
         [f"{took:.0f} s after {lost} was lost", ", ".join(f"{j}: {n}" for j, n in sorted(after.items()))]])
     evidence.events("the service's replicas through the loss", timeline(pool, sorted(set(before) | set(after))))
     alice.send([ServiceRemoved(service_id="chat")])
+    back = int(time.time() * 1000)
     inject(pool, "agent-f1" if lost == "fault-1" else "agent-f2", f"recover:{lost}")
     wait_for(lambda: nodes(pool)[lost]["state"] == "ready" and _free_cards(pool) == {"fault-1": 2, "fault-2": 2},
              90, "the pool whole again", pool)
+    # back for good: its agent reports its inventory before its first heartbeat, and the worker once judged it by
+    # the heartbeat it had before it was lost -- silent again within a second, interrupting what was just placed
+    time.sleep(4)  # past two heartbeat intervals
+    said = [r["alive"] for r in rows(pool, "SELECT JSONExtractBool(payload, 'alive') AS alive FROM gpupool.events "
+                                           "FINAL WHERE kind = 'node.liveness' AND node = {n:String} AND "
+                                           "event_time_ms >= {t:Int64} ORDER BY event_time_ms, offset",
+                                     {"n": lost, "t": back})]
+    assert said and said[0] and all(said), f"{lost}'s liveness after it came back: {said}"
