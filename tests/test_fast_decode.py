@@ -26,10 +26,10 @@ DEFS = SCHEMA["$defs"]
 text = st.text(max_size=6) | st.sampled_from(["v1.2", "1e5", "9.", "\ud800", "\udc00x", "é", "\x00", "a\"b", "\\"])
 edge_ints = st.sampled_from([0, -1, 2**63 - 1, 2**63, 2**64 - 1, 2**64, -(2**63), -(2**63) - 1, 10**18, -(10**18),
                              10**19 - 1]) | st.integers(-(2**70), 2**70)
-odd = st.one_of(st.none(), st.booleans(), st.integers(-5, 10**6), edge_ints, text, st.just([]), st.just({}),
+odd = st.one_of(st.none(), st.booleans(), st.integers(-5, 10**6), edge_ints, text, st.builds(list), st.builds(dict),
                 st.floats(allow_nan=False, allow_infinity=False), st.sampled_from([1.0, 1e3, -0.0, 2.5, 1e300, 1.00000000000000011,
                                                              0.1e1, 5e-324, 123456789012345678.0]),
-                st.just([1, "a"]), st.just({"a": 1}), st.just("7"), st.sampled_from(sorted(KINDS)))
+                st.builds(lambda: [1, "a"]), st.builds(lambda: {"a": 1}), st.just("7"), st.sampled_from(sorted(KINDS)))
 
 
 def from_schema(node: dict, depth: int = 0):
