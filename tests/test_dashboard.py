@@ -241,6 +241,13 @@ def test_explain_and_history_read_at_a_glance_and_a_closed_pipe_is_quiet(pool):
     assert lines[-1].startswith("cost so far: ") and "GPU-seconds" in lines[-1]
     history = cli(pool, "history", "train-llm", user="alice")
     assert "placed on node-" in history and "cost so far" in history
+    # another tenant's job named by a tenant's member: read as one of its own, and said so -- nothing of globex's
+    for verb in ("explain", "history"):
+        out = cli(pool, verb, "globex/pretrain", user="alice", check=False)
+        assert out.returncode == 1 and "pretrain" in out.stdout, out
+        assert out.stdout.strip() == ("no job acme/globex/pretrain on record: alice is a member of tenant 'acme' and "
+                                      "names its jobs alone, so 'globex/pretrain' was read as acme's job "
+                                      "'globex/pretrain'"), out.stdout
     env = {**os.environ, **pool.env, "GPUPOOL_USER": "alice"}
     for argv in (["explain", "train-llm"], ["history", "train-llm"], ["jobs"]):
         out = subprocess.run(["bash", "-c", "set -o pipefail; " + " ".join([sys.executable, "-m", "agents.cli", *argv])

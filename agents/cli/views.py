@@ -13,6 +13,16 @@ def _job(c: Client, job: str) -> str:
     return c.job_ref(job)
 
 
+def _not_on_record(c: Client, asked: str, job: str) -> str:
+    """Why nothing is shown of a job no record names: a tenant's member reads its own tenant's jobs alone, and a name
+    with a slash is still one of them ("chat/r2" is acme's "acme/chat/r2") -- say so, rather than leave another
+    tenant's job to look like one that was never scheduled."""
+    if c.creds.role == "tenant" and asked != job:
+        return (f"no job {job} on record: {c.name} is a member of tenant {c.creds.tenant!r} and names its jobs "
+                f"alone, so {asked!r} was read as {c.creds.tenant}'s job {asked!r}")
+    return f"no job {job} on record"
+
+
 def cmd_jobs(cfg, args) -> int:
     cols, rows = Client(cfg).rows("/api/jobs", {
         "tenant": args.tenant, "project": args.project, "state": args.state, "tier": args.tier,
@@ -81,8 +91,11 @@ def cmd_explain(cfg, args) -> int:
         print(json.dumps(c.api("/api/explain", {"job": job})))
         return 0
     events = c.api("/api/history", {"job": job})["events"]
+    if not events:
+        print(_not_on_record(c, args.job, job))
+        return 1
     if not any(e["kind"] in explain.DECISIONS for e in events):
-        print(f"no scheduling decisions recorded for {job}")
+        print(f"no scheduling decision recorded for {job} yet (`gpupool history {args.job}` shows what is)")
         return 1
     print("\n".join(explain.explain_lines(job, events, _cards(c), _cost(c, job))))
     return 0
@@ -97,6 +110,9 @@ def cmd_history(cfg, args) -> int:
     if args.format == "json":
         print(json.dumps(doc))
         return 0
+    if not doc["events"]:
+        print(_not_on_record(c, args.job, job))
+        return 1
     if not any(e["kind"] in explain.SHOWN_IN_HISTORY for e in doc["events"]):
         print(f"nothing recorded for {job}")
         return 1
