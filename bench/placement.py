@@ -359,6 +359,9 @@ class Timed:
     truncated: bool
     profile: str = ""
     step_ms: dict = field(default_factory=dict)  # (a): wall ms of one request's step: p50, p99, max
+    # (a): where the time goes: (shape, "preempting" | "plain") -> [requests, wall s of their steps]; a step that
+    # preempts counts what the node agents' answers cause too (the victims' stops, their requeue and explanation)
+    paths: dict = field(default_factory=dict)
 
 
 def timed_one_by_one(run: Run, jobs: list[JobRequested], max_s: float, profile: bool) -> Timed:
@@ -375,6 +378,7 @@ def timed_one_by_one(run: Run, jobs: list[JobRequested], max_s: float, profile: 
     truncated = False
     submitted = 0
     steps: list[float] = []  # wall seconds of each request's step, node-agent answers included
+    paths: dict[tuple[str, str], list] = {}
     c0, w0 = time.process_time(), time.perf_counter()
     lc, lp = c0, 0
     if prof:
@@ -382,9 +386,15 @@ def timed_one_by_one(run: Run, jobs: list[JobRequested], max_s: float, profile: 
     try:
         for k, env in enumerate(envs, 1):
             run.now = env.event_time_ms
+            before = run.preempts
             t = time.perf_counter()
             run.step(env)
-            steps.append(time.perf_counter() - t)
+            dt = time.perf_counter() - t
+            steps.append(dt)
+            p = paths.setdefault((env.payload.job_id.rsplit(".", 1)[-1],
+                                  "preempting" if run.preempts > before else "plain"), [0, 0.0])
+            p[0] += 1
+            p[1] += dt
             submitted = k
             if k in marks or max_s:
                 c, w = time.process_time(), time.perf_counter()
@@ -410,7 +420,7 @@ def timed_one_by_one(run: Run, jobs: list[JobRequested], max_s: float, profile: 
         if steps else {}
     if steps:
         lat["max"] = round(1000 * steps[-1], 3)
-    return Timed("a", submitted, c1 - c0, w1 - w0, gct.total, gct.count, deciles, truncated, _top(prof), lat)
+    return Timed("a", submitted, c1 - c0, w1 - w0, gct.total, gct.count, deciles, truncated, _top(prof), lat, paths)
 
 
 def timed_queued(run: Run, jobs: list[JobRequested], profile: bool) -> Timed | str:
@@ -515,6 +525,9 @@ def summarize(run: Run, t: Timed, jobs: list[JobRequested], inp: Inputs, args) -
         "unplaced_by_reason": dict(waiting.most_common(8)),
         "gpu_memory_used_pct_after": memory_used_pct(run), "step_ms": t.step_ms,
         "deciles": t.deciles, "outputs": run.outputs, "digest": f"{run.digest:08x}",
+        "by_path": [{"shape": k[0], "path": k[1], "requests": v[0], "wall_ms": round(1000 * v[1], 1),
+                     "ms_each": round(1000 * v[1] / v[0], 3)}
+                    for k, v in sorted(t.paths.items(), key=lambda kv: -kv[1][1])],
         "profiled": bool(t.profile),
     }
     if not args.preemption:
@@ -550,6 +563,11 @@ def table(r: dict) -> str:
         rows.append(("one request's step (wall ms)", ", ".join(f"{k} {v:,}" for k, v in r["step_ms"].items())))
     if r["deciles"]:
         rows.append(("rate per tenth (per CPU-s)", " ".join(f"{d['per_s_cpu']:,.0f}" for d in r["deciles"])))
+    if r["by_path"]:
+        total = sum(p["wall_ms"] for p in r["by_path"]) or 1
+        rows.append(("where the time goes", "; ".join(
+            f"{p['shape']} {p['path']} {p['requests']} x {p['ms_each']:.2f} ms ({100 * p['wall_ms'] / total:.0f}%)"
+            for p in r["by_path"][:6])))
     rows.append(("decision digest", r["digest"]))
     w = max(len(a) for a, _ in rows)
     return "\n".join(f"{a:<{w}}  {b}" for a, b in rows)
