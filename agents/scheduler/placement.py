@@ -237,6 +237,8 @@ def fit_cards(v: NodeView, job: JobRequested, order: list[str] | None = None) ->
         best = min(share_fits, key=lambda t: t[:4])
         return (Assignment(gpu_uuid=best[3], milli=best[4], memory_mib=best[5], mig_profile=best[6],
                            mig_uuid=best[7]),)
+    if iso == "mig" and not any(c.mig for c in cards):
+        return "NoMigCard"  # free cards are no answer to a hardware slice: the tenant is told which it lacks
     if not job.gang:
         return "InsufficientGPU"
     models = order or sorted({c.model for c in cards},
@@ -667,6 +669,8 @@ def _expected_free(views: dict[str, NodeView], job: JobRequested, order: list[st
     """What would free capacity: the earliest time one of these nodes is expected to have enough completely free
     cards of an allowed model for the job, from the stated durations of the work holding them. `shape`: the job's
     key in `NodeIndex.why_cache` (`_unschedulable`), where each node's earliest (time, model) is kept per view."""
+    if job.isolation_asked == "mig":
+        return None  # whole cards coming free are no MIG instance: nothing here says when one will be
     best: tuple[int, str, str] | None = None
     needed = [(m, cards_needed(job.compute_milli, job.gpu_memory_mib, m)) for m in order]  # the same for every node
     key = ("free", shape)
@@ -690,7 +694,8 @@ def _expected_free(views: dict[str, NodeView], job: JobRequested, order: list[st
         return None
     at, name, m = best
     return Reason(code="ExpectedFree", plugin="Capacity", nodes=(name,), data={"at_ms": at, "model": m},
-                  message=f"{name} is expected to have room for it at {at} ms (from running jobs' stated durations)")
+                  message=f"{name} is expected to have room for it at {at} ms (from running jobs' stated durations)"
+                  if at else f"{name} has the {m} cards free now: what else it lacks is said above")
 
 
 def _view_memo(index: NodeIndex, v: NodeView) -> dict:
