@@ -203,6 +203,8 @@ def fit_cards(v: NodeView, job: JobRequested, order: list[str] | None = None) ->
     best fit); otherwise whole cards of one model (the preferred one that has room), as few as compute and memory
     need, inside one NVLink domain when possible.
     """
+    if job.isolation_asked == "mig" and not any(g.mig_enabled for g in v.cards()):
+        return "NoMigCard"  # free or busy, its cards are no answer to a hardware slice: say which it lacks
     if not _may_fit(v, job):
         return "InsufficientGPU"
     cards = [c for c in v.card_free() if _card_allowed(c, job, v) and (order is None or c.model in order)]
@@ -237,8 +239,6 @@ def fit_cards(v: NodeView, job: JobRequested, order: list[str] | None = None) ->
         best = min(share_fits, key=lambda t: t[:4])
         return (Assignment(gpu_uuid=best[3], milli=best[4], memory_mib=best[5], mig_profile=best[6],
                            mig_uuid=best[7]),)
-    if iso == "mig" and not any(c.mig for c in cards):
-        return "NoMigCard"  # free cards are no answer to a hardware slice: the tenant is told which it lacks
     if not job.gang:
         return "InsufficientGPU"
     models = order or sorted({c.model for c in cards},
