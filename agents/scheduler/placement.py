@@ -437,8 +437,8 @@ def place(index: NodeIndex, views: dict[str, NodeView], job: JobRequested, workl
         w = max(1, workload.weight)
         parts = (Part(name, fit, job.cpu_milli, job.memory_mib),)
         reasons = [Reason(code="Placed", plugin="GpuFit", nodes=(name,),
-                          message=f"{_shape(fit)}; best of {len(fits)} fitting node(s) scored: "
-                                  f"fragmentation +{delta // w} milli-GPU; isolation {isolation_given(views[name], fit)}"
+                          message=f"{_shape(fit)}; best of {len(fits)} fitting node(s) scored: fragmentation "
+                                  f"{delta // w:+d} milli-GPU; isolation {isolation_given(views[name], fit)}"
                                   + (f" ({iso} asked)" if isolation_given(views[name], fit) != iso else ""),
                           data={"candidates": len(fits), "frag_delta_milli": delta // w,
                                 "isolation": isolation_given(views[name], fit), "isolation_asked": iso})]
