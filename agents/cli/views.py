@@ -17,7 +17,7 @@ def _not_on_record(c: Client, asked: str, job: str) -> str:
     """Why nothing is shown of a job no record names: a tenant's member reads its own tenant's jobs alone, and a name
     with a slash is still one of them ("chat/r2" is acme's "acme/chat/r2") -- say so, rather than leave another
     tenant's job to look like one that was never scheduled."""
-    if c.creds.role == "tenant" and asked != job:
+    if c.creds.role == "tenant" and "/" in asked and asked != job:  # a name like another tenant's, read as its own
         return (f"no job {job} on record: {c.name} is a member of tenant {c.creds.tenant!r} and names its jobs "
                 f"alone, so {asked!r} was read as {c.creds.tenant}'s job {asked!r}")
     return f"no job {job} on record"
