@@ -6,7 +6,8 @@ completes, so the only thing that changes the state is the scheduler's own decis
 - no job is preempted more than PreemptionConfig.max_preemptions times within protect_ms (protection on log time);
 - preemption decisions (distinct preemptors) before convergence are bounded by the number of requests, and only a
   request that arrived, never a requeued victim within its quiet window, makes one (no chains);
-- if A stopped B, B never stops A (antisymmetry: nothing ends in these runs, so nothing else changes);
+- if A stopped B, B stops A only by reclaim, once work of A's own tenant at least as strong as A took capacity and
+  put A beyond its quota (antisymmetry in every state: nothing ends in these runs, so nothing else lowers a claim);
 - a converged state emits nothing on a tick.
 """
 from __future__ import annotations
@@ -20,7 +21,7 @@ from agents.node.fleet import make_node
 from agents.scheduler.core import Scheduler
 from agents.scheduler.preemption import PreemptionConfig
 from agents.scheduler.quota import Ledger
-from schemas.events import JobStarted, JobStopped, PlaceJob, PreemptJob, QuotaSet, SchedulerTick, Tier
+from schemas.events import TIER_RANK, JobStarted, JobStopped, PlaceJob, PreemptJob, QuotaSet, SchedulerTick, Tier
 from tests.builders import Clock, job
 
 TIERS = (Tier.INFERENCE, Tier.ONLINE_TRAINING, Tier.OFFLINE)
@@ -140,15 +141,45 @@ def test_a_gang_claims_the_free_cards_it_counts_on_so_its_victims_do_not_take_th
     assert sum(isinstance(p, PreemptJob) for _, p in log) <= 12
 
 
+def test_a_preemptor_is_stopped_back_only_by_reclaim_once_its_own_tenants_stronger_work_puts_it_beyond_quota():
+    """Found by the gang property's search (CI, 2026-12-06): c's online-training share j7 stops a's offline share j4
+    by tier (c within its quota of 1,000); c's 1,000 milli inference j14 then takes a card (stopping a's j1), and c's
+    quota goes to its stronger work first: j7 stands beyond it. After its quiet window, j4 (a has no quota: within)
+    takes that capacity back by reclaim -- once; j7, beyond quota, does not stop j4 again."""
+    O, T, I = Tier.OFFLINE, Tier.ONLINE_TRAINING, Tier.INFERENCE
+    reqs = ([("a", O, (1000, 40), 0)] * 2 + [("a", O, (250, 10), 0)] * 4 + [("c", T, (250, 10), 3)]
+            + [("a", I, (250, 10), 0)] * 6 + [("c", I, (1000, 40), 0)])
+    s, clock, log, n = storm_free([(2, 0), (1, 0)], {"b": (0, 100), "c": (1000, 150)}, reqs)
+    stops = [(p.reasons[0].data["for_job"], p.job_id, p.reasons[0].data["rule"]) for _, p in log
+             if isinstance(p, PreemptJob)]
+    assert ("j7", "j4", "tier") in stops and ("j14", "j1", "tier") in stops
+    assert stops[-1] == ("j4", "j7", "reclaim") and stops.count(("j4", "j7", "reclaim")) == 1
+    assert s.jobs["j4"].state == "running" and s.jobs["j7"].state == "pending"
+
+
 def storm_free(fleet, quota, reqs):
     """The module's properties for one run (drive); returns drive's result."""
     s, clock, log, n = drive(fleet, quota, reqs)
     cfg = s.preemption
     preempts = [(t, p) for t, p in log if isinstance(p, PreemptJob)]
-    # who stopped whom
-    pairs = {(p.reasons[0].data["for_job"], p.job_id) for _, p in preempts if p.reasons[0].code == "PreemptedFor"}
-    for a, b in pairs:
-        assert (b, a) not in pairs, f"{a} stopped {b} and {b} stopped {a}"
+    # who stopped whom: if B stopped A, A stops B only once B's claim has fallen -- by reclaim (B stands beyond its
+    # quota then), after work of B's tenant at least as strong as B took capacity (nothing ends in these runs, so
+    # nothing else lowers a standing)
+    stops = [(t, p.reasons[0].data["for_job"], p.job_id, p.reasons[0].data["rule"]) for t, p in preempts
+             if p.reasons[0].code == "PreemptedFor"]
+    first: dict[tuple[str, str], int] = {}
+    for t, a, b, _ in stops:
+        first.setdefault((a, b), t)
+    places = [(t, p.job_id) for t, p in log if isinstance(p, PlaceJob)]
+    for t, a, b, rule in stops:
+        t0 = first.get((b, a))
+        if t0 is None or t0 > t:
+            continue
+        assert rule == "reclaim", f"{b} stopped {a} and {a} stopped {b} by {rule}"
+        rb = s.jobs[b].request
+        assert any(t0 < tp <= t and s.jobs[j].request.tenant == rb.tenant
+                   and TIER_RANK[s.jobs[j].request.tier] <= TIER_RANK[rb.tier] for tp, j in places), \
+            f"{b} stopped {a} and {a} stopped {b} back, and nothing of {rb.tenant}'s at least as strong as {b} came"
     # no job preempted more than k times within T
     by_job: dict[str, list[int]] = {}
     for t, p in preempts:
