@@ -161,14 +161,13 @@ FLEET_MIX = (("A100-80GB", 50), ("H100-80GB", 30), ("H200", 20))  # node_model's
 
 def holding(j: JobRequested) -> int:
     """What the job would hold in the quota's unit (milli-CU, agents/scheduler/quota.py: held), averaged over the
-    fleet's card models by their share: a share of a card holds its milli-GPU times the model's CU, whole cards the
+    fleet's card models by their share: a share of a card holds what it asked, whole cards the
     model's CU each -- a 2-card gang on H100s holds 6,340 milli-CU for the 2,000 it asks."""
     total = 0
     for name, pct in FLEET_MIX:
         m = gpu_model(name)
         if cards_needed(j.compute_milli, j.gpu_memory_mib, name) == 1:
-            share = share_for(j.compute_milli, m)
-            cu = m.cu_milli if share >= 1000 else -(-share * m.cu_milli // 1000)
+            cu = m.cu_milli if share_for(j.compute_milli, m) >= 1000 else j.compute_milli
         else:
             cu = cards_needed(j.compute_milli, j.gpu_memory_mib, name) * m.cu_milli
         total += cu * pct

@@ -86,7 +86,15 @@ def test_quota_is_charged_what_is_held_and_the_bill_carries_it():
     share = (Assignment(gpu_uuid="GPU-h", milli=316, memory_mib=10 * 1024),)
     whole = tuple(Assignment(gpu_uuid="GPU-h", milli=1000, memory_mib=75 * 1024) for _ in range(4))
     mig = (Assignment(gpu_uuid="GPU-m", milli=428, memory_mib=40 * 1024, mig_profile="3g.40gb", mig_uuid="M"),)
-    assert held(share, models) == (1002, 10 * 1024)  # ceil(316 x 3,170 / 1,000)
+    assert held(share, models) == (1002, 10 * 1024)  # without the ask: ceil(316 x 3,170 / 1,000)
+    # with it: 316 milli-GPU is the least share that delivers 1,000 milli-CU (1,001.72): it holds what was asked, the
+    # rounding dust is not charged; a share grown beyond the least one (a boost) holds the extra's CU on top
+    assert held(share, models, 1000) == (1000, 10 * 1024)
+    assert held(share, models, 1001) == (1001, 10 * 1024)  # 316 is also the least share for 1,001
+    boosted = (Assignment(gpu_uuid="GPU-h", milli=316 + 79, memory_mib=10 * 1024),)
+    assert held(boosted, models, 1000) == (1000 + 251, 10 * 1024)  # ceil(79 x 3.17) = 251
+    shrunk = (Assignment(gpu_uuid="GPU-h", milli=300, memory_mib=10 * 1024),)
+    assert held(shrunk, models, 1000) == (951, 10 * 1024)  # below the least share: its own CU, ceil(300 x 3.17)
     assert held(whole, models) == (4 * 3170, 4 * 80 * 1024)  # whole cards: their compute and all their memory
     assert held(mig, models) == (3 * 1000 // 7, 40 * 1024)
     # a request is never charged less than it asked for

@@ -279,12 +279,13 @@ class SchedulerMachine(RuleBasedStateMachine):
     # ---------------------------------------------------------------- invariants
 
     def holding(self):
-        """(job, node) -> (milli-CU, MiB) each job holds on each node, from the node views (quota.held)."""
+        """(job, node) -> (milli-CU, MiB) each job holds on each node, from the node views and what the job asked
+        (quota.held: a share holds what it asked)."""
         out = {}
         for node, v in self.s.nodes.items():
             models = {g.uuid: g.model for g in v.cards()}
             for j, h in v.allocations.items():
-                out[(j, node)] = held(h.slices, models.__getitem__)
+                out[(j, node)] = held(h.slices, models.__getitem__, self.s.jobs[j].request.compute_milli)
         return out
 
     @invariant()

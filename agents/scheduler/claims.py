@@ -52,14 +52,13 @@ def claim_of_group(within: bool, g: int) -> Claim:
 
 
 def holding_on(r: JobRequested, model_name: str) -> tuple[int, int]:
-    """What `r` would hold on cards of this model, in the quota's units (quota.held): a share of one card its
-    milli-GPU times the model's compute units (rounded up) and the memory asked, whole cards all their compute and
+    """What `r` would hold on cards of this model, in the quota's units (quota.held): a share of one card what it
+    asked (compute and memory), whole cards all their compute and
     memory."""
     m = model(model_name)
     if r.compute_milli <= m.cu_milli and r.gpu_memory_mib <= m.memory_mib and r.isolation_asked != "exclusive":
-        share = share_for(r.compute_milli, m)
-        if share < 1000:
-            return -(-share * m.cu_milli // 1000), r.gpu_memory_mib
+        if share_for(r.compute_milli, m) < 1000:
+            return r.compute_milli, r.gpu_memory_mib  # a share holds what it asked (quota.held)
         return m.cu_milli, m.memory_mib
     n = cards_needed(r.compute_milli, r.gpu_memory_mib, model_name)
     return n * m.cu_milli, n * m.memory_mib

@@ -424,7 +424,7 @@ class Scheduler:
         r = rec.request
         for pl in rec.parts:  # one usage line per node: billing is by node, model and data center
             milli = sum(a.milli for a in pl.assignments)
-            cu, _ = held(pl.assignments, lambda uuid, node=pl.node: self.card_model(node, uuid))
+            cu, _ = held(pl.assignments, lambda uuid, node=pl.node: self.card_model(node, uuid), r.compute_milli)
             inv = self.nodes[pl.node].inventory
             card_model = self.card_model(pl.node, pl.assignments[0].gpu_uuid)
             self._emit(out, UsageAccrued(
@@ -744,7 +744,7 @@ class Scheduler:
                     if quiet is not None:
                         self._park(rec, standing)
                 continue
-            holding = self._holding(result)
+            holding = self._holding(result, r)
             if holding != (r.compute_milli, r.gpu_memory_mib):
                 quota = self._admit(rec, holding)  # charged for what it would hold, not what it asked
                 if quota.blocked and rec.nominated is None:
@@ -937,7 +937,7 @@ class Scheduler:
                            barred=barred)
             if not isinstance(result, Placement):
                 return None
-            holding = self._holding(result)
+            holding = self._holding(result, r)
             quota = self._admit(rec, holding)
             if not quota.blocked:
                 passed = sorted({self.card_model(p.node, a.gpu_uuid) for p in first.parts for a in p.assignments})
@@ -1018,11 +1018,11 @@ class Scheduler:
                 f[1] -= o.request.gpu_memory_mib
         return kept
 
-    def _holding(self, result: Placement) -> tuple[int, int]:
-        """What a placement holds in the quota's units (quota.held), over all its parts."""
+    def _holding(self, result: Placement, r: JobRequested) -> tuple[int, int]:
+        """What a placement of `r` holds in the quota's units (quota.held), over all its parts."""
         cu = mem = 0
         for part in result.parts:
-            c, m = held(part.assignments, lambda uuid, node=part.node: self.card_model(node, uuid))
+            c, m = held(part.assignments, lambda uuid, node=part.node: self.card_model(node, uuid), r.compute_milli)
             cu, mem = cu + c, mem + m
         return cu, mem
 

@@ -100,7 +100,7 @@ def _readmitted(s, rec, o, part) -> bool:
     stop and admits it again before it resumes, so a job running above a quota lowered since it started would be
     stopped for good (kept waiting `QuotaExceeded`), not moved. When the job the block is opened for is of the same
     tenant, what it asked counts as used meanwhile, as the scheduler counts it (`Scheduler._quota_kept`)."""
-    cu, mem = held(part.assignments, lambda uuid: s.card_model(part.node, uuid))
+    cu, mem = held(part.assignments, lambda uuid: s.card_model(part.node, uuid), o.request.compute_milli)
     q, w = o.request, rec.request
     kept = w.tenant == q.tenant and not rec.reserved and rec.hold is None
     freed = {}

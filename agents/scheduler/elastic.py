@@ -434,7 +434,7 @@ class Autoscaler:
             extra = new - a.milli
             if extra <= 0 or new > 1000 or card.milli - taken.get(card.uuid, 0) < extra:
                 continue
-            cu = self._extra_cu(pl.node, a, new)
+            cu = self._extra_cu(pl.node, a, new, rec.request.compute_milli)
             # within the tenant's own quota, counting the boosts admitted before it in this pass
             together = JobRequested(job_id=j, tenant=spec.tenant, project=spec.project, tier=Tier.INFERENCE,
                                     compute_milli=charged + cu, gpu_memory_mib=1, cpu_milli=0, memory_mib=0)
@@ -446,10 +446,12 @@ class Autoscaler:
             out.append((j, rec, a, new))
         return out
 
-    def _extra_cu(self, node: str, a: Assignment, new_milli: int) -> int:
-        """milli-CU a share grown to `new_milli` holds beyond the share `a` (the quota's unit, quota.held)."""
+    def _extra_cu(self, node: str, a: Assignment, new_milli: int, asked_milli: int) -> int:
+        """milli-CU a share grown to `new_milli` holds beyond the share `a` of a job that asked `asked_milli` (the
+        quota's unit, quota.held)."""
         card_model = lambda uuid: self.card_model(node, uuid)  # noqa: E731
-        return held((a.model_copy(update={"milli": new_milli}),), card_model)[0] - held((a,), card_model)[0]
+        return (held((a.model_copy(update={"milli": new_milli}),), card_model, asked_milli)[0]
+                - held((a,), card_model, asked_milli)[0])
 
     def _boost(self, svc: Service, reasons: tuple[Reason, ...]):
         todo = self._boostable(svc)
@@ -463,7 +465,7 @@ class Autoscaler:
             pl = rec.placement
             boosted = (a.model_copy(update={"milli": new}),)
             hold = JobRequested(job_id=j, tenant=spec.tenant, project=spec.project, tier=Tier.INFERENCE,
-                                compute_milli=self._extra_cu(pl.node, a, new), gpu_memory_mib=1, cpu_milli=0,
+                                compute_milli=self._extra_cu(pl.node, a, new, rec.request.compute_milli), gpu_memory_mib=1, cpu_milli=0,
                                 memory_mib=0)
             yield from self._resize(rec, boosted, Reason(code="VerticalBoost", plugin=PLUGIN,
                                                         data={"from_milli": a.milli, "to_milli": new}))

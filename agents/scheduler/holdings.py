@@ -410,7 +410,7 @@ class Holdings:
             self._drop(rec)  # a hold placed again elsewhere: nothing of the old placement stays counted
         self._fold(p.node, env)
         models = {g.uuid: g.model for g in self.nodes[p.node].cards()}
-        cu, mem = held(p.assignments, models.__getitem__)
+        cu, mem = held(p.assignments, models.__getitem__, rec.request.compute_milli)
         if first:
             rec.parts, rec.held_milli, rec.held_memory_mib = (), 0, 0
         rec.parts += (p,)
@@ -439,7 +439,7 @@ class Holdings:
             rec.migration = None  # the target's hold of a move that is called off
         models = {g.uuid: g.model for g in self.nodes[p.node].cards()}
         for part in mine:
-            cu, mem = held(part.assignments, models.__getitem__)
+            cu, mem = held(part.assignments, models.__getitem__, rec.request.compute_milli)
             self._sum(rec, cu, mem, -1)
         if rec.hold is None:
             self._train(rec, p.node, 0)
@@ -536,7 +536,7 @@ def rebuilt(nodes: dict[str, node_view.NodeView], jobs: dict[str, JobRecord]) ->
             h.running[j] = None
         for part in rec.parts:
             models = {g.uuid: g.model for g in nodes[part.node].cards()}
-            cu, mem = held(part.assignments, models.__getitem__)
+            cu, mem = held(part.assignments, models.__getitem__, rec.request.compute_milli)
             h._sum(rec, cu, mem, 1)
             if rec.hold is None:
                 h._train(rec, part.node, sum(a.milli for a in part.assignments))

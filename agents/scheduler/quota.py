@@ -15,14 +15,19 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from schemas.events import Assignment, JobRequested, QuotaBorrowed, QuotaChanged, QuotaReturned, QuotaSet, Reason
-from schemas.gpu_models import MIG_COMPUTE_SLICES, mig_profile, model
+from schemas.gpu_models import MIG_COMPUTE_SLICES, GpuModel, mig_profile, model, share_for
 
 
-def held(assignments: Iterable[Assignment], card_model: Callable[[str], str]) -> tuple[int, int]:
+def held(assignments: Iterable[Assignment], card_model: Callable[[str], str],
+         asked_milli: int | None = None) -> tuple[int, int]:
     """What a placement holds, in the quota's units: (milli-CU, GPU memory MiB). A whole card (a 1000-milli slice)
-    holds its model's compute units and all its memory; a software share holds its milli-GPU times the model's CU
-    (rounded up, so never less than the job asked for) and its memory; a MIG slice holds its compute slices' CU
-    (what `placement._instance_holds` counts) and its memory. `card_model`: card uuid -> model name."""
+    holds its model's compute units and all its memory; a MIG slice holds its compute slices' CU (what
+    `placement._instance_holds` counts) and its memory; a software share holds what the job asked for (`asked_milli`,
+    its request's compute) plus the CU of any milli-GPU it was given beyond the least share that delivers that (a
+    vertical boost), rounded up, and its memory -- without `asked_milli`, its milli-GPU times the model's CU, rounded
+    up. The least share is rounded up to whole milli-GPU (share_for), so it delivers up to one milli-GPU's CU more
+    than was asked: that dust is the pool's granularity, not charged (two 2,000 milli-CU shares of H100s in a 4,000
+    quota both stand within it). `card_model`: card uuid -> model name."""
     cu = mem = 0
     for a in assignments:
         m = model(card_model(a.gpu_uuid))
@@ -34,9 +39,18 @@ def held(assignments: Iterable[Assignment], card_model: Callable[[str], str]) ->
             cu += m.cu_milli
             mem += m.memory_mib
         else:
-            cu += -(-a.milli * m.cu_milli // 1000)
+            cu += share_cu(a.milli, m, asked_milli)
             mem += a.memory_mib
     return cu, mem
+
+
+def share_cu(milli: int, m: GpuModel, asked_milli: int | None = None) -> int:
+    """The milli-CU a software share of `milli` milli-GPU of a card of model `m` holds (`held`)."""
+    if asked_milli is not None:
+        least = share_for(asked_milli, m)
+        if milli >= least:
+            return asked_milli + -(-(milli - least) * m.cu_milli // 1000)
+    return -(-milli * m.cu_milli // 1000)
 
 
 @dataclass(frozen=True)
