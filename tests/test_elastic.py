@@ -284,6 +284,34 @@ def test_boosted_time_is_billed_at_the_boosted_share_exactly():
     assert pool.s.ledger.account("web").used_milli == 0
 
 
+def test_a_boost_is_in_its_accounts_claim_sums_and_leaves_them_with_the_replica():
+    """The claim order's sums (holdings.Sums) count what a boosted replica holds, as a rebuild from the records does,
+    and a release while boosted takes it all off: none of the boost stays behind, nor is more taken off (before,
+    the boost was never added and its release took it off: the account's sums went below what it held)."""
+    from agents.scheduler.holdings import rebuilt
+
+    pool = Pool(ElasticConfig(warm_pool=0), start_ms=40_000)
+    declare(pool, boost_compute_milli=200, max_replicas=1, min_replicas=1)
+    pool.run_until(MIN)
+
+    def sums(h):
+        return {k: (list(v.milli), list(v.memory)) for k, v in h.sums.items() if any(v.milli) or any(v.memory)}
+
+    boosted = False
+    for _ in range(3):
+        pool.now += 10_000
+        boosted |= any(o.payload.kind == "cmd.resize" for o in pool.sample("chat", 150, 100, 10_000))
+    assert boosted and pool.s.jobs["chat/r1"].placement.assignments[0].milli == 500
+    h = pool.s.h
+    assert sums(h) == sums(rebuilt(h.nodes, h.jobs))
+    # 500 milli-GPU of an A100 (1,000 milli-CU): the 300 asked, and the 200 milli-GPU the boost added
+    assert sum(h.sums[("web", None)].milli) == 300 + 200
+    pool.now += 7_000
+    pool.feed(ServiceRemoved(service_id="chat"), "cli/service/chat")
+    assert pool.s.state_of("chat/r1") == "done"
+    assert sums(h) == {} == sums(rebuilt(h.nodes, h.jobs))
+
+
 def test_training_backfills_the_share_a_reverted_boost_frees_in_the_same_step():
     # (the share guarantee off: with it, r2, beyond the critical need, would give way to the waiting job at once)
     pool = Pool(ElasticConfig(warm_pool=0, training_share_pct=0), nodes=(("n1", "A100-80GB", 1),), start_ms=30_000)

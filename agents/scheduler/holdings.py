@@ -360,6 +360,16 @@ class Holdings:
                 self._fold(p.node, env)
                 rec = self.jobs.get(p.job_id)
                 if rec is not None and self._current(rec, p.attempt) and rec.placement is not None:
+                    # the claim order's sums count what the part holds now (a boost is held capacity of its
+                    # account): a release takes off what it holds then, and a rebuild counts the parts as they are
+                    models = {g.uuid: g.model for g in self.nodes[p.node].cards()}
+                    ask = rec.request.compute_milli
+                    for part in rec.parts:
+                        if part.node == p.node:
+                            was = held(part.assignments, models.__getitem__, ask)
+                            now = held(p.assignments, models.__getitem__, ask)
+                            if now != was:
+                                self._sum(rec, now[0] - was[0], now[1] - was[1], 1)
                     rec.parts = tuple(part.model_copy(update={"assignments": p.assignments})
                                       if part.node == p.node else part for part in rec.parts)
                     rec.placement = rec.parts[0]
