@@ -65,6 +65,9 @@ def test_node_commands_cordon_drain_and_show(pool):
     assert "node-000" in listing and "ready" in listing and "A100-80GB x4" in listing
     cli(pool, "node", "cordon", "node-001", "--reason", "firmware")
     wait_for(lambda: "cordoned" in cli(pool, "node", "list"), 30, "node-001 cordoned", pool)
+    # a cordoned node has no GPUs free to take work (as `gpupool cluster` counts): its idle ones are said apart
+    rows = {line.split()[0]: line for line in cli(pool, "node", "list").splitlines()[1:]}
+    assert "- (" in rows["node-001"] and " idle)" in rows["node-001"] and "- (" not in rows["node-000"], rows
     # work goes elsewhere while it is cordoned
     pool.client("alice").send([JobRequested(job_id="while-cordoned", tenant="acme", compute_milli=300,
                                             gpu_memory_mib=4096, duration_s=30)])

@@ -151,8 +151,10 @@ def cmd_node_list(cfg, args) -> int:
             models[g["model"]] = models.get(g["model"], 0) + 1
         free = sum(g["free_milli"] for g in n["cards"] if g["healthy"])
         bad = sum(1 for g in n["cards"] if not g["healthy"])
+        # free to take work: a node that is down, cordoned or draining has none (as `gpupool cluster` counts)
         rows.append([n["node"], n["state"], ", ".join(f"{k} x{v}" for k, v in sorted(models.items())),
-                     f"{free / 1000:.2f}", bad, len(n["jobs"]), n["rack"], n["datacenter"]])
+                     f"{free / 1000:.2f}" if n["state"] == "ready" else f"- ({free / 1000:.2f} idle)", bad,
+                     len(n["jobs"]), n["rack"], n["datacenter"]])
     emit(["node", "state", "cards", "free_gpus", "unhealthy", "jobs", "rack", "datacenter"], rows, "table")
     return 0
 
