@@ -423,6 +423,12 @@ def code_lines(snaps, ok: bool) -> list[str]:
         lines.append(f"  note: snapshots at input offsets {min(offs)}..{max(offs)} were written by scheduler code {code}"
                      + ("" if ok else ": outputs decided by that code are expected to differ -- audit that span with "
                                       "the code that wrote it"))
+    if not ok and not snaps:
+        # a young log: nothing on record names the code that decided it, and a scheduler running other code than
+        # the audit's (a checkout changed under a running stack) reads here as every decision differing
+        lines.append("  note: no scheduler snapshot is on record to say which code decided this input: if the "
+                     "scheduler ran other code than this audit's, every decision after the first change differs -- "
+                     "audit with the code it ran (the worker's /stats/: scheduler.takeover.code)")
     return lines
 
 

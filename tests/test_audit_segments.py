@@ -271,6 +271,9 @@ def test_the_verdict_names_the_code_it_re_runs_and_other_code_that_wrote_snapsho
     lines = seg.code_lines(FileLog(d).snapshots(), ok=False)
     assert "audit that span with the code that wrote it" in lines[-1]
     assert seg.code_lines(FileLog(clean_log).snapshots(), ok=False) == [lines[0]]  # one code: nothing to say
+    # no snapshot on record names any code: a mismatch says the scheduler may have run other code; a match, nothing
+    assert seg.code_lines([], ok=True) == [lines[0]]
+    assert "no scheduler snapshot is on record" in seg.code_lines([], ok=False)[-1]
 
 
 def test_the_verdict_names_the_code_an_upgrade_took_over_from():
