@@ -69,7 +69,8 @@ UPCASTERS: dict[int, Any] = {}  # format -> fn(doc) -> doc of format+1
 # Moved by hand when a change gives fields the state already has another meaning (a memo keyed differently, a unit
 # changed): state_layout sees only the state's shape, and a snapshot whose layout matches is loaded by new code.
 STATE_SEMANTICS = 3  # 2: a standing memo says by how much (claims.within_by), the sums log the amounts; 3: a share
-# holds what its job asked (quota.held: the sums, held_milli and the ledger count no rounding dust)
+# holds what its job asked (quota.held: the sums, held_milli and the ledger count no rounding dust), and a resize
+# moves the sums (a boosted replica's holding is in them)
 
 
 def _state_sources() -> list[Path]:
