@@ -53,8 +53,7 @@ def claim_of_group(within: bool, g: int) -> Claim:
 
 def holding_on(r: JobRequested, model_name: str) -> tuple[int, int]:
     """What `r` would hold on cards of this model, in the quota's units (quota.held): a share of one card what it
-    asked (compute and memory), whole cards all their compute and
-    memory."""
+    asked (compute and memory), whole cards all their compute and memory."""
     m = model(model_name)
     if r.compute_milli <= m.cu_milli and r.gpu_memory_mib <= m.memory_mib and r.isolation_asked != "exclusive":
         if share_for(r.compute_milli, m) < 1000:

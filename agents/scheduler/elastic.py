@@ -464,9 +464,9 @@ class Autoscaler:
         for j, rec, a, new in todo:
             pl = rec.placement
             boosted = (a.model_copy(update={"milli": new}),)
+            extra_cu = self._extra_cu(pl.node, a, new, rec.request.compute_milli)
             hold = JobRequested(job_id=j, tenant=spec.tenant, project=spec.project, tier=Tier.INFERENCE,
-                                compute_milli=self._extra_cu(pl.node, a, new, rec.request.compute_milli), gpu_memory_mib=1, cpu_milli=0,
-                                memory_mib=0)
+                                compute_milli=extra_cu, gpu_memory_mib=1, cpu_milli=0, memory_mib=0)
             yield from self._resize(rec, boosted, Reason(code="VerticalBoost", plugin=PLUGIN,
                                                         data={"from_milli": a.milli, "to_milli": new}))
             yield Charge(hold, 1)
