@@ -78,6 +78,20 @@ def test_the_search_shortcuts_change_no_output(scenario, quota):
     _same_with_and_without(*scenario, quota)
 
 
+@settings(max_examples=150, deadline=None)
+@given(scenarios(), quotas)
+def test_the_search_shortcuts_change_no_output_when_few_nodes_are_compared(scenario, quota):
+    """The same with two workable nodes compared instead of 16 (`candidate_nodes`): on these small fleets, where the
+    search stops counting nodes -- and which of the nodes counted have their plan worked out, cheapest bound first
+    (core._plan_bound) -- then matters as 16 does on a large fleet."""
+    from agents.scheduler.preemption import PreemptionConfig
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(core, "PreemptionConfig", lambda: PreemptionConfig(candidate_nodes=2))
+        assert Scheduler().preemption.candidate_nodes == 2
+        _same_with_and_without(*scenario, quota)
+
+
 def test_a_node_where_the_job_fits_with_nobody_stopped_yields_no_plan():
     """A hypothesis example the property above found now and then (a flaky CI risk): inference requests barred from
     a node claimed by a nominated job ahead of them fit there with nobody stopped. The walk chose that node with an

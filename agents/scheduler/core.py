@@ -1336,7 +1336,10 @@ class Scheduler:
         worked out in one pass (no Victim built but for the plan's), and what is a function of the node's view and
         the job's shape alone -- the node's Room, whether the job fits with a set of jobs gone, the choice among
         victims in a given disruption order -- is kept while the node's view object is the same one (views are
-        immutable: a change makes a new one). Choices that ask the claim order (a "reclaim" victim) are not kept."""
+        immutable: a change makes a new one). Choices that ask the claim order (a "reclaim" victim) are not kept. A
+        node whose plan needs no standing to exist (no "reclaim" victim, no MIG trial) is counted at once and its plan
+        worked out afterwards, cheapest lower bound first (`_plan_bound`), only while that bound could still beat the
+        best plan: the standings of candidates on nodes that cannot win are never read."""
         best: Plan | None = None
         best_cost = None  # best.cost (a property that sums each time it is read)
         found, limit = 0, self.preemption.candidate_nodes
@@ -1354,7 +1357,63 @@ class Scheduler:
             v = versions[tenant] = t.version if t is not None else -1
             return v
 
+        def choose(name, room, rows, lost_of, accounts, key, reclaim, keep, facts):
+            """The victims `least_disruptive` chooses on this node, in the claim order's disruption order."""
+            # each one's standing coming back (Search.victim_claim): none is asked when every account's largest job
+            # here is sure to stand within (surely_within: its stronger and equal holders, the preemptor and it fit)
+            surely_all = True
+            for k, most_m, most_mem in accounts:
+                sl = slack[k] if k in slack else surely(*k)
+                if most_m > sl[0] or most_mem > sl[1]:
+                    surely_all = False
+                    break
+            entries = []
+            for (j, o, tr, rule, k), lost in zip(rows, lost_of):
+                if rule == "reclaim" or surely_all:
+                    entries.append((0 if rule == "reclaim" else 1, -tr, lost, j, rule))
+                    continue
+                # its memos read here first: a reserved job and an account no quota bounds stand within; another
+                # tenant's job stands as it stands now (standing_now's memo, while its tenant's sums and the quotas
+                # have not moved)
+                req = o.request
+                if o.reserved or bounded.get((req.tenant, req.project)) is False:
+                    borrowed = False
+                elif (req.compute_milli <= (sl := slack[k] if k in slack else surely(*k))[0]
+                      and req.gpu_memory_mib <= sl[1]):
+                    borrowed = False  # its account's stronger and equal holders, the preemptor and it fit
+                elif req.tenant != my_tenant:
+                    # another tenant's job stands as it stands now: its standing_now (whose memo it reads first)
+                    sm = o.standing_memo
+                    if sm and sm[1] == quota_version and sm[0] == (
+                            versions[req.tenant] if req.tenant in versions else version_of(req.tenant)):
+                        borrowed = not sm[2]
+                    else:
+                        borrowed = not standing_now(h, ledger, o)
+                elif not standing_now(h, ledger, o):
+                    borrowed = True  # beyond quota now: the preemptor's holding, if counted ahead of it, only adds
+                elif (sm := o.standing_memo) and sm[3][0] >= my_milli and sm[3][1] >= my_memory:
+                    borrowed = False  # within by more than the preemptor will hold, wherever that counts
+                else:
+                    borrowed = not search.victim_claim(o, mine)[0]
+                entries.append((0 if borrowed else 1, -tr, lost, j, rule))
+            entries.sort()  # disruption_order: (borrowed first, lowest tier, least progress lost, job id), ids unique
+            if reclaim or not keep:
+                ordered = [Victim(e[3], name, -e[1], e[0] == 0, e[2], e[4]) for e in entries]
+                chosen = least_disruptive(room, ordered,
+                                          (lambda chosen, v, key=key: search.valid(chosen, v, key)) if reclaim
+                                          else None)
+            else:
+                order_key = ("order", sk, tuple(e[3] for e in entries))
+                picked = facts.get(order_key, False)
+                if picked is False:
+                    got = least_disruptive(room, [_Pick(e[3]) for e in entries])
+                    picked = facts[order_key] = None if got is None else frozenset(p.job_id for p in got)
+                chosen = None if picked is None else [Victim(e[3], name, -e[1], e[0] == 0, e[2], e[4])
+                                                      for e in entries if e[3] in picked]
+            return chosen
+
         node_keys: dict[frozenset, Claim] = {}  # its claim on a node, by the node's card models (Search.node_key)
+        deferred = []  # (bound, order, node's context): nodes whose plan is worked out only if it may be cheaper
         for name in self._victim_nodes(search, strongest):
             view = self.nodes[name]
             facts = self._view_facts(view)
@@ -1407,7 +1466,9 @@ class Scheduler:
                     a = accounts.setdefault(k, [0, 0])
                     a[0], a[1] = max(a[0], o.request.compute_milli), max(a[1], o.request.gpu_memory_mib)
                 got = facts["rows"] = (pairs, rows, tuple(c[0] for c in rows), any(c[3] == "reclaim" for c in rows),
-                                       tuple((k, a[0], a[1]) for k, a in accounts.items()), sinces)
+                                       tuple((k, a[0], a[1]) for k, a in accounts.items()), sinces,
+                                       # the rows by the work each loses, least first (latest since first)
+                                       tuple(sorted(range(len(rows)), key=lambda i: -sinces[i])))
             rows, cand_ids, reclaim, accounts = got[1], got[2], got[3], got[4]
             if len(rows) != len(ids):
                 got_key = (what, cand_ids)
@@ -1417,78 +1478,17 @@ class Scheduler:
                 if not ok:
                     continue
             lost_of = [now - since if since < now else 0 for since in got[5]]  # the work each loses
-            if keep and not reclaim and best_cost is not None:
+            if keep and not reclaim:
                 # It yields a plan (the job fits with them all gone, and no victim's account is asked: the choice
-                # adds victims until it fits). Whether that plan could be cheaper than the best so far, before any
-                # standing is worked out: a plan of one victim stops a job that alone makes room; none does: two
-                # or more.
-                if best_cost[0] == 1:
-                    cheaper = False  # a job that loses no more than the best plan's victim and alone makes room
-                    for c, lost in zip(rows, lost_of):
-                        if lost <= best_cost[1]:
-                            one = ("one", sk, c[0])
-                            alone = facts.get(one)
-                            if alone is None:
-                                alone = facts[one] = room.fits_without((c[0],))
-                            if alone:
-                                cheaper = True
-                                break
-                    if not cheaper:
-                        found += 1  # a plan, no cheaper than the best
-                        if found >= limit:
-                            break
-                        continue
-            # each one's standing coming back (Search.victim_claim): none is asked when every account's largest job
-            # here is sure to stand within (surely_within: its stronger and equal holders, the preemptor and it fit)
-            surely_all = True
-            for k, most_m, most_mem in accounts:
-                sl = slack[k] if k in slack else surely(*k)
-                if most_m > sl[0] or most_mem > sl[1]:
-                    surely_all = False
+                # adds victims until it fits), worked out below only if it could be cheaper than the best one
+                # (`_plan_bound`): the cheapest plan of the nodes counted is the same whatever order they are tried in
+                deferred.append((_plan_bound(facts, sk, room, rows, got[6], lost_of), len(deferred),
+                                 (name, room, rows, lost_of, accounts, facts)))
+                found += 1
+                if found >= limit:
                     break
-            entries = []
-            for (j, o, tr, rule, k), lost in zip(rows, lost_of):
-                if rule == "reclaim" or surely_all:
-                    entries.append((0 if rule == "reclaim" else 1, -tr, lost, j, rule))
-                    continue
-                # its memos read here first: a reserved job and an account no quota bounds stand within; another
-                # tenant's job stands as it stands now (standing_now's memo, while its tenant's sums and the quotas
-                # have not moved)
-                req = o.request
-                if o.reserved or bounded.get((req.tenant, req.project)) is False:
-                    borrowed = False
-                elif (req.compute_milli <= (sl := slack[k] if k in slack else surely(*k))[0]
-                      and req.gpu_memory_mib <= sl[1]):
-                    borrowed = False  # its account's stronger and equal holders, the preemptor and it fit
-                elif req.tenant != my_tenant:
-                    # another tenant's job stands as it stands now: its standing_now (whose memo it reads first)
-                    sm = o.standing_memo
-                    if sm and sm[1] == quota_version and sm[0] == (
-                            versions[req.tenant] if req.tenant in versions else version_of(req.tenant)):
-                        borrowed = not sm[2]
-                    else:
-                        borrowed = not standing_now(h, ledger, o)
-                elif not standing_now(h, ledger, o):
-                    borrowed = True  # beyond quota now: the preemptor's holding, if counted ahead of it, only adds
-                elif (sm := o.standing_memo) and sm[3][0] >= my_milli and sm[3][1] >= my_memory:
-                    borrowed = False  # within by more than the preemptor will hold, wherever that counts
-                else:
-                    borrowed = not search.victim_claim(o, mine)[0]
-                entries.append((0 if borrowed else 1, -tr, lost, j, rule))
-            entries.sort()  # disruption_order: (borrowed first, lowest tier, least progress lost, job id), ids unique
-            if reclaim or not keep:
-                ordered = [Victim(e[3], name, -e[1], e[0] == 0, e[2], e[4]) for e in entries]
-                chosen = least_disruptive(room, ordered,
-                                          (lambda chosen, v, key=key: search.valid(chosen, v, key)) if reclaim
-                                          else None)
-            else:
-                order_key = ("order", sk, tuple(e[3] for e in entries))
-                picked = facts.get(order_key, False)
-                if picked is False:
-                    got = least_disruptive(room, [_Pick(e[3]) for e in entries])
-                    picked = facts[order_key] = None if got is None else frozenset(p.job_id for p in got)
-                chosen = None if picked is None else [Victim(e[3], name, -e[1], e[0] == 0, e[2], e[4])
-                                                      for e in entries if e[3] in picked]
+                continue
+            chosen = choose(name, room, rows, lost_of, accounts, key, reclaim, keep, facts)
             if chosen is not None:
                 plan = Plan(name, tuple(chosen))
                 cost = plan.cost
@@ -1497,6 +1497,15 @@ class Scheduler:
                 found += 1
                 if found >= limit:
                     break
+        deferred.sort(key=lambda d: (d[0], d[1]))
+        for bound, _, (name, room, rows, lost_of, accounts, facts) in deferred:
+            if best_cost is not None and bound > best_cost[:2]:
+                break  # no plan of this node or of any after it can be cheaper
+            chosen = choose(name, room, rows, lost_of, accounts, None, False, True, facts)
+            plan = Plan(name, tuple(chosen))
+            cost = plan.cost
+            if best_cost is None or cost < best_cost:
+                best, best_cost = plan, cost
         return best
 
     def _view_facts(self, view: node_view.NodeView) -> dict:
@@ -1803,6 +1812,20 @@ _NO_CONSTRAINTS = JobRequested.model_fields["constraints"].default
 
 
 _NO_LOSS = 1 << 62  # `since` of a candidate that does not run: it loses no work
+
+
+def _plan_bound(facts: dict, sk, room, rows, by_loss, lost_of) -> tuple[int, int]:
+    """A lower bound of a node's plan's (victims, work lost) -- `Plan.cost`'s first two fields -- from what its
+    candidates lose, before any standing is read: one victim losing at least the least any candidate that alone makes
+    room loses; else two or more, losing at least the two least. `by_loss`: the rows' indices, least loss first."""
+    for i in by_loss:
+        one = ("one", sk, rows[i][0])  # whether the job fits with that one gone (kept with the view)
+        alone = facts.get(one)
+        if alone is None:
+            alone = facts[one] = room.fits_without((rows[i][0],))
+        if alone:
+            return 1, lost_of[i]
+    return 2, sum(lost_of[i] for i in by_loss[:2])
 
 
 def _first(pair: tuple):
