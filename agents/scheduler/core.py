@@ -1188,39 +1188,51 @@ class Scheduler:
         Kept with the view while no job record on the node changed (Holdings.node_jobs), by the candidates and
         their `Search.below` (`_judged_on`: searches of other claims often judge a node's candidates alike) -- when
         they read nothing else: every candidate's claim below whatever its standing, and none protected now (a
-        protection only ever ends while a job holds capacity: its stops are the same)."""
+        protection only ever ends while a job holds capacity: its stops are the same). Found again by the claim's
+        tables and key first: a search's ~1,000 nodes per card model are read without hashing each one's candidates
+        (the caller synced the victim index, `_victim_nodes`)."""
         key = key or search.node_key(view)
         if not self.search_memo:
             return [o.request.job_id for o, _ in self._stoppable_on(view, search, key)]
         facts = self._view_facts(view)
+        moved = self.h.node_jobs.get(view.node, 0)
+        mine = ("ids of", search.tables(key), key)
+        got = facts.get(mine)
+        if got is not None and got[0] == moved:
+            return got[1]
         judged = self._judged_on(view, search, key)
         k = ("ids", judged)
-        moved = self.h.node_jobs.get(view.node, 0)
         got = facts.get(k)
         if got is not None and got[0] == moved:
+            facts[mine] = got
             return got[1]
         pairs, keep = self._stoppable_kept(view, search, key, judged, moved)
         ids = tuple(o.request.job_id for o, _ in pairs)
         if keep:
-            facts[k] = (moved, ids)
+            facts[k] = facts[mine] = (moved, ids)
         return ids
 
     def _stoppable_kept(self, view: node_view.NodeView, search: Search, key, judged=None, moved=None):
         """`_stoppable_on`, kept with the view like `_victim_ids_on`'s ids (the same conditions); returns (the
         pairs, whether they are kept)."""
         facts = self._view_facts(view)
-        judged = judged if judged is not None else self._judged_on(view, search, key)
         moved = moved if moved is not None else self.h.node_jobs.get(view.node, 0)
+        mine = ("stoppable of", search.tables(key), key)  # found by the claim first, as `_victim_ids_on`'s ids
+        got = facts.get(mine)
+        if got is not None and got[0] == moved:
+            return got[1], True
+        judged = judged if judged is not None else self._judged_on(view, search, key)
         k = ("stoppable", judged)
         got = facts.get(k)
         if got is not None and got[0] == moved:
+            facts[mine] = got
             return got[1], True
         pairs = tuple(self._stoppable_on(view, search, key))
         jobs, now, cfg = self.jobs, self.now_ms, self.preemption
         keep = all(below and not (jobs[j].preempted_at and protected(jobs[j].preempted_at, now, cfg))
                    for j, below in judged)
         if keep:
-            facts[k] = (moved, pairs)
+            facts[k] = facts[mine] = (moved, pairs)
         return pairs, keep
 
     def _stoppable_on(self, view: node_view.NodeView, search: Search, key=None) -> list[tuple[JobRecord, str]]:
@@ -1482,7 +1494,7 @@ class Scheduler:
                 # It yields a plan (the job fits with them all gone, and no victim's account is asked: the choice
                 # adds victims until it fits), worked out below only if it could be cheaper than the best one
                 # (`_plan_bound`): the cheapest plan of the nodes counted is the same whatever order they are tried in
-                deferred.append((_plan_bound(facts, sk, room, rows, got[6], lost_of), len(deferred),
+                deferred.append((_plan_bound(facts, sk, room, got, lost_of), len(deferred),
                                  (name, room, rows, lost_of, accounts, facts)))
                 found += 1
                 if found >= limit:
@@ -1814,18 +1826,28 @@ _NO_CONSTRAINTS = JobRequested.model_fields["constraints"].default
 _NO_LOSS = 1 << 62  # `since` of a candidate that does not run: it loses no work
 
 
-def _plan_bound(facts: dict, sk, room, rows, by_loss, lost_of) -> tuple[int, int]:
+def _plan_bound(facts: dict, sk, room, got: tuple, lost_of: list[int]) -> tuple[int, int]:
     """A lower bound of a node's plan's (victims, work lost) -- `Plan.cost`'s first two fields -- from what its
     candidates lose, before any standing is read: one victim losing at least the least any candidate that alone makes
-    room loses; else two or more, losing at least the two least. `by_loss`: the rows' indices, least loss first."""
-    for i in by_loss:
-        one = ("one", sk, rows[i][0])  # whether the job fits with that one gone (kept with the view)
-        alone = facts.get(one)
-        if alone is None:
-            alone = facts[one] = room.fits_without((rows[i][0],))
-        if alone:
-            return 1, lost_of[i]
-    return 2, sum(lost_of[i] for i in by_loss[:2])
+    room loses; else two or more, losing at least the two least. `got`: the node's kept rows (`_plan_nodes`), whose
+    last field orders them by the work each loses, least first -- so which one is the least-losing lone room-maker is
+    kept with them."""
+    k = ("bound", sk)
+    kept = facts.get(k)
+    if kept is None or kept[0] is not got:
+        rows, first = got[1], None
+        for i in got[6]:
+            one = ("one", sk, rows[i][0])  # whether the job fits with that one gone (kept with the view)
+            alone = facts.get(one)
+            if alone is None:
+                alone = facts[one] = room.fits_without((rows[i][0],))
+            if alone:
+                first = i
+                break
+        kept = facts[k] = (got, first)
+    if kept[1] is not None:
+        return 1, lost_of[kept[1]]
+    return 2, sum(lost_of[i] for i in got[6][:2])
 
 
 def _first(pair: tuple):

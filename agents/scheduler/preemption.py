@@ -380,10 +380,16 @@ def plan_gang(job: JobRequested, views: dict[str, node_view.NodeView], index: No
                     rooms[name] = (gang_room(view, job, m, cpu_per, mem_per), most)
                 continue
             kept = facts(view)
-            k = ("gang", m, cpu_per, mem_per, allowed, tuple(ids))
-            most = kept.get(k)
-            if most is None:
-                most = kept[k] = gang_room_after(view, job, m, cpu_per, mem_per, ids)
+            mine = ("gang of", m, cpu_per, mem_per, allowed)  # the last ids asked, found without hashing them
+            got = kept.get(mine)
+            if got is not None and got[0] is ids:
+                most = got[1]
+            else:
+                k = ("gang", m, cpu_per, mem_per, allowed, tuple(ids))
+                most = kept.get(k)
+                if most is None:
+                    most = kept[k] = gang_room_after(view, job, m, cpu_per, mem_per, ids)
+                kept[mine] = (ids, most)
             if most > 0:
                 k = ("gang room", m, cpu_per, mem_per, allowed)
                 now = kept.get(k)
