@@ -1266,10 +1266,15 @@ class Scheduler:
             return tuple((j, search.below(jobs[j], key)) for j in self._candidates_on(view, search, key))
         self._sync_victim_index()
         facts = self._view_facts(view)
-        k = ("below", search.tables(key), key)  # the candidates are a function of the tables (`_candidates_on`)
+        tables = search.tables(key)
+        k = ("below", tables, key)  # the candidates are a function of the tables (`_candidates_on`)
         got = facts.get(k)
         if got is None:
-            got = facts[k] = tuple((j, search.below(jobs[j], key)) for j in self._candidates_on(view, search, key))
+            # read from the victim index's entries: a job's claim group there is its tier and whether it is on its
+            # reservation (claims.group), so Search.below is whether that group's within-quota claim is below `key`
+            got = facts[k] = tuple((j, (1, g >> 1, g & 1) < key)
+                                   for j, (g, t) in self.victim_index.held.get(view.node, {}).items()
+                                   if (t, g) in tables)
         return got
 
     def _preempt_for(self, out: list[Envelope], cause: Envelope, rec: JobRecord) -> bool:
