@@ -1270,11 +1270,11 @@ class Scheduler:
         k = ("below", tables, key)  # the candidates are a function of the tables (`_candidates_on`)
         got = facts.get(k)
         if got is None:
-            # read from the victim index's entries: a job's claim group there is its tier and whether it is on its
-            # reservation (claims.group), so Search.below is whether that group's within-quota claim is below `key`
-            got = facts[k] = tuple((j, (1, g >> 1, g & 1) < key)
-                                   for j, (g, t) in self.victim_index.held.get(view.node, {}).items()
-                                   if (t, g) in tables)
+            # a job's claim group in the victim index's entry is its tier and whether it is on its reservation
+            # (claims.group): Search.below is whether that group's within-quota claim is below `key`
+            held = self.victim_index.held.get(view.node, {})
+            got = facts[k] = tuple((j, (1, held[j][0] >> 1, held[j][0] & 1) < key)
+                                   for j in self._candidates_on(view, search, key))
         return got
 
     def _preempt_for(self, out: list[Envelope], cause: Envelope, rec: JobRecord) -> bool:
