@@ -74,3 +74,33 @@ def test_the_claim_sums_say_what_the_holders_ahead_hold(changes, asks):
                 assert s.ahead_of(gg, a) == tuple(want), (gg, a)
         t = [x for x in s._trees if x is not None]
         assert all(len(tm) <= max(1024, 2 * 200_002 + 2) for _, tm, _ in t)
+
+
+@given(_changes, st.integers(0, 60), st.lists(st.tuples(st.integers(0, 5), st.integers(-1, 200_002)), min_size=1,
+                                              max_size=10))
+@settings(max_examples=200, deadline=None)
+def test_the_sums_say_what_the_holders_ahead_held_at_a_pinned_version(changes, cut, asks):
+    """Sums.ahead_at: what ahead_of said at an earlier version, however many changes came since (more than the log
+    keeps unpinned: the pin keeps them) -- what a parked job's place at a cycle's start is read from
+    (core.Scheduler._parked_key, claims.standing_at)."""
+    from agents.scheduler.holdings import GROUPS, SUMS_LOG, Sums
+
+    s = Sums()
+    held: dict[tuple[int, int], tuple[int, int]] = {}
+    then, version = None, None
+    for i, (g, arrival, milli, memory, leave) in enumerate(changes * (1 + SUMS_LOG // max(1, len(changes)))):
+        if i == cut:
+            version = s.pin = s.version
+            then = {(gg % GROUPS, a): s.ahead_of(gg % GROUPS, a) for gg, a in asks}
+        g %= GROUPS
+        if leave and held:
+            (g, arrival), (milli, memory) = sorted(held.items())[arrival % len(held)]
+            s.add(g, arrival, -milli, -memory)
+            del held[(g, arrival)]
+        elif (g, arrival) not in held:
+            s.add(g, arrival, milli, memory)
+            held[(g, arrival)] = (milli, memory)
+    if then is None:
+        return
+    assert {k: s.ahead_at(version, *k) for k in then} == then
+    assert s.log_from <= version and len(s.log) >= s.version - version

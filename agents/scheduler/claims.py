@@ -138,6 +138,23 @@ def standing_now(h: Holdings, ledger: Ledger, rec: JobRecord) -> bool:
     return got
 
 
+def standing_at(h: Holdings, ledger: Ledger, rec: JobRecord, versions: dict) -> bool:
+    """`standing_now` as it was when its account's sums were at `versions` (account key -> Sums version; an account
+    not in it held nothing then), the quotas as they are: what the holders ahead of it held then (Sums.ahead_at, from
+    the changes since, which a pin keeps in the log) plus what it asked, against each quota."""
+    if rec.reserved or rec.hold is not None:
+        return True
+    r = rec.request
+    for key, q in _quotas(ledger, r):
+        s = h.sums.get(key)
+        v = versions.get(key)
+        m, mem = s.ahead_at(v, rec.group, rec.arrival) if s is not None and v is not None else (0, 0)
+        if m + r.compute_milli > q.gpu_milli or (q.gpu_memory_mib is not None
+                                                 and mem + r.gpu_memory_mib > q.gpu_memory_mib):
+            return False
+    return True
+
+
 class Search:
     """The claim order as one preemptor's search sees it: its claim on each card model (what it would hold there),
     who may be stopped for it, and whether a plan's victims still stand beyond quota once the plan is done."""
@@ -319,4 +336,5 @@ class Search:
         return True
 
 
-__all__ = ["Claim", "GROUPS", "Search", "claim", "group", "holding_on", "may_stop", "standing_now", "within"]
+__all__ = ["Claim", "GROUPS", "Search", "claim", "group", "holding_on", "may_stop", "standing_at", "standing_now",
+           "within"]

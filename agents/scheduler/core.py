@@ -13,7 +13,7 @@ from dataclasses import replace
 
 from agents.scheduler.admission import Fleet
 from agents.scheduler import defrag
-from agents.scheduler.claims import Claim, Search, claim, standing_now
+from agents.scheduler.claims import Claim, Search, claim, standing_at, standing_now
 from agents.scheduler.elastic import SERVICE_KINDS, SOURCE as AUTOSCALER, Autoscaler, Backfill, Charge, Emit, Request
 from agents.scheduler.elastic import ElasticConfig, Resize
 from agents.scheduler.holdings import Holdings, JobRecord, fingerprint, rebuilt
@@ -121,11 +121,11 @@ class Scheduler:
         # that attempt, its tier); the same jobs by their closed nodes; (quiet window's end, job), a heap.
         self.parked: dict[str, tuple[frozenset[str], Tier, int]] = {}  # (closed nodes, tier, cycle parked in)
         self._parked_by: dict[frozenset[str], dict[str, None]] = {}
-        # their places in the queue's order (`_queue_key`), kept per tenant while its sums and the quotas stand still
         self._parked_of: dict[str, dict[str, None]] = {}  # tenant -> its parked jobs
-        self._park_keys: dict[str, tuple] = {}
-        self._park_keys_at: dict[str, tuple[int, int]] = {}  # tenant -> (its sums' version, quota version) of the keys
-        self._unsettled: set[str] = set()  # tenants whose parked jobs' places are worked out when needed (_settle)
+        # a parked job woken in a full cycle is tried at its place in the queue's order at the cycle's start: its
+        # standing then is read from its tenant's sums as they were (`_settle` marks their versions, claims.standing_at)
+        self._unsettled: set[str] = set()  # tenants with parked jobs whose sums have not moved in this cycle
+        self._settled_at: dict[str, dict] = {}  # tenant -> its sums' versions at this cycle's start, once they moved
         self._park_until: list[tuple[int, str]] = []
         self._unclosed: set[str] = set()  # nodes that may no longer be closed to a parked job (claims, bars ended)
         self._park_mark = (0, 0)  # (node epoch, quota version) the parked jobs were parked under
@@ -665,8 +665,11 @@ class Scheduler:
         work; then arrival order."""
         return sorted((self.jobs[j] for j in self.pending), key=self._queue_key)
 
-    def _queue_key(self, r: JobRecord) -> tuple:
-        return (0 if r.nominated else 1, -standing_now(self.h, self.ledger, r), TIER_RANK[r.request.tier],
+    def _queue_key(self, r: JobRecord, standing: bool | None = None) -> tuple:
+        """`standing`: its standing when it is not now's (`_parked_key`)."""
+        if standing is None:
+            standing = standing_now(self.h, self.ledger, r)
+        return (0 if r.nominated else 1, -standing, TIER_RANK[r.request.tier],
                 0 if r.reserved else 1, 0 if r.preemptions or r.interruptions else 1, r.arrival)
 
     def _cycle(self, out: list[Envelope], cause: Envelope, only: JobRecord | None = None) -> None:
@@ -756,7 +759,7 @@ class Scheduler:
                         self._pending(out, cause, rec, quota.reasons)
                     continue
             self._bind(out, cause, rec, result, quota, holding)
-        self._unsettled.clear()  # the places are needed in this cycle only
+        self._end_settled()  # the places are needed in this cycle only
 
     def _park(self, rec: JobRecord, standing: bool) -> None:
         """`rec`, in its quiet window, was not placed: it leaves the queue (`_wake` says when it comes back). Not a
@@ -773,12 +776,9 @@ class Scheduler:
         self.parked[r.job_id] = (closed, r.tier, self.cycle)
         self._parked_by.setdefault(closed, {})[r.job_id] = None
         self._parked_of.setdefault(r.tenant, {})[r.job_id] = None
-        # its place now: the tenant's mark (`_park_places`) says it holds at the next cycle's start only if the
-        # tenant's sums and the quotas are where they are now (versions only grow), else all are worked out again
-        self._park_keys[r.job_id] = self._queue_key(rec)
         heapq.heappush(self._park_until, (quiet_until(rec.preempted_at, self.preemption), r.job_id))
 
-    def _unpark(self, job_id: str) -> tuple | None:
+    def _unpark(self, job_id: str) -> int | None:
         got = self.parked.pop(job_id, None)
         if got is not None:
             same = self._parked_by[got[0]]
@@ -792,38 +792,37 @@ class Scheduler:
             del mine[job_id]
             if not mine:
                 del self._parked_of[tenant]
-                self._park_keys_at.pop(tenant, None)
-            return got[2], self._park_keys.pop(job_id, None)
+            return got[2]
         return None
 
     def _park_places(self) -> None:
         """At a full cycle's start: each parked job's place in the queue's order as it stands now (`_queue_key`) is
-        needed only if something in this cycle wakes it (`_woken`). For the tenants whose sums or quotas moved since
-        their jobs' places were worked out (a standing is a function of those), it is worked out then -- or, should
-        the cycle change the tenant's sums first, just before (`_settle`): as of the cycle's start either way."""
-        qv = self.ledger.quota_version
-        sums = self.h.sums
-        self._unsettled.clear()
-        for tenant in self._parked_of:
-            s = sums.get((tenant, None))
-            if self._park_keys_at.get(tenant) != (s.version if s is not None else -1, qv):
-                self._unsettled.add(tenant)
+        needed only if something in this cycle wakes it (`_woken`). It is worked out then, from its tenant's sums as
+        they are -- or, should the cycle have changed them first, as they were at the cycle's start: `_settle`
+        marks their versions just before the first change (and keeps the changes since in their logs)."""
+        self._end_settled()
+        self._unsettled.update(self._parked_of)
 
     def _settle(self, tenant: str) -> None:
-        """The places of `tenant`'s parked jobs, as they stand now: before this cycle changes its sums."""
+        """Before this cycle first changes `tenant`'s sums: the versions its parked jobs' places are read at."""
         self._unsettled.discard(tenant)
-        mine = self._parked_of.get(tenant)
-        if not mine:
+        if tenant not in self._parked_of:
             return
-        s = self.h.sums.get((tenant, None))
-        for j in list(mine):
-            rec = self.jobs.get(j)
-            if rec is None or rec.state != "pending":
-                self._unpark(j)  # cancelled, judged unsatisfiable: it left the queue
-            else:
-                self._park_keys[j] = self._queue_key(rec)
-        if tenant in self._parked_of:
-            self._park_keys_at[tenant] = (s.version if s is not None else -1, self.ledger.quota_version)
+        at = self._settled_at[tenant] = {}
+        for key, s in self.h.sums.items():
+            if key[0] == tenant:
+                at[key] = s.version
+                s.pin = s.version  # the changes after it stay in the log until the cycle ends (Sums.ahead_at)
+
+    def _end_settled(self) -> None:
+        """The places are needed in one cycle only: the marks and the logs' pins go."""
+        self._unsettled.clear()
+        for tenant, at in self._settled_at.items():
+            for key in at:
+                s = self.h.sums.get(key)
+                if s is not None:
+                    s.pin = None
+        self._settled_at.clear()
 
     def _settle_for(self, job_id: str) -> None:
         """Before a command or fact about `job_id` changes its tenant's sums in a cycle (`_park_places`)."""
@@ -832,36 +831,40 @@ class Scheduler:
             if rec is not None and rec.request.tenant in self._unsettled:
                 self._settle(rec.request.tenant)
 
+    def _parked_key(self, rec: JobRecord) -> tuple:
+        """A parked job's place in the queue's order at this cycle's start."""
+        at = self._settled_at.get(rec.request.tenant)
+        if at is None:  # its tenant's sums have not moved in this cycle
+            return self._queue_key(rec)
+        return self._queue_key(rec, standing_at(self.h, self.ledger, rec, at))
+
     def _woken(self) -> list[tuple[tuple, JobRecord]]:
         """(place in the queue at this cycle's start, job) of the jobs parked before this cycle that `_wake` woke."""
         out = []
-        for j, (cycle, key) in self._wake().items():
+        for j, cycle in self._wake().items():
             rec = self.jobs.get(j)
             if cycle != self.cycle and rec is not None and rec.state == "pending":
-                if rec.request.tenant in self._unsettled:  # its tenant's sums have not moved in this cycle
-                    key = self._queue_key(rec)
-                if key is not None:
-                    out.append((key, rec))
+                out.append((self._parked_key(rec), rec))
         return out
 
-    def _wake(self) -> dict[str, tuple]:
+    def _wake(self) -> dict[str, int]:
         """Parked jobs go back to the queue when their last attempt may no longer hold: a node not closed to them
         then changed its view other than by a placement (Holdings.opened: a stop, an end, a resize, a MIG carve);
         a node closed to them then is no longer closed to their tier at its best standing (a claim or a bar ended);
         their quiet window ended; any node's facts or any quota changed; or the timed full cycle. Otherwise every
         node open to one of them is the same or fuller and none is newly open: `place` would fail again. (An entry
         of a job that left the queue otherwise -- cancelled, judged unsatisfiable -- is dropped on the next wake of
-        all; a new request under its id is never parked: `_handle` unparks it.) Returns the jobs woken: job -> (the
-        cycle it was parked in, its place in the queue then)."""
+        all; a new request under its id is never parked: `_handle` unparks it.) Returns the jobs woken: job -> the
+        cycle it was parked in."""
         h = self.h
         self._expire_charges()
         mark = (self.node_epoch, self.ledger.quota_version)
         parked = self.parked
-        woken: dict[str, tuple] = {}
+        woken: dict[str, int] = {}
         if parked:
             if self._flush or mark != self._park_mark:
-                woken = {j: (p[2], self._park_keys.get(j)) for j, p in parked.items()}
-                for d in (parked, self._parked_by, self._parked_of, self._park_keys, self._park_keys_at):
+                woken = {j: p[2] for j, p in parked.items()}
+                for d in (parked, self._parked_by, self._parked_of):
                     d.clear()
                 self._park_until.clear()
             else:

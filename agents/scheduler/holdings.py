@@ -145,6 +145,7 @@ class Sums:
     # their holdings by as much as it had to spare (`holds_since`)
     log: list[tuple[int, int, int, int]] = field(default_factory=list)
     log_from: int = 0
+    pin: int | None = None  # the log keeps every change after this version (`ahead_at` is asked of it)
 
     def at_least(self, g: int) -> tuple[int, int]:
         """What the holders of group g and stronger hold."""
@@ -163,6 +164,17 @@ class Sums:
             while i > 0:
                 m, mem = m + tm[i], mem + tmem[i]
                 i -= i & -i
+        return m, mem
+
+    def ahead_at(self, version: int, g: int, arrival: int) -> tuple[int, int]:
+        """What `ahead_of` said when these sums were at `version`: the changes since that were ahead of the job taken
+        back. The log must hold them all (`pin`)."""
+        m, mem = self.ahead_of(g, arrival)
+        if version < self.log_from:
+            raise ValueError(f"the sums' log starts after version {version}: pin it first")
+        for gg, aa, dm, dmem in self.log[version - self.log_from:]:
+            if gg > g or gg == g and aa < arrival:
+                m, mem = m - dm, mem - dmem
         return m, mem
 
     def holds_since(self, version: int, g: int, arrival: int, within: bool,
@@ -193,8 +205,10 @@ class Sums:
         """Count a holder's change (holdings._sum, the one writer)."""
         self.version += 1
         if len(self.log) >= SUMS_LOG:
-            del self.log[:SUMS_LOG // 2]
-            self.log_from += SUMS_LOG // 2
+            cut = SUMS_LOG // 2 if self.pin is None else min(SUMS_LOG // 2, self.pin - self.log_from)
+            if cut > 0:
+                del self.log[:cut]
+                self.log_from += cut
         self.log.append((g, arrival, milli, memory))
         self.milli[g] += milli
         self.memory[g] += memory
