@@ -46,6 +46,22 @@ _changes = st.lists(st.tuples(st.integers(0, 3), st.integers(0, 200_000), st.int
                               st.booleans()), max_size=60)
 
 
+def _change(s, held: dict, change) -> None:
+    """One holder arrives (its group and arrival, what it holds) or, `leave`, one held leaves: on the sums and on
+    `held`, the plain record they are checked against."""
+    from agents.scheduler.holdings import GROUPS
+
+    g, arrival, milli, memory, leave = change
+    g %= GROUPS
+    if leave and held:
+        (g, arrival), (milli, memory) = sorted(held.items())[arrival % len(held)]
+        s.add(g, arrival, -milli, -memory)
+        del held[(g, arrival)]
+    elif (g, arrival) not in held:
+        s.add(g, arrival, milli, memory)
+        held[(g, arrival)] = (milli, memory)
+
+
 @given(_changes, st.lists(st.integers(-1, 200_002), min_size=1, max_size=20))
 @settings(max_examples=300, deadline=None)
 def test_the_claim_sums_say_what_the_holders_ahead_hold(changes, asks):
@@ -55,15 +71,8 @@ def test_the_claim_sums_say_what_the_holders_ahead_hold(changes, asks):
 
     s = Sums()
     held: dict[tuple[int, int], tuple[int, int]] = {}
-    for g, arrival, milli, memory, leave in changes:
-        g %= GROUPS
-        if leave and held:
-            (g, arrival), (milli, memory) = sorted(held.items())[arrival % len(held)]
-            s.add(g, arrival, -milli, -memory)
-            del held[(g, arrival)]
-        elif (g, arrival) not in held:
-            s.add(g, arrival, milli, memory)
-            held[(g, arrival)] = (milli, memory)
+    for change in changes:
+        _change(s, held, change)
         for a in asks:
             for gg in range(GROUPS):
                 want = [0, 0]
@@ -88,18 +97,11 @@ def test_the_sums_say_what_the_holders_ahead_held_at_a_pinned_version(changes, c
     s = Sums()
     held: dict[tuple[int, int], tuple[int, int]] = {}
     then, version = None, None
-    for i, (g, arrival, milli, memory, leave) in enumerate(changes * (1 + SUMS_LOG // max(1, len(changes)))):
+    for i, change in enumerate(changes * (1 + SUMS_LOG // max(1, len(changes)))):
         if i == cut:
             version = s.pin = s.version
             then = {(gg % GROUPS, a): s.ahead_of(gg % GROUPS, a) for gg, a in asks}
-        g %= GROUPS
-        if leave and held:
-            (g, arrival), (milli, memory) = sorted(held.items())[arrival % len(held)]
-            s.add(g, arrival, -milli, -memory)
-            del held[(g, arrival)]
-        elif (g, arrival) not in held:
-            s.add(g, arrival, milli, memory)
-            held[(g, arrival)] = (milli, memory)
+        _change(s, held, change)
     if then is None:
         return
     assert {k: s.ahead_at(version, *k) for k in then} == then
