@@ -89,16 +89,21 @@ NO_LIMIT = 1 << 62
 
 
 def within_by(h: Holdings, ledger: Ledger, r: JobRequested, g: int, milli: int, memory: int, adjust=(),
-              arrival: int = 1 << 62) -> tuple[bool, int, int]:
+              arrival: int = 1 << 62, at: dict | None = None) -> tuple[bool, int, int]:
     """`within`, and by how much, in (milli, MiB): while within, how much more the holders ahead of it could hold
     with it still within (the least slack of its quotas, in each unit; NO_LIMIT where none limits); while beyond,
     how much less they would have to hold for it to come within in one unit (the most any quota is exceeded by in
     that unit; 0 or less in a unit no quota is exceeded in) -- it stays beyond while they give back less than
-    that in either unit."""
+    that in either unit. `at`: the holders as they were when their sums were at these versions (account key ->
+    Sums.version; an account not in it held nothing then; `Sums.ahead_at`)."""
     slack_m = slack_mem = NO_LIMIT
     for key, q in _quotas(ledger, r):
         s = h.sums.get(key)
-        m, mem = s.ahead_of(g, arrival) if s is not None else (0, 0)
+        if at is None:
+            m, mem = s.ahead_of(g, arrival) if s is not None else (0, 0)
+        else:
+            v = at.get(key)
+            m, mem = s.ahead_at(v, g, arrival) if s is not None and v is not None else (0, 0)
         for tenant, project, gg, aa, am, amem in adjust:
             if (gg > g or gg == g and aa < arrival) and tenant == key[0] and (key[1] is None or key[1] == project):
                 m += am
@@ -140,19 +145,12 @@ def standing_now(h: Holdings, ledger: Ledger, rec: JobRecord) -> bool:
 
 def standing_at(h: Holdings, ledger: Ledger, rec: JobRecord, versions: dict) -> bool:
     """`standing_now` as it was when its account's sums were at `versions` (account key -> Sums version; an account
-    not in it held nothing then), the quotas as they are: what the holders ahead of it held then (Sums.ahead_at, from
-    the changes since, which a pin keeps in the log) plus what it asked, against each quota."""
+    not in it held nothing then), the quotas as they are: `within_by` over the holders ahead of it then (from the
+    changes since, which a pin keeps in the sums' log)."""
     if rec.reserved or rec.hold is not None:
         return True
     r = rec.request
-    for key, q in _quotas(ledger, r):
-        s = h.sums.get(key)
-        v = versions.get(key)
-        m, mem = s.ahead_at(v, rec.group, rec.arrival) if s is not None and v is not None else (0, 0)
-        if m + r.compute_milli > q.gpu_milli or (q.gpu_memory_mib is not None
-                                                 and mem + r.gpu_memory_mib > q.gpu_memory_mib):
-            return False
-    return True
+    return within_by(h, ledger, r, rec.group, r.compute_milli, r.gpu_memory_mib, arrival=rec.arrival, at=versions)[0]
 
 
 class Search:
