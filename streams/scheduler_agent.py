@@ -19,6 +19,7 @@ import logging
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from infra.kafka_client import stop_consumer
 from aiokafka.abc import ConsumerRebalanceListener
+from aiokafka.errors import CommitFailedError, IllegalStateError, RebalanceInProgressError
 
 from streams import scheduler_snapshot as snapshot
 from agents.scheduler.core import Scheduler, live_config, replay
@@ -182,6 +183,21 @@ class SchedulerAgent:
         except Exception as exc:  # noqa: BLE001 - no snapshot: the next takeover replays longer
             log.warning("scheduler snapshot at %d (%s) not written: %s", offset, why, exc)
 
+    async def _commit(self, consumer) -> bool:
+        """Commit the input offset after a batch's outputs were acknowledged. False when the partition was taken
+        away meanwhile (a rebalance while the batch was sent: a worker joined or a coordinator moved): this worker
+        stands by, and the owner now rebuilds from the offset last committed and decides that batch again -- the same
+        outputs, deduplicated downstream by source and sequence, as after a kill -9 -- instead of the whole worker
+        crashing on the commit."""
+        try:
+            await consumer.commit({TP: self.position})
+            return True
+        except (IllegalStateError, CommitFailedError, RebalanceInProgressError) as exc:
+            log.warning("scheduler input offset %d not committed (%s): the partition moved; standing by",
+                        self.position, exc)
+            self.live = False
+            return False
+
     async def run(self) -> None:
         ownership = _Ownership()
         consumer = AIOKafkaConsumer(**self.conn.options(), group_id=GROUP, enable_auto_commit=False,
@@ -222,7 +238,8 @@ class SchedulerAgent:
                 for fut in sends:
                     await fut
                 self.emitted += len(sends)
-                await consumer.commit({TP: self.position})
+                if not await self._commit(consumer):
+                    continue
                 if self.snapshots.due(self.position, self.last_log_ms) and ownership.owned:
                     await self._snapshot(self.position, "due")
         finally:
