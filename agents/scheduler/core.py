@@ -1188,43 +1188,34 @@ class Scheduler:
     def _victim_ids_on(self, view: node_view.NodeView, search: Search, key=None) -> list[str] | tuple[str, ...]:
         """The ids of `_victims_on`'s victims, without building them (a multi-node gang's plan counts every node's
         room from these, and builds the victims of the nodes it takes from only: ~1,000 nodes per card model).
-        Kept with the view while no job record on the node changed (Holdings.node_jobs), by the candidates and
-        their `Search.below` (`_judged_on`: searches of other claims often judge a node's candidates alike) -- when
-        they read nothing else: every candidate's claim below whatever its standing, and none protected now (a
-        protection only ever ends while a job holds capacity: its stops are the same). Found again by the claim's
-        tables and key first: a search's ~1,000 nodes per card model are read without hashing each one's candidates
-        (the caller synced the victim index, `_victim_nodes`)."""
+        Kept as `_stoppable_kept`'s pairs are: one tuple for the same pairs."""
         key = key or search.node_key(view)
         if not self.search_memo:
             return [o.request.job_id for o, _ in self._stoppable_on(view, search, key)]
+        pairs, keep = self._stoppable_kept(view, search, key)
+        if not keep:
+            return tuple(o.request.job_id for o, _ in pairs)
+        facts = self._view_facts(view)
+        k = ("ids of", search.tables(key), key)
+        got = facts.get(k)
+        if got is None or got[0] is not pairs:  # the ids of these very pairs, one tuple (plan_gang's memo asks `is`)
+            got = facts[k] = (pairs, tuple(o.request.job_id for o, _ in pairs))
+        return got[1]
+
+    def _stoppable_kept(self, view: node_view.NodeView, search: Search, key):
+        """`_stoppable_on`, kept with the view while no job record on the node changed (Holdings.node_jobs), by the
+        candidates and their `Search.below` (`_judged_on`: searches of other claims often judge a node's candidates
+        alike) -- when they read nothing else: every candidate's claim below whatever its standing, and none
+        protected now (a protection only ever ends while a job holds capacity: its stops are the same). Found again
+        by the claim's tables and key first, without hashing the candidates (the caller synced the victim index,
+        `_victim_nodes`). Returns (the pairs, whether they are kept)."""
         facts = self._view_facts(view)
         moved = self.h.node_jobs.get(view.node, 0)
-        mine = ("ids of", search.tables(key), key)
-        got = facts.get(mine)
-        if got is not None and got[0] == moved:
-            return got[1]
-        judged = self._judged_on(view, search, key)
-        k = ("ids", judged)
-        got = facts.get(k)
-        if got is not None and got[0] == moved:
-            facts[mine] = got
-            return got[1]
-        pairs, keep = self._stoppable_kept(view, search, key, judged, moved)
-        ids = tuple(o.request.job_id for o, _ in pairs)
-        if keep:
-            facts[k] = facts[mine] = (moved, ids)
-        return ids
-
-    def _stoppable_kept(self, view: node_view.NodeView, search: Search, key, judged=None, moved=None):
-        """`_stoppable_on`, kept with the view like `_victim_ids_on`'s ids (the same conditions); returns (the
-        pairs, whether they are kept)."""
-        facts = self._view_facts(view)
-        moved = moved if moved is not None else self.h.node_jobs.get(view.node, 0)
-        mine = ("stoppable of", search.tables(key), key)  # found by the claim first, as `_victim_ids_on`'s ids
+        mine = ("stoppable of", search.tables(key), key)
         got = facts.get(mine)
         if got is not None and got[0] == moved:
             return got[1], True
-        judged = judged if judged is not None else self._judged_on(view, search, key)
+        judged = self._judged_on(view, search, key)
         k = ("stoppable", judged)
         got = facts.get(k)
         if got is not None and got[0] == moved:
