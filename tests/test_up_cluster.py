@@ -80,9 +80,12 @@ def test_up_with_three_brokers_and_two_workers_runs_survives_and_down_stops_it_a
         def split():
             stats = {n: c.api("/stats/") for n, c in workers.items()}
             live = sorted(bool(s["scheduler"] and s["scheduler"]["live"]) for s in stats.values())
-            return live == [False, True] and stats
+            # and the node partitions split: read while a rebalance is still under way, the first worker can report
+            # all of them beside the second's share (CI at 4d895ef)
+            parts = [set(s["partitions"]) for s in stats.values()]
+            return live == [False, True] and all(parts) and not parts[0] & parts[1] and stats
 
-        stats = _wait(split, "one live scheduler and one standing by")
+        stats = _wait(split, "one live scheduler and one standing by, the node partitions split between them")
         parts = {n: set(s["partitions"]) for n, s in stats.items()}
         assert parts["worker"] and parts["worker-2"] and not parts["worker"] & parts["worker-2"], parts
         assert "ready" in _gpupool(env, "node", "list").stdout
