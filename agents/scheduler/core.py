@@ -1202,16 +1202,19 @@ class Scheduler:
             got = facts[k] = (pairs, tuple(o.request.job_id for o, _ in pairs))
         return got[1]
 
-    def _stoppable_kept(self, view: node_view.NodeView, search: Search, key):
+    def _stoppable_kept(self, view: node_view.NodeView, search: Search, key, facts: dict | None = None,
+                        tables: frozenset | None = None):
         """`_stoppable_on`, kept with the view while no job record on the node changed (Holdings.node_jobs), by the
         candidates and their `Search.below` (`_judged_on`: searches of other claims often judge a node's candidates
         alike) -- when they read nothing else: every candidate's claim below whatever its standing, and none
         protected now (a protection only ever ends while a job holds capacity: its stops are the same). Found again
         by the claim's tables and key first, without hashing the candidates (the caller synced the victim index,
-        `_victim_nodes`). Returns (the pairs, whether they are kept)."""
-        facts = self._view_facts(view)
+        `_victim_nodes`). Returns (the pairs, whether they are kept). `facts`, `tables`: the view's facts and the
+        claim's tables, when the caller has them."""
+        if facts is None:
+            facts = self._view_facts(view)
         moved = self.h.node_jobs.get(view.node, 0)
-        mine = ("stoppable of", search.tables(key), key)
+        mine = ("stoppable of", tables if tables is not None else search.tables(key), key)
         got = facts.get(mine)
         if got is not None and got[0] == moved:
             return got[1], True
@@ -1423,7 +1426,9 @@ class Scheduler:
                                                       for e in entries if e[3] in picked]
             return chosen
 
-        node_keys: dict[frozenset, Claim] = {}  # its claim on a node, by the node's card models (Search.node_key)
+        # its claim on a node and that claim's tables, by the node's card models (Search.node_key)
+        node_keys: dict[frozenset, tuple[Claim, frozenset]] = {}
+        filters_key = ("filters", r.constraints)
         deferred = []  # (bound, order, node's context): nodes whose plan is worked out only if it may be cheaper
         for name in self._victim_nodes(search, strongest):
             view = self.nodes[name]
@@ -1431,11 +1436,21 @@ class Scheduler:
             models = facts.get("models")
             if models is None:
                 models = facts["models"] = frozenset(g.model for g in view.cards())
-            key = node_keys.get(models)
-            if key is None:
-                key = node_keys[models] = search.node_key(view)
-            ids = self._candidates_on(view, search, key)
-            if not ids or any(f(view, r) for f in NODE_FILTERS):
+            got = node_keys.get(models)
+            if got is None:
+                key = search.node_key(view)
+                got = node_keys[models] = (key, search.tables(key))
+            key, tables = got
+            # _candidates_on, read here (the victim index was synced by _victim_nodes)
+            ids = facts.get(tables)
+            if ids is None:
+                ids = self._candidates_on(view, search, key)
+            if not ids:
+                continue
+            rejected = facts.get(filters_key)  # what the filters read: the view, and of the job its constraints alone
+            if rejected is None:
+                rejected = facts[filters_key] = any(f(view, r) for f in NODE_FILTERS)
+            if rejected:
                 continue
             room = facts.get(sk)
             if room is None:
@@ -1461,7 +1476,7 @@ class Scheduler:
                 continue
             # who may be stopped here (kept with the view, `_stoppable_kept`), and what of each does not move while
             # that is kept: its id, tier, the account its standing is read in; the work each loses is read now
-            pairs = self._stoppable_kept(view, search, key)[0]
+            pairs = self._stoppable_kept(view, search, key, facts, tables)[0]
             if not pairs:
                 continue
             got = facts.get("rows")

@@ -220,7 +220,8 @@ class Room:
     Either ask at once (`fits`, `fits_without`) or keep a tally: `start`, then `add` (or take back, sign -1) one job
     at a time and ask `ok` -- a search that adds victims one by one then costs one pass over the cards per step."""
 
-    __slots__ = ("view", "job", "cpu", "mem", "cards", "mig", "share", "whole", "_cpu", "_mem", "_freed", "_ids")
+    __slots__ = ("view", "job", "cpu", "mem", "cards", "mig", "share", "whole", "_cpu", "_mem", "_freed", "_ids",
+                 "_by_uuid", "_fit0", "_whole0", "_whole_ok0")
 
     def __init__(self, view: node_view.NodeView, job: JobRequested, shape: Shape | None = None):
         self.view, self.job = view, job
@@ -245,6 +246,20 @@ class Room:
                     self.share[name] = share
                 elif whole is not None:
                     self.whole[name] = whole
+        # the cards as they are, so that `ok` looks only at the cards the tallied jobs free: which already fit a
+        # share, how many are whole per model (and whether that is enough), and each card by id
+        self._by_uuid: dict[str, tuple[str, int, int, bool]] = {}
+        fit0, whole0 = [], {}
+        for uuid, name, milli, memory in self.cards:
+            need = self.share.get(name)
+            was_whole = need is None and name in self.whole and milli == 1000 and memory == self.whole[name][1]
+            self._by_uuid[uuid] = (name, milli, memory, was_whole)
+            if need is not None and milli >= need and memory >= job.gpu_memory_mib:
+                fit0.append(uuid)
+            elif was_whole:
+                whole0[name] = whole0.get(name, 0) + 1
+        self._fit0, self._whole0 = tuple(fit0), whole0
+        self._whole_ok0 = any(n >= self.whole[name][0] for name, n in whole0.items())
         self.start()
 
     def fits(self, victims) -> bool:
@@ -280,17 +295,28 @@ class Room:
         if self._cpu < job.cpu_milli or self._mem < job.memory_mib:
             return False
         freed = self._freed
-        whole: dict[str, int] = {}
-        for uuid, name, milli, memory in self.cards:
-            f = freed.get(uuid)
-            if f is not None:
-                milli, memory = milli + f[0], memory + f[1]
+        for uuid in self._fit0:
+            if uuid not in freed:
+                return True  # a card that held a share before anything was freed (the freed ones are read below)
+        whole = None
+        for uuid, f in freed.items():
+            card = self._by_uuid.get(uuid)
+            if card is None:
+                continue  # a card the job may not use
+            name, milli, memory, was_whole = card
+            milli, memory = milli + f[0], memory + f[1]
             need = self.share.get(name)
             if need is not None:
                 if milli >= need and memory >= job.gpu_memory_mib:
                     return True
-            elif name in self.whole and milli == 1000 and memory == self.whole[name][1]:
-                whole[name] = whole.get(name, 0) + 1
+            elif name in self.whole:
+                now_whole = milli == 1000 and memory == self.whole[name][1]
+                if now_whole != was_whole:
+                    if whole is None:
+                        whole = dict(self._whole0)
+                    whole[name] = whole.get(name, 0) + (1 if now_whole else -1)
+        if whole is None:
+            return self._whole_ok0
         return any(n >= self.whole[name][0] for name, n in whole.items())
 
 
@@ -506,13 +532,16 @@ class GangTally:
     """A running count of what a node could give one part of a gang (whole free cards of one model, host CPU and
     memory per card) as jobs are counted as gone (`add`) or back (`add(.., -1)`)."""
 
-    __slots__ = ("view", "cards", "full", "cpu", "mem", "cpu_per", "mem_per", "freed")
+    __slots__ = ("view", "cards", "full", "cpu", "mem", "cpu_per", "mem_per", "freed", "_by_uuid", "_whole0")
 
     def __init__(self, view: node_view.NodeView, job: JobRequested, model_name: str, cpu_per: int, mem_per: int):
         self.view, self.cpu_per, self.mem_per = view, cpu_per, mem_per
-        self.full = model(model_name).memory_mib
+        full = self.full = model(model_name).memory_mib
         self.cards = [(c.uuid, c.milli, c.memory_mib) for c in view.card_free()
                       if c.model == model_name and not c.mig and _card_allowed(c, job, view)]
+        # each card by id, with whether it is whole before anything is freed: `room` reads only the freed ones
+        self._by_uuid = {uuid: (milli, memory, milli == 1000 and memory == full) for uuid, milli, memory in self.cards}
+        self._whole0 = sum(1 for _, _, was in self._by_uuid.values() if was)
         self.cpu, self.mem = view.free_cpu_memory()
         self.freed: dict[str, list[int]] = {}
 
@@ -522,14 +551,13 @@ class GangTally:
         self.mem += mem
 
     def room(self) -> int:
-        freed, full = self.freed, self.full
-        room = 0
-        for uuid, milli, memory in self.cards:
-            f = freed.get(uuid)
-            if f is not None:
-                milli, memory = milli + f[0], memory + f[1]
-            if milli == 1000 and memory == full:
-                room += 1
+        full, by_uuid = self.full, self._by_uuid
+        room = self._whole0
+        for uuid, f in self.freed.items():
+            card = by_uuid.get(uuid)
+            if card is not None:
+                milli, memory, was = card
+                room += (milli + f[0] == 1000 and memory + f[1] == full) - was
         if self.cpu_per:
             room = min(room, self.cpu // self.cpu_per)
         if self.mem_per:

@@ -101,7 +101,7 @@ class VictimIndex:
             only = tables[0]
             return (n for n in views if n in only)
         if sum(len(t) for t in tables) * 4 >= len(views):
-            return (n for n in views if any(n in t for t in tables))
+            return _named_by_any(views, tables)
         names: set[str] = set()
         for t in tables:
             names.update(t)
@@ -145,6 +145,14 @@ class LazyVictims(Mapping):
 
     def __len__(self) -> int:
         return len(self._names)
+
+
+def _named_by_any(views: dict, tables: list[dict[str, int]]) -> Iterator[str]:
+    for n in views:
+        for t in tables:
+            if n in t:
+                yield n
+                break
 
 
 def rebuilt(views: dict, jobs: dict) -> VictimIndex:
