@@ -674,9 +674,13 @@ def _expected_free(views: dict[str, NodeView], job: JobRequested, order: list[st
     best: tuple[int, str, str] | None = None
     needed = [(m, cards_needed(job.compute_milli, job.gpu_memory_mib, m)) for m in order]  # the same for every node
     key = ("free", shape)
+    why_cache = index.why_cache if shape is not None and index is not None else None
     for name in nodes:
         v = views[name]
-        known = _view_memo(index, v) if shape is not None and index is not None else None
+        known = None
+        if why_cache is not None:
+            entry = why_cache.get(name)  # _view_memo, read here: most nodes' answers are kept
+            known = entry[1] if entry is not None and entry[0] is v else _view_memo(index, v)
         mine = known.get(key, False) if known is not None else False
         if mine is False:  # the node's earliest (time, model), or None
             mine = None
@@ -744,11 +748,21 @@ def _unschedulable(index: NodeIndex, views: dict[str, NodeView], job: JobRequest
         if name not in seen:
             check(name)
     limit = EXPLAIN_LIMIT + len(down)
+    why_cache = index.why_cache
     for name in views:
         if len(seen) >= limit:
             break
-        if name not in seen:
-            check(name)
+        if name in seen:
+            continue
+        if shape is not None:  # check's answer kept with the node's view, read here: most of the nodes, each time
+            entry = why_cache.get(name)
+            if entry is not None and entry[0] is views[name]:
+                why = entry[1].get(shape)
+                if why is not None:
+                    seen.add(name)
+                    rejected.setdefault(why, []).append(name)
+                    continue
+        check(name)
     extra = len(views) - len(seen)
     if extra:
         rejected.setdefault(("GpuFit", "InsufficientGPU"), [])

@@ -48,8 +48,8 @@ class VictimIndex:
             if len(self.pos) != len(views) - 1:
                 self.stale = True  # a node that was there before the index saw it (views set by hand)
             self.pos[node] = len(self.pos)
-        job = getattr(payload, "job_id", None)
-        kind = getattr(payload, "kind", "")
+        job = payload.__dict__.get("job_id")  # not getattr: a kind without one pays pydantic's AttributeError
+        kind = payload.__dict__.get("kind", "")
         if job is None or kind not in ("cmd.place", "cmd.release"):
             return  # nothing else adds or removes a job's holding (a resize keeps the job where it is)
         old = self.held.get(node, {}).get(job)
