@@ -120,3 +120,42 @@ def test_a_removed_node_stays_out_until_re_added_and_older_attempts_leave_newer_
     assert "j" in v.allocations and v.allocations["j"].attempt == 2 and v.allocations["j"].cpu_milli == 0
     v = evolve(v, c.env(ReleaseJob(command_id="c4", job_id="j", node="n1", attempt=2), "scheduler"))
     assert "j" not in v.allocations
+
+
+from dataclasses import replace as _fresh_copy  # noqa: E402
+
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+from schemas.events import ResizeJob  # noqa: E402
+
+
+@settings(max_examples=300, deadline=None)
+@given(steps=st.lists(st.tuples(st.sampled_from(["place", "release", "resize", "fault"]), st.integers(0, 4),
+                                st.lists(st.tuples(st.integers(0, 3), st.integers(1, 1000), st.integers(1, 40000)),
+                                         min_size=1, max_size=3),
+                                st.one_of(st.none(), st.integers(1, 100)), st.integers(0, 3), st.booleans()),
+                      max_size=25))
+def test_a_placement_or_release_carries_the_free_cards_it_did_not_touch(steps):
+    """The free cards and host room a placement or a release carries over from the view before it (node_view._carry)
+    are what a fresh count of the new view says, whatever was placed, replaced, resized or released before."""
+    c = Clock()
+    inv = inventory("n1", gpus=4)
+    v = evolve(None, c.env(inv, "n1/inventory"))
+    for op, j, slices, duration, attempt, read in steps:
+        if read:  # what the scheduler does with every view it makes: so the next one has something to carry
+            v.card_free(), v.free_cpu_memory()
+        job = f"j{j}"
+        assignments = tuple(Assignment(gpu_uuid=inv.gpus[k].uuid, milli=m, memory_mib=mem) for k, m, mem in slices)
+        if op == "place":
+            p = PlaceJob(command_id=f"c{len(c.seqs)}", job_id=job, tenant="t", node="n1", assignments=assignments,
+                         cpu_milli=500 * (j + 1), memory_mib=1024 * (j + 1), duration_s=duration, attempt=attempt)
+        elif op == "release":
+            p = ReleaseJob(command_id="r", job_id=job, node="n1", attempt=attempt)
+        elif op == "resize":
+            p = ResizeJob(command_id="z", job_id=job, node="n1", assignments=assignments, attempt=attempt)
+        else:
+            p = GpuHealth(node="n1", gpu_uuid=inv.gpus[j % 4].uuid, healthy=False, reason="test")
+        v = evolve(v, c.env(p, "scheduler", dt=7))
+        fresh = _fresh_copy(v)
+        assert v.card_free() == fresh.card_free()
+        assert v.free_cpu_memory() == fresh.free_cpu_memory()

@@ -261,8 +261,11 @@ def evolve(view: NodeView | None, env: Envelope) -> NodeView:
                 return _mark(view, env)  # a superseded placement: the newer one holds the slices
             allocations = dict(view.allocations)
             release = t + p.duration_s * 1000 if p.duration_s is not None else None
-            allocations[p.job_id] = Held(p.assignments, p.cpu_milli, p.memory_mib, release, p.attempt)
-            return _mark(view, env, allocations=allocations)
+            came = allocations[p.job_id] = Held(p.assignments, p.cpu_milli, p.memory_mib, release, p.attempt)
+            out = _mark(view, env, allocations=allocations)
+            if p.job_id not in view.allocations:
+                _carry(view, out, came, 1)
+            return out
         case ResizeJob():
             if _newer(view, p.job_id, p.attempt):
                 return _mark(view, env)
@@ -274,9 +277,51 @@ def evolve(view: NodeView | None, env: Envelope) -> NodeView:
             if _newer(view, p.job_id, p.attempt):
                 return _mark(view, env)  # ends an older run of the job, not the one holding the slices
             allocations = dict(view.allocations)
-            allocations.pop(p.job_id, None)
-            return _mark(view, env, allocations=allocations)
+            gone = allocations.pop(p.job_id, None)
+            out = _mark(view, env, allocations=allocations)
+            if gone is not None:
+                _carry(view, out, gone, -1)
+            return out
     return view
+
+
+def _carry(before: NodeView, after: NodeView, held: Held, sign: int) -> None:
+    """Give `after` -- `before` with one holding added (sign 1) or taken off (-1), nothing else changed -- the free
+    cards and free host CPU and memory that `before` has worked out already, moved by that holding alone: a
+    placement or a release then costs the cards it touches, not a pass over every card and holder (the scheduler
+    reads them of every view it makes). Equal to working them out afresh (tests/test_node_view.py); a holding of a
+    MIG instance is left to the fresh count."""
+    d, got = after.__dict__, before.__dict__
+    if "_free_cpu_memory" in got and before.inventory is not None:
+        cpu, mem = got["_free_cpu_memory"]
+        d["_free_cpu_memory"] = (cpu - sign * held.cpu_milli, mem - sign * held.memory_mib)
+    cards = got.get("_card_free")
+    if cards is None or any(a.mig_uuid for a in held.slices):
+        return
+    moved: dict[str, list[int]] = {}
+    for a in held.slices:
+        m = moved.setdefault(a.gpu_uuid, [0, 0])
+        m[0] += a.milli
+        m[1] += a.memory_mib
+    # when each touched card's last holder is expected to finish: _card_free's rule over the holders left
+    release: dict[str, int | None] = {}
+    for h in after.allocations.values():
+        for a in h.slices:
+            u = a.gpu_uuid
+            if u in moved:
+                if u in release and release[u] is None or h.expected_release_ms is None:
+                    release[u] = None
+                else:
+                    release[u] = max(release.get(u) or 0, h.expected_release_ms)
+    out = list(cards)
+    for i, c in enumerate(cards):
+        m = moved.get(c.uuid)
+        if m is not None:
+            if c.mig:
+                return  # a slice of a MIG card that names no instance: left to the fresh count
+            out[i] = CardFree(c.uuid, c.model, c.milli - sign * m[0], c.memory_mib - sign * m[1], c.healthy,
+                              c.free_instances, False, release.get(c.uuid))
+    d["_card_free"] = tuple(out)
 
 
 
