@@ -21,8 +21,8 @@ from agents.scheduler.node_index import cards_needed
 from agents.scheduler.placement import DEFAULT_CANDIDATES, MigPlan, Placement, Unschedulable, place
 from agents.scheduler.placement import allowed_models, fit_cards
 from agents.scheduler.preemption import (
-    NODE_FILTERS, Plan, PreemptionConfig, Room, Shape, Victim, disruption_order, fits, least_disruptive, placed,
-    plan_gang, plan_over, protected, quiet_until, released,
+    NODE_FILTERS, Plan, PreemptionConfig, Room, Shape, Victim, disruption_order, filters_key, fits, least_disruptive,
+    placed, plan_gang, plan_over, protected, quiet_until, released,
 )
 from agents.scheduler.quota import Admission, Ledger, held
 from agents.scheduler.reservations import LIVE, Book, Booking
@@ -1428,7 +1428,7 @@ class Scheduler:
 
         # its claim on a node and that claim's tables, by the node's card models (Search.node_key)
         node_keys: dict[frozenset, tuple[Claim, frozenset]] = {}
-        filters_key = ("filters", r.constraints)
+        fkey = filters_key(r.constraints)
         deferred = []  # (bound, order, node's context): nodes whose plan is worked out only if it may be cheaper
         for name in self._victim_nodes(search, strongest):
             view = self.nodes[name]
@@ -1447,9 +1447,9 @@ class Scheduler:
                 ids = self._candidates_on(view, search, key)
             if not ids:
                 continue
-            rejected = facts.get(filters_key)  # what the filters read: the view, and of the job its constraints alone
+            rejected = facts.get(fkey)  # what the filters read: the view, and of the job its constraints alone
             if rejected is None:
-                rejected = facts[filters_key] = any(f(view, r) for f in NODE_FILTERS)
+                rejected = facts[fkey] = any(f(view, r) for f in NODE_FILTERS)
             if rejected:
                 continue
             room = facts.get(sk)

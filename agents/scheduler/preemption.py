@@ -163,6 +163,13 @@ def least_disruptive(room: "Room", ordered, valid=None) -> list | None:
 
 
 NODE_FILTERS = tuple(f for name, f in FILTERS if name != "HostResources")  # what stopping work does not change
+_DEFAULT_CONSTRAINTS = JobRequested.model_fields["constraints"].default
+
+
+def filters_key(c) -> object:
+    """The key under which a view's facts keep whether NODE_FILTERS reject a job with constraints `c` (all they read
+    of the job): a plain string for the default constraints, whose frozen model hashes field by field on every look."""
+    return "filters" if c is _DEFAULT_CONSTRAINTS or c == _DEFAULT_CONSTRAINTS else ("filters", c)
 
 
 class Shape:
@@ -372,6 +379,7 @@ def plan_gang(job: JobRequested, views: dict[str, node_view.NodeView], index: No
     ids_memo: dict[str, list[str]] = {}
     c = job.constraints  # all a node's gang room reads of the job but for its part's cards, CPU and memory
     allowed = (tuple(c.models) if c.models else (), c.min_compute_capability, c.min_driver, c.min_cuda)
+    fkey = filters_key(c)
     ids_of = (lambda name, _of=ids_of: ids_memo[name] if name in ids_memo else ids_memo.setdefault(name, _of(name)))
     for m in models:
         n = cards_needed(job.compute_milli, job.gpu_memory_mib, m)
@@ -391,7 +399,7 @@ def plan_gang(job: JobRequested, views: dict[str, node_view.NodeView], index: No
                     continue
             else:
                 kept = facts(view)
-                k = ("filters", c)  # what they read: the view, and of the job its constraints alone
+                k = fkey  # what they read: the view, and of the job its constraints alone
                 rejected = kept.get(k)
                 if rejected is None:
                     rejected = kept[k] = any(f(view, job) for f in NODE_FILTERS)
