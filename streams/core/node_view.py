@@ -127,14 +127,14 @@ class NodeView:
     def fit_summary(self) -> FitSummary:
         by_model: dict[str, tuple[int, int, int]] = {}
         mig_free = False
-        for c in self._card_free:
+        for g, c in zip(self.cards(), self._card_free):  # card_free is one entry per card, in inventory order
             if not c.healthy:
                 continue
             if c.mig:
                 mig_free = mig_free or bool(c.free_instances)
                 continue
             milli, mem, whole = by_model.get(c.model, (0, 0, 0))
-            full = c.milli == 1000 and c.memory_mib == next(g.memory_mib for g in self.cards() if g.uuid == c.uuid)
+            full = c.milli == 1000 and c.memory_mib == g.memory_mib
             by_model[c.model] = (max(milli, c.milli), max(mem, c.memory_mib), whole + full)
         return FitSummary(by_model, mig_free)
 
