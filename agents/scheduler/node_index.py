@@ -88,6 +88,7 @@ class NodeIndex:
     hosts: dict[str, tuple] = field(default_factory=dict)
     hosts_version: int = 0
     _with_model: tuple[int, dict[str, frozenset[str]]] = (-1, {})  # (hosts_version, model -> nodes with such cards)
+    _view: dict[str, NodeView] = field(default_factory=dict)  # node -> the view `update` was last given
 
     def copy(self) -> "NodeIndex":
         """An independent copy (bucket dicts copied, order kept) that can be updated without touching this one."""
@@ -108,6 +109,9 @@ class NodeIndex:
         self.cu[v.node] = cu
 
     def update(self, v: NodeView) -> None:
+        if self._view.get(v.node) is v:
+            return  # the very view it was given last (a fold that changed nothing: a preemption command)
+        self._view[v.node] = v
         self.fit_cache.pop(v.node, None)
         self.free_at_cache.pop(v.node, None)
         self.why_cache.pop(v.node, None)
