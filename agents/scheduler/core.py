@@ -8,12 +8,13 @@ all drive this same class, so replaying the input reproduces every decision bit 
 from __future__ import annotations
 
 import bisect
+import functools
 import heapq
 from dataclasses import replace
 
 from agents.scheduler.admission import Fleet
 from agents.scheduler import defrag
-from agents.scheduler.claims import Claim, Search, claim, standing_at, standing_now
+from agents.scheduler.claims import GROUPS, Claim, Search, claim, claim_of_group, standing_at, standing_now
 from agents.scheduler.elastic import SERVICE_KINDS, SOURCE as AUTOSCALER, Autoscaler, Backfill, Charge, Emit, Request
 from agents.scheduler.elastic import ElasticConfig, Resize
 from agents.scheduler.holdings import Holdings, JobRecord, fingerprint, rebuilt
@@ -1136,7 +1137,7 @@ class Scheduler:
         """The nodes that may hold a victim for the search's job of claim `key`, in node order (the victim index; a
         superset of the nodes `_victims_on` finds anyone on, and the same order as a walk over every node)."""
         self._sync_victim_index()
-        return self.victim_index.in_order(self.nodes, self.victim_index.nodes_for(search.groups(key)))
+        return self.victim_index.in_order(self.nodes, self.victim_index.nodes_for(search.tables(key)))
 
     def _rule(self, o, search, key) -> str | None:
         """The rule that lets the claim search stop `o` for claim `key` (Search.rule), or None: protected, or the
@@ -1270,8 +1271,8 @@ class Scheduler:
             # a job's claim group in the victim index's entry is its tier and whether it is on its reservation
             # (claims.group): Search.below is whether that group's within-quota claim is below `key`
             held = self.victim_index.held.get(view.node, {})
-            got = facts[k] = tuple((j, (1, held[j][0] >> 1, held[j][0] & 1) < key)
-                                   for j in self._candidates_on(view, search, key))
+            below = _below_by_group(key)
+            got = facts[k] = tuple((j, below[held[j][0]]) for j in self._candidates_on(view, search, key))
         return got
 
     def _preempt_for(self, out: list[Envelope], cause: Envelope, rec: JobRecord) -> bool:
@@ -1293,7 +1294,7 @@ class Scheduler:
         r = rec.request
         keys = [search.key(m) for m in self.index.models if not r.constraints.models or m in r.constraints.models]
         strongest, weakest = max(keys, default=search.key()), min(keys, default=search.key())
-        if not search.groups(strongest):
+        if not search.tables(strongest):
             return False  # nobody's claim is below its own, on any card model: no search over the nodes
         too_big = {m: cards_needed(r.compute_milli, r.gpu_memory_mib, m) > n for m, n in self.index.models.items()}
         plan = None
@@ -1835,6 +1836,13 @@ class Scheduler:
 
 
 _NO_CONSTRAINTS = JobRequested.model_fields["constraints"].default
+
+
+@functools.lru_cache(maxsize=64)
+def _below_by_group(key: Claim) -> tuple[bool, ...]:
+    """Per claim group g, whether its within-quota claim is below `key` (Search.below of a job of that group): read
+    by index for each candidate of a node."""
+    return tuple(claim_of_group(True, g) < key for g in range(GROUPS))
 
 
 _NO_LOSS = 1 << 62  # `since` of a candidate that does not run: it loses no work
