@@ -66,6 +66,7 @@ import os
 import json
 import pstats
 import random
+import subprocess
 import sys
 import time
 import zlib
@@ -363,6 +364,15 @@ class Timed:
     paths: dict = field(default_factory=dict)
 
 
+def _instructions(on: bool) -> None:
+    """Under bench/instructions.sh (valgrind's callgrind, started with instrumentation off): count the instructions
+    of scenario (a)'s timed part alone -- a figure this shared machine's load does not move, where CPU seconds vary
+    by a third from run to run."""
+    if os.environ.get("GPUPOOL_CALLGRIND") == "1":
+        subprocess.run(["callgrind_control", "-i", "on" if on else "off", str(os.getpid())], capture_output=True,
+                       check=False)
+
+
 def timed_one_by_one(run: Run, jobs: list[JobRequested], max_s: float, profile: bool) -> Timed:
     envs = []
     for k, j in enumerate(jobs):  # built before the clock starts
@@ -378,6 +388,7 @@ def timed_one_by_one(run: Run, jobs: list[JobRequested], max_s: float, profile: 
     submitted = 0
     steps: list[float] = []  # wall seconds of each request's step, node-agent answers included
     paths: dict[tuple[str, str], list] = {}
+    _instructions(True)
     c0, w0 = time.process_time(), time.perf_counter()
     lc, lp = c0, 0
     if prof:
@@ -413,6 +424,7 @@ def timed_one_by_one(run: Run, jobs: list[JobRequested], max_s: float, profile: 
         if prof:
             prof.disable()
         c1, w1 = time.process_time(), time.perf_counter()
+        _instructions(False)
         gc.callbacks.remove(gct)
     steps.sort()
     lat = {f"p{q}": round(1000 * steps[min(len(steps) - 1, len(steps) * q // 100)], 3) for q in (50, 99)} \
