@@ -160,7 +160,9 @@ class SearchMemoMachine(SchedulerMachine):
             if not search.groups(strongest):
                 continue
             shape = Shape(r)
-            assert s._plan_nodes(search, r, shape, strongest) == s._plan_walk(search, r, shape, strongest)
+            never = s._never_admitted_on(rec)  # card models its quota never admits it on: both pass them over
+            assert s._plan_nodes(search, r, shape, strongest, never) == \
+                s._plan_walk(search, r, shape, strongest, never)
             if r.gang:
                 def gang(memo):
                     return plan_gang(r, s.nodes, s.index, allowed_models(s.index, r), s._victims(search, weakest),

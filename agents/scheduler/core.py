@@ -14,7 +14,9 @@ from dataclasses import replace
 
 from agents.scheduler.admission import Fleet
 from agents.scheduler import defrag
-from agents.scheduler.claims import GROUPS, Claim, Search, claim, claim_of_group, standing_at, standing_now
+from agents.scheduler.claims import (
+    GROUPS, Claim, Search, claim, claim_of_group, holding_on, standing_at, standing_now,
+)
 from agents.scheduler.elastic import SERVICE_KINDS, SOURCE as AUTOSCALER, Autoscaler, Backfill, Charge, Emit, Request
 from agents.scheduler.elastic import ElasticConfig, Resize
 from agents.scheduler.holdings import Holdings, JobRecord, fingerprint, rebuilt
@@ -710,6 +712,7 @@ class Scheduler:
                 rec.mig_wait = None
             quota = self._admit(rec)
             if quota.blocked:
+                self._unnominate_blocked(rec)
                 if self._quiet(rec) is not None or not self._preempt_for_quota(out, cause, rec, quota):
                     self._pending(out, cause, rec, quota.reasons)
                 continue
@@ -756,6 +759,7 @@ class Scheduler:
                     if cheaper is not None:
                         result, holding, quota = cheaper
                 if quota.blocked:
+                    self._unnominate_blocked(rec)
                     if quiet is not None or not self._preempt_for_quota(out, cause, rec, quota, holding):
                         self._pending(out, cause, rec, quota.reasons)
                     continue
@@ -1292,7 +1296,11 @@ class Scheduler:
             return True
         search = Search(self.h, self.ledger, rec)
         r = rec.request
-        keys = [search.key(m) for m in self.index.models if not r.constraints.models or m in r.constraints.models]
+        never = self._never_admitted_on(rec)
+        keys = [search.key(m) for m in self.index.models
+                if (not r.constraints.models or m in r.constraints.models) and m not in never]
+        if never and not keys:
+            return False  # its quota admits it on no card model it may use: stopping work frees nothing for it
         strongest, weakest = max(keys, default=search.key()), min(keys, default=search.key())
         if not search.tables(strongest):
             return False  # nobody's claim is below its own, on any card model: no search over the nodes
@@ -1301,11 +1309,12 @@ class Scheduler:
         plan_key = weakest
         shape = Shape(r)
         if not all(too_big.values()):  # else no node has cards enough, whoever stops: only a multi-node gang plan
-            plan = (self._plan_nodes if self.search_memo else self._plan_walk)(search, r, shape, strongest)
+            plan = (self._plan_nodes if self.search_memo else self._plan_walk)(search, r, shape, strongest, never)
             if plan is not None:
                 plan_key = search.node_key(self.nodes[plan.node])
         if plan is None and r.gang and any(too_big.values()):
-            plan = plan_gang(rec.request, self.nodes, self.index, allowed_models(self.index, rec.request),
+            plan = plan_gang(rec.request, self.nodes, self.index,
+                             [m for m in allowed_models(self.index, rec.request) if m not in never],
                              self._victims(search, weakest), lambda chosen, v: search.valid(chosen, v, weakest),
                              self._view_facts if self.search_memo else None, self.search_memo)
         if plan is None:
@@ -1323,12 +1332,36 @@ class Scheduler:
             data={"victims": ",".join(rec.nominated[1])}),))
         return True
 
-    def _plan_walk(self, search: Search, r: JobRequested, shape: Shape, strongest: Claim):
+    def _never_admitted_on(self, rec: JobRecord) -> frozenset[str]:
+        """The card models on which its quota would never admit it: what it would hold there (whole cards count
+        their model's compute, quota.held) is beyond its account's whole borrowing cap even with nothing of its
+        tenant running. Stopping work on such cards frees nothing it may take (the claim search leaves them out).
+        Only models where it would hold more than it asked are read: what it asked was admitted before the search."""
+        if rec.reserved or rec.hold is not None:
+            return frozenset()
+        r = rec.request
+        out, freed = [], None
+        for m in self.index.models:
+            need, mem = holding_on(r, m)
+            if need <= r.compute_milli and mem <= r.gpu_memory_mib:
+                continue
+            if freed is None:
+                freed = {k: (a.used_milli, a.used_memory_mib) for k in ((r.tenant, None), (r.tenant, r.project))
+                         if (a := self.ledger.accounts.get(k)) is not None}
+            if self.ledger.admit(r, self.index.capacity_milli, need, mem, freed=freed).blocked:
+                out.append(m)
+        return frozenset(out)
+
+    def _plan_walk(self, search: Search, r: JobRequested, shape: Shape, strongest: Claim,
+                   never: frozenset[str] = frozenset()):
         """The claim search over single nodes as `plan_over` says it, every candidate node's victims built: the
-        reference `_plan_nodes` is held to (tests/test_search_memo.py), taken when `search_memo` is off."""
+        reference `_plan_nodes` is held to (tests/test_search_memo.py), taken when `search_memo` is off. `never`:
+        card models its quota never admits it on (`_never_admitted_on`): a node of those alone is passed over."""
         def pairs():
             for name in self._victim_nodes(search, strongest):
                 view = self.nodes[name]
+                if never and {g.model for g in view.cards()} <= never:
+                    continue
                 key = search.node_key(view)  # its claim on this node's cards
                 # a node where the job would not fit even with every job that may be a victim gone yields no
                 # plan: passed over before any victim's standing is worked out (what plan_over would find)
@@ -1345,7 +1378,8 @@ class Scheduler:
                 yield view, victims, valid, room if len(victims) == len(ids) else None
         return plan_over(r, pairs(), self.preemption.candidate_nodes)
 
-    def _plan_nodes(self, search: Search, r: JobRequested, shape: Shape, strongest: Claim):
+    def _plan_nodes(self, search: Search, r: JobRequested, shape: Shape, strongest: Claim,
+                    never: frozenset[str] = frozenset()):
         """What `plan_over` over `_preempt_for`'s pairs (the reference, taken when `search_memo` is off) chooses, the
         same nodes visited and counted, with less work per node: each candidate's rule, standing and progress are
         worked out in one pass (no Victim built but for the plan's), and what is a function of the node's view and
@@ -1437,6 +1471,8 @@ class Scheduler:
             models = facts.get("models")
             if models is None:
                 models = facts["models"] = frozenset(g.model for g in view.cards())
+            if never and models <= never:
+                continue  # cards its quota never admits it on (_plan_walk passes them over alike)
             got = node_keys.get(models)
             if got is None:
                 key = search.node_key(view)
@@ -1753,6 +1789,14 @@ class Scheduler:
         a = self.ledger.accounts.get((tenant, None))
         q = self.ledger.tenant_quota(tenant)
         return a is not None and q is not None and a.used_milli > q.gpu_milli
+
+    def _unnominate_blocked(self, rec: JobRecord) -> None:
+        """A nominated job its quota keeps waiting once its victims are all gone (its quota lowered meanwhile, or the
+        cards freed hold more than its quota lets it hold): the nodes it claimed are not kept for it -- they would
+        sit idle, other work told NominatedForOther, for as long as it waits on its quota."""
+        if rec.nominated is not None and not any(self.state_of(v) in ("stopping", "migrating")
+                                                 for v in rec.nominated[1]):
+            self._nominate(rec, None)
 
     def _nominate(self, rec: JobRecord, nominated, claim: tuple[str, ...] = ()) -> None:
         self._unclosed.update(rec.claim)
