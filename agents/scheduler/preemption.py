@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 from agents.scheduler import topology
 from agents.scheduler.node_index import NodeIndex, cards_needed
-from agents.scheduler.placement import FILTERS, _card_allowed, fit_cards, gang_room, group_by
+from agents.scheduler.placement import _NO_CONSTRAINTS, FILTERS, _card_allowed, fit_cards, gang_room, group_by
 from schemas.envelope import envelope
 from schemas.events import JobRequested, PlaceJob, ReleaseJob
 from schemas.gpu_models import model, share_for
@@ -163,13 +163,10 @@ def least_disruptive(room: "Room", ordered, valid=None) -> list | None:
 
 
 NODE_FILTERS = tuple(f for name, f in FILTERS if name != "HostResources")  # what stopping work does not change
-_DEFAULT_CONSTRAINTS = JobRequested.model_fields["constraints"].default
-
-
 def filters_key(c) -> object:
     """The key under which a view's facts keep whether NODE_FILTERS reject a job with constraints `c` (all they read
     of the job): a plain string for the default constraints, whose frozen model hashes field by field on every look."""
-    return "filters" if c is _DEFAULT_CONSTRAINTS or c == _DEFAULT_CONSTRAINTS else ("filters", c)
+    return "filters" if c is _NO_CONSTRAINTS or c == _NO_CONSTRAINTS else ("filters", c)
 
 
 class Shape:
