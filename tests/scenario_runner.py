@@ -44,6 +44,8 @@ def _match(env, want: dict) -> bool:
             got = p.kind
         elif key == "reason":
             got = value if any(r.code == value for r in getattr(p, "reasons", ())) else None
+        elif key == "expected_free":  # the node the ExpectedFree reason points at
+            got = next((r.nodes[0] for r in getattr(p, "reasons", ()) if r.code == "ExpectedFree"), None)
         elif key == "cards":
             got = len(p.assignments)
         elif key == "milli":

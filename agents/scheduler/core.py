@@ -970,8 +970,9 @@ class Scheduler:
         self.workload.fleet(self.index)  # as `place` would have (a no-op while the hosts stand still)
         rec.miss_memo = (self.h.view_seq, closed, m[2], m[3])
         r = rec.request
-        return Unschedulable(explain=lambda: place(self.index, self.nodes, r, self.workload, self.candidates,
-                                                   exclude=exclude, barred=barred).reasons, seen=m[3])
+        return Unschedulable(explain=lambda never: place(self.index, self.nodes, r, self.workload, self.candidates,
+                                                         exclude=exclude, barred=barred).reasons_for(never),
+                             seen=m[3])
 
     def _admit(self, rec: JobRecord, holding: tuple[int, int] | None = None) -> Admission:
         """The quota's answer for `rec` (holding: what a placement would hold; the request's amounts before one
@@ -1865,7 +1866,9 @@ class Scheduler:
         seen = (result.seen, self.node_epoch, quiet.code if quiet is not None else None)
         if rec.pending_codes and rec.pending_seen == seen:
             return
-        self._pending(out, cause, rec, result.reasons + ((quiet,) if quiet is not None else ()))
+        # what would free capacity is counted on cards its quota could admit it on
+        reasons = result.reasons_for(self._never_admitted_on(rec))
+        self._pending(out, cause, rec, reasons + ((quiet,) if quiet is not None else ()))
         rec.pending_seen = seen
 
     def _pending(self, out: list[Envelope], cause: Envelope, rec: JobRecord, reasons: tuple[Reason, ...]) -> None:

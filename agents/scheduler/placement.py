@@ -64,8 +64,13 @@ class Unschedulable:
 
     @property
     def reasons(self) -> tuple[Reason, ...]:
+        return self.reasons_for(frozenset())
+
+    def reasons_for(self, never: frozenset[str]) -> tuple[Reason, ...]:
+        """Its reasons, what would free capacity counted on card models other than `never` (those the job's quota
+        would never admit it on, core.Scheduler._never_admitted_on): read once, the first reader's `never` kept."""
         if self._reasons is None:
-            self._reasons, self._explain = self._explain(), None
+            self._reasons, self._explain = self._explain(never), None
         return self._reasons
 
     def __eq__(self, other) -> bool:
@@ -463,7 +468,8 @@ def place(index: NodeIndex, views: dict[str, NodeView], job: JobRequested, workl
     closed = sum(len(v) for k, v in rejected.items() if k[0] == "Preemption")
     saw = (tuple(sorted((k, tuple(v)) for k, v in rejected.items() if k[0] != "Preemption")), len(seen) - closed,
            len(views), len(index.down))
-    return Unschedulable(explain=lambda: _unschedulable(index, views, job, rejected, seen).reasons, seen=saw)
+    return Unschedulable(explain=lambda never: _unschedulable(index, views, job, rejected, seen, never).reasons,
+                         seen=saw)
 
 
 def isolation_given(v: NodeView, fit: tuple[Assignment, ...]) -> str:
@@ -715,9 +721,12 @@ EXPLAIN_MEMO = True  # each node's answer kept per view (`_view_memo`); off: wor
 
 
 def _unschedulable(index: NodeIndex, views: dict[str, NodeView], job: JobRequested,
-                   rejected: dict[tuple[str, str], list[str]], seen: set[str]) -> "Unschedulable":
+                   rejected: dict[tuple[str, str], list[str]], seen: set[str],
+                   never: frozenset[str] = frozenset()) -> "Unschedulable":
     """Why no node fits. The nodes looked at say why; down nodes and up to EXPLAIN_LIMIT others are checked one by
-    one; beyond that, nodes the index holds in no bucket that could take the job are counted as InsufficientGPU."""
+    one; beyond that, nodes the index holds in no bucket that could take the job are counted as InsufficientGPU.
+    What would free capacity (`_expected_free`) leaves out the card models in `never`: its quota would never admit
+    it there, so cards of those coming free are no room for it."""
     order = allowed_models(index, job)
     # a node's answer is a function of its view and of what the filters and fit_cards read of the job: kept per view
     # (`NodeIndex.why_cache`) for a job without constraints, by its shape and the models tried -- each waiting victim
@@ -771,7 +780,9 @@ def _unschedulable(index: NodeIndex, views: dict[str, NodeView], job: JobRequest
         count = len(ns) + (extra if (plugin, code) == ("GpuFit", "InsufficientGPU") else 0)
         reasons.append(Reason(code=code, plugin=plugin, nodes=tuple(ns[:20]), data={"count": count},
                               message=f"{count} node(s) rejected by {plugin}: {code}"))
-    freeing = _expected_free(views, job, order, rejected.get(("GpuFit", "InsufficientGPU"), ()), index, shape)
+    freeing = _expected_free(views, job, [m for m in order if m not in never] if never else order,
+                             rejected.get(("GpuFit", "InsufficientGPU"), ()), index,
+                             (shape, never) if never and shape is not None else shape)
     if freeing is not None:
         reasons.append(freeing)
     return Unschedulable(tuple(reasons) or (Reason(code="NoNodes", message="the pool has no nodes"),))
