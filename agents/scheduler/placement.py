@@ -414,8 +414,26 @@ def place(index: NodeIndex, views: dict[str, NodeView], job: JobRequested, workl
         else:
             rejected.setdefault(why, []).append(name)
 
+    mig = _mig_could_hold(job, models)
+
+    def mig_nodes() -> None:
+        if len(fits) < k and mig:
+            for name in index.mig_nodes():
+                if len(fits) >= k:
+                    break
+                if name not in seen:
+                    consider(name, len(models), models, None)
+
     if prefer in views:
         consider(prefer, -1, models, None)
+    if iso == "mig" and mig and not fits:
+        # a hardware slice first: a free instance, else one carved from idle slices; whole cards (a request larger
+        # than a card of some model) only when no slice can be had -- more isolation than asked is the fallback
+        mig_nodes()
+        if not fits:
+            carve = _carve(index, views, job, models, exclude)
+            if carve is not None:
+                return carve
     for rank, m in enumerate(models):
         if fits and fits[0][0] == -1:
             break
@@ -430,13 +448,7 @@ def place(index: NodeIndex, views: dict[str, NodeView], job: JobRequested, workl
                 break
             if name not in seen:
                 consider(name, rank, [m], m)
-    mig = _mig_could_hold(job, models)
-    if len(fits) < k and mig:
-        for name in index.mig_nodes():
-            if len(fits) >= k:
-                break
-            if name not in seen:
-                consider(name, len(models), models, None)
+    mig_nodes()
     if fits:
         rank, delta, _, name, fit = min(fits)
         w = max(1, workload.weight)
@@ -457,12 +469,9 @@ def place(index: NodeIndex, views: dict[str, NodeView], job: JobRequested, workl
         if gang is not None:
             return gang
     if mig:
-        for name in index.mig_nodes():
-            v = views[name]
-            if name not in exclude and _rejects(v, job) is None:
-                plan = mig_plan(v, job, models)
-                if plan is not None:
-                    return plan
+        carve = _carve(index, views, job, models, exclude)
+        if carve is not None:
+            return carve
     # what it saw, the nodes closed to it aside (claimed by a nominated job, freed for a stronger claim): a waiting
     # job is not explained afresh only because that set moved (core.Scheduler._unplaced)
     closed = sum(len(v) for k, v in rejected.items() if k[0] == "Preemption")
@@ -470,6 +479,18 @@ def place(index: NodeIndex, views: dict[str, NodeView], job: JobRequested, workl
            len(views), len(index.down))
     return Unschedulable(explain=lambda never: _unschedulable(index, views, job, rejected, seen, never).reasons,
                          seen=saw)
+
+
+def _carve(index: NodeIndex, views: dict[str, NodeView], job: JobRequested, models: list[str],
+           exclude: frozenset[str]) -> MigPlan | None:
+    """A MIG instance to carve for the job out of idle slices, on the first MIG node (index order) that has them."""
+    for name in index.mig_nodes():
+        v = views[name]
+        if name not in exclude and _rejects(v, job) is None:
+            plan = mig_plan(v, job, models)
+            if plan is not None:
+                return plan
+    return None
 
 
 def isolation_given(v: NodeView, fit: tuple[Assignment, ...]) -> str:
