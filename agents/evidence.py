@@ -25,7 +25,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from streams.api import PRICED_USAGE, redact
+from streams.api import PRICED_USAGE, SCHEDULER_SEQ, redact
 
 FORMAT = "gpupool-evidence/1"
 SIGNED = ("manifest.json", "manifest.sig")
@@ -122,21 +122,22 @@ def write_pack(client, tenant: str, out: Path, since: int | None, until: int | N
     cols, rows = client.sql(
         "SELECT event_time_ms, kind, job_id, node, command_id, actor, event_id, topic, partition, offset, payload "
         f"FROM gpupool.events FINAL WHERE {mine} AND {_window('event_time_ms', since, until)} "
-        "ORDER BY event_time_ms, topic, partition, offset", p)
+        f"ORDER BY event_time_ms, {SCHEDULER_SEQ}, topic, partition, offset", p)
     sections["jobs"] = _write(out, "jobs", ["at", *cols[1:-1], "payload"], [
         [iso(r[0]), *r[1:-1], orjson.dumps(redact(orjson.loads(r[-1]), tenant)).decode()] for r in rows])
 
     cols, rows = client.sql(
         "SELECT event_time_ms, kind, job_id, command_id, node, event_id, reasons FROM gpupool.scheduling FINAL "
-        f"WHERE {mine} AND {_window('event_time_ms', since, until)} ORDER BY event_time_ms, event_id", p)
+        f"WHERE {mine} AND {_window('event_time_ms', since, until)} ORDER BY event_time_ms, {SCHEDULER_SEQ}, event_id",
+        p)
     sections["decisions"] = _write(out, "decisions", ["at", *cols[1:-1], "reasons"], [
         [iso(r[0]), *r[1:-1], orjson.dumps(redact(orjson.loads(r[-1]), tenant)).decode()] for r in rows])
 
     cols, rows = client.sql(
         "SELECT event_time_ms, kind, project, job_id, quota_milli, used_milli, reserved_milli, borrowed_milli, milli, "
         "overcommit_pct, actor, event_id FROM gpupool.quota_events FINAL "
-        f"WHERE tenant = {{t:String}} AND {_window('event_time_ms', since, until)} ORDER BY event_time_ms, event_id",
-        p)
+        f"WHERE tenant = {{t:String}} AND {_window('event_time_ms', since, until)} "
+        f"ORDER BY event_time_ms, {SCHEDULER_SEQ}, event_id", p)
     sections["quota"] = _write(out, "quota", ["at", *cols[1:]], [[iso(r[0]), *r[1:]] for r in rows])
 
     # who did what, when: the tenant's requests (with the authenticated principal) and operators' node actions

@@ -177,6 +177,11 @@ WHERE {outer}
 ORDER BY submitted, job_id
 """
 
+# One step of the scheduler writes several records at one log time, on several topics: they are listed in the order
+# it decided them, its seq (its event ids are "scheduler:<seq>"), not by topic nor by the id as text. Other sources'
+# records at that time come first: at one log time they are what the step read, not what it wrote.
+SCHEDULER_SEQ = "if(startsWith(event_id, 'scheduler:'), toUInt64OrZero(substring(event_id, 11)), 0)"
+
 EXPLAIN_SQL = """
 SELECT event_time_ms, kind, node, reasons, actor FROM (
   SELECT event_time_ms, kind, node, reasons, '' AS actor, event_id FROM gpupool.scheduling FINAL
@@ -185,7 +190,7 @@ SELECT event_time_ms, kind, node, reasons, actor FROM (
   SELECT event_time_ms, kind, node, '[]' AS reasons, actor, event_id FROM gpupool.events FINAL
   WHERE job_id = {job:String} AND kind IN ('job.requested', 'job.cancelled', 'job.started', 'job.completed',
                                             'job.failed', 'job.stopped')
-) ORDER BY event_time_ms, event_id
+) ORDER BY event_time_ms, """ + SCHEDULER_SEQ + """, event_id
 """
 
 BILLING_GROUPS = {"tenant": "tenant", "project": "tenant, project", "job": "tenant, project, job_id",
@@ -200,7 +205,7 @@ FROM gpupool.events AS e FINAL
 LEFT JOIN (SELECT event_id, reasons FROM gpupool.scheduling FINAL WHERE job_id = {job:String}) AS s
        ON s.event_id = e.event_id
 WHERE e.job_id = {job:String}
-ORDER BY e.event_time_ms, e.topic, e.partition, e.offset
+ORDER BY e.event_time_ms, if(e.source = 'scheduler', e.seq, 0), e.topic, e.partition, e.offset
 """
 
 QUOTA_SQL = """

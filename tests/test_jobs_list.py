@@ -31,13 +31,13 @@ def store(tmp_path_factory):
     client.close()
 
 
-def _store(sink: Sink, envs) -> None:
-    """The envelopes as the sink would get them: each on its home topic and partition, at the next offset there."""
+def _store(sink: Sink, envs, part: int = 0) -> None:
+    """The envelopes as the sink would get them: each on its home topic, on partition `part`, at the next offset."""
     by_tp: dict[tuple[str, int], list[Rec]] = defaultdict(list)
     for env in envs:
         spec, key = route(env)
-        tp = (spec.name, 0)
-        by_tp[tp].append(Rec(spec.name, 0, len(by_tp[tp]), encode(env), key))
+        tp = (spec.name, part)
+        by_tp[tp].append(Rec(spec.name, part, len(by_tp[tp]), encode(env), key))
     for (topic, part), recs in by_tp.items():
         sink._insert_batch(topic, part, recs)
 
@@ -114,3 +114,38 @@ def test_a_late_completion_of_a_run_on_a_lost_node_does_not_end_the_job_running_
     [row] = [dict(zip(res.column_names, r)) for r in res.result_rows if r[0] == "t/k"]
     assert row["state"] == "running" and row["nodes"] == again.node, row
     assert row["elapsed_s"] > 0
+
+
+def test_history_and_explain_list_one_step_of_the_scheduler_in_the_order_it_decided(store):
+    """A node loss interrupts a run, bills it, releases it and places the job again: four records of the scheduler
+    at one log time, on four topics. `gpupool history` and `explain` list them in the scheduler's order (its seq),
+    not by topic (which put the new placement before the interruption that caused it) nor by event id as text
+    ("scheduler:100" before "scheduler:99")."""
+    from schemas.events import NodeLiveness
+    from streams.api import EXPLAIN_SQL, HISTORY_SQL
+
+    client, sink = store
+    c = Clock()
+    s = Scheduler(ledger=open_ledger())
+    logged = [c.env(inventory("n0", "A100-80GB", gpus=1), "n0/inventory"),
+              c.env(inventory("n1", "A100-80GB", gpus=1), "n1/inventory"), c.env(job("t/h", "t", 1000, 40), "cli/h")]
+    for e in list(logged):
+        logged += s.step(e)
+    first = next(o.payload for o in logged if o.kind == "cmd.place")
+    e = c.env(JobStarted(job_id="t/h", node=first.node, command_id=first.command_id), f"{first.node}/job/t/h", dt=100)
+    logged += [e] + s.step(e)
+    s.out_seq = 97  # the step's records cross from two digits to three
+    e = c.env(NodeLiveness(node=first.node, alive=False, last_heartbeat_ms=c.now + 500), f"{first.node}/liveness",
+              dt=3000)
+    out = s.step(e)
+    logged += [e] + out
+    mine = [o for o in out if o.payload.__dict__.get("job_id") == "t/h"]
+    assert {o.kind for o in mine} >= {"job.interrupted", "usage.accrued", "cmd.release", "cmd.place"}
+    assert len({o.event_time_ms for o in mine}) == 1 and mine[0].seq < 100 <= mine[-1].seq
+    _store(sink, logged, part=7)  # a partition of its own: the other tests' records sit at the same offsets of 0
+    at = mine[0].event_time_ms
+    rows = client.query(HISTORY_SQL, parameters={"job": "t/h"}).result_rows
+    assert [r[1] for r in rows if r[0] == at] == [o.kind for o in mine]
+    shown = {"cmd.place", "cmd.release", "job.interrupted"}  # what the scheduling table holds of these
+    rows = client.query(EXPLAIN_SQL, parameters={"job": "t/h"}).result_rows
+    assert [r[1] for r in rows if r[0] == at] == [o.kind for o in mine if o.kind in shown]
