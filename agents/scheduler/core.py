@@ -1873,7 +1873,10 @@ class Scheduler:
 
     def _pending(self, out: list[Envelope], cause: Envelope, rec: JobRecord, reasons: tuple[Reason, ...]) -> None:
         rec.pending_seen = None  # told something else than an unplaced attempt's reasons (_unplaced)
-        codes = tuple(f"{r.plugin}:{r.code}" for r in reasons)
+        # a quota's reason is said again when the cap that blocks it moves (an operator's change is seen to take),
+        # not when what is used moves
+        codes = tuple(f"{r.plugin}:{r.code}" if r.plugin != "Quota" or "cap_milli" not in r.data
+                      else f"{r.plugin}:{r.code}:{r.data['cap_milli']}" for r in reasons)
         if codes != rec.pending_codes:  # say it once per change, not every cycle
             rec.pending_codes = codes
             self._emit(out, JobPending(job_id=rec.request.job_id, reasons=reasons), cause)
