@@ -10,6 +10,7 @@ from agents.cli import requests, stack, users, views
 from agents.cli.output import emit, parse_time  # noqa: F401 - used by the demo and the audit
 from infra import config as config_mod
 from infra import security
+from pydantic import ValidationError
 from streams.api import BILLING_GROUPS
 
 FORMATS = ["table", "json", "csv"]
@@ -270,6 +271,12 @@ def main(argv: list[str] | None = None) -> int:
             cfg = config_mod.load()
             cfg = type(cfg)(**{**cfg.__dict__, "home": Path(args.home)})
         return _dispatch(args)(cfg, args)
+    except ValidationError as exc:
+        # a request the schema refuses (a negative --compute, a malformed id): say which field and why, no traceback
+        what = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or exc.title}: {e['msg']} (got {e.get('input')!r})"
+                         for e in exc.errors())
+        print(f"gpupool {args.command}: invalid {exc.title}: {what}", file=sys.stderr)
+        return 2
     except BrokenPipeError:
         # the reader went away (`gpupool jobs | head`): no traceback, and no second error flushing stdout at exit
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -2,6 +2,7 @@
 a fact on the log (or answers with a rejection the principal can read)."""
 from __future__ import annotations
 
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -41,12 +42,30 @@ def _job_id(c: Client, job: str) -> str:
 def cmd_cancel(cfg, args) -> int:
     from schemas.events import JobCancelled
 
+    from agents.cli.views import _not_on_record
+
     c = Client(cfg)
     jobs = [_job_id(c, j) for j in args.jobs]
+    # a cancel of a job nobody submitted changes nothing: say so, rather than let it look done (asked before the
+    # cancel is sent, which is itself on record; the bill's store may lag a just-submitted job by a second: "yet")
+    unknown = {j for j in jobs if not _submitted(c, j)}
     c.send([JobCancelled(job_id=j, reason=args.reason or "") for j in jobs])  # who: the gateway records it
-    for j in jobs:
+    rc = 0
+    for asked, j in zip(args.jobs, jobs):
         print(j)
-    return 0
+        if j in unknown:
+            why = _not_on_record(c, asked, j)
+            print(f"gpupool cancel: {why} (yet); the cancel was sent", file=sys.stderr)
+            rc = 1 if why != f"no job {j} on record" else rc  # a name read as another tenant's: a mistake to flag
+    return rc
+
+
+def _submitted(c: Client, job: str) -> bool:
+    """Whether the job's request is on record (True when the API cannot say: nothing to warn of then)."""
+    try:
+        return any(e["kind"] == "job.requested" for e in c.api("/api/history", {"job": job}, timeout=10.0)["events"])
+    except SystemExit:
+        return True
 
 
 def cmd_quota_set(cfg, args) -> int:
