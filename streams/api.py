@@ -34,6 +34,8 @@ ENDPOINTS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "/api/explain": ("GET", ("tenant", "operator", "auditor", "service"),
                      "one job's decisions with their reasons (a tenant: its own jobs, other tenants' jobs unnamed)"),
     "/api/billing": ("GET", ("tenant", "finance", "operator", "auditor"), "GPU-seconds (a tenant: its own bill)"),
+    "/api/reservations": ("GET", ("tenant", "operator", "auditor"),
+                          "reservations with their window and latest decision (a tenant: its own)"),
     "/api/sql": ("POST", ("finance", "auditor", "operator"), "one read-only statement under ClickHouse's limits"),
     "/api/principals": ("GET", ("operator", "auditor"), "who is who (names, roles, tenants; never secrets)"),
     "/api/telemetry": ("GET", ALL_READERS, "utilization and memory per minute from telemetry, by workload, tenant or "
@@ -206,6 +208,35 @@ LEFT JOIN (SELECT event_id, reasons FROM gpupool.scheduling FINAL WHERE job_id =
        ON s.event_id = e.event_id
 WHERE e.job_id = {job:String}
 ORDER BY e.event_time_ms, if(e.source = 'scheduler', e.seq, 0), e.topic, e.partition, e.offset
+"""
+
+# A reservation as booked (its request) and where it stands (the scheduler's latest reservation.decided, in the order
+# it decided them): the request's own fields, the decision's status, node and reason codes.
+RESERVATIONS_SQL = """
+SELECT reservation_id, tenant, project, tier, compute_milli, gpu_memory_mib, start_ms, end_ms, status, node, reasons,
+       booked_by
+FROM (SELECT JSONExtractString(payload, 'reservation_id') AS reservation_id,
+             if(position(reservation_id, '/') > 0, splitByChar('/', reservation_id)[1], '') AS tenant,
+             argMinIf(JSONExtractString(payload, 'project'), event_time_ms, kind = 'reservation.requested') AS project,
+             argMinIf(JSONExtractString(payload, 'tier'), event_time_ms, kind = 'reservation.requested') AS tier,
+             argMinIf(JSONExtractUInt(payload, 'compute_milli'), event_time_ms, kind = 'reservation.requested')
+                 AS compute_milli,
+             argMinIf(JSONExtractUInt(payload, 'gpu_memory_mib'), event_time_ms, kind = 'reservation.requested')
+                 AS gpu_memory_mib,
+             argMinIf(JSONExtractUInt(payload, 'start_ms'), event_time_ms, kind = 'reservation.requested') AS start_ms,
+             argMinIf(JSONExtractUInt(payload, 'end_ms'), event_time_ms, kind = 'reservation.requested') AS end_ms,
+             argMaxIf(JSONExtractString(payload, 'status'), (event_time_ms, seq), kind = 'reservation.decided')
+                 AS status,
+             argMaxIf(JSONExtractString(payload, 'node'), (event_time_ms, seq), kind = 'reservation.decided') AS node,
+             argMaxIf(arrayStringConcat(arrayMap(x -> JSONExtractString(x, 'code'),
+                                                 JSONExtractArrayRaw(payload, 'reasons')), ','),
+                      (event_time_ms, seq), kind = 'reservation.decided') AS reasons,
+             argMinIf(actor, event_time_ms, kind = 'reservation.requested') AS booked_by
+      FROM gpupool.events FINAL
+      WHERE kind IN ('reservation.requested', 'reservation.decided') AND {where}
+      GROUP BY reservation_id)
+WHERE {outer}
+ORDER BY start_ms, reservation_id
 """
 
 QUOTA_SQL = """
@@ -511,6 +542,13 @@ async def answer(path: str, principal: Principal, params: dict, body: bytes, run
         t = tenant_scope(principal, params.get("tenant"))
         cols, rows = await runner.ours(QUOTA_SQL.replace("{where}", "tenant = {t:String}" if t else "1"),
                                        {"t": t} if t else {})
+        return {"columns": cols, "rows": _plain(rows)}
+    if path == "/api/reservations":
+        t = tenant_scope(principal, params.get("tenant"))
+        sql = RESERVATIONS_SQL.replace("{where}", "startsWith(JSONExtractString(payload, 'reservation_id'), "
+                                                  "concat({t:String}, '/'))" if t else "1")
+        sql = sql.replace("{outer}", "tenant = {t:String} AND project != ''" if t else "project != ''")
+        cols, rows = await runner.ours(sql, {"t": t} if t else {})
         return {"columns": cols, "rows": _plain(rows)}
     if path == "/api/prices":
         cols, rows = await runner.ours(PRICES_SQL)

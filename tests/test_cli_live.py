@@ -27,6 +27,7 @@ def pool(tmp_path_factory, broker_mode, libs_home):
         s.start_agent("demo:2")  # node-000: A100-80GB x4, node-001: H100-80GB x4
         s.add_user("alice", "tenant", "acme")
         s.add_user("fin", "finance")
+        s.add_user("bob", "tenant", "globex")
         quotas(s, "acme")  # without one a tenant runs nothing
         wait_for(lambda: s.stats()["scheduler"]["nodes"] == 2, 60, "the fleet in the scheduler", s)
         yield s
@@ -145,6 +146,30 @@ def test_bad_input_is_one_line_naming_the_field(pool, argv, field):
                          capture_output=True, text=True, timeout=60)
     assert out.returncode != 0
     assert "Traceback" not in out.stderr and field in out.stderr, out.stderr
+
+
+def test_reserve_list_shows_a_booking_and_where_it_stands(pool):
+    """A tenant sees its bookings and the scheduler's latest word on each (accepted, active on a node, used,
+    cancelled...); another tenant sees none of them, an operator all."""
+    import time
+
+    start = (int(time.time()) + 3600) * 1000
+    rid = cli(pool, "reserve", "book", "--compute", "1000", "--memory-gib", "10", "--start", str(start), "--hours",
+              "1", user="alice").strip()
+    assert rid.startswith("acme/res-")
+
+    def listed(user, status):
+        rows = json.loads(cli(pool, "reserve", "list", "--format", "json", user=user))
+        return next((r for r in rows if r["reservation_id"] == rid and r["status"] == status), None)
+
+    row = wait_for(lambda: listed("alice", "accepted"), 30, "the booking listed as accepted", pool)
+    assert (row["tenant"], row["start_ms"], row["end_ms"], row["compute_milli"], row["booked_by"]) == \
+        ("acme", start, start + 3_600_000, 1000, "alice") and "Booked" in row["reasons"], row
+    assert "res-" in cli(pool, "reserve", "list", user="alice").splitlines()[1]  # the table: one line a booking
+    assert rid in cli(pool, "reserve", "list")  # the operator
+    assert rid not in cli(pool, "reserve", "list", user="bob")
+    cli(pool, "reserve", "cancel", rid.split("/", 1)[1], user="alice")
+    wait_for(lambda: listed("alice", "cancelled"), 30, "the booking listed as cancelled", pool)
 
 
 def test_cancel_says_when_no_such_job_is_on_record(pool):

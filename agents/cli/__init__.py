@@ -118,8 +118,10 @@ def parser() -> argparse.ArgumentParser:
     c = add("cancel", requests.cmd_cancel, help="cancel jobs (a tenant: its own; operators: TENANT/NAME)")
     c.add_argument("jobs", nargs="+")
     c.add_argument("--reason")
-    r = add("reserve", requests.cmd_reserve, help="book capacity for a time window, or cancel a booking")
-    r.add_argument("action", choices=["book", "cancel"])
+    r = add("reserve", requests.cmd_reserve,
+            help="book capacity for a time window, cancel a booking, or list bookings and where each stands")
+    r.add_argument("action", choices=["book", "cancel", "list"])
+    r.add_argument("--format", choices=["table", "json", "csv"], default="table")
     r.add_argument("reservation_id", nargs="?")
     r.add_argument("--tenant")
     r.add_argument("--project", default="default")

@@ -85,6 +85,20 @@ def cmd_reserve(cfg, args) -> int:
     from schemas.events import ReservationCancelled, ReservationRequested, Tier
 
     c = Client(cfg)
+    if args.action == "list":
+        from agents.cli.output import emit, when
+
+        cols, rows = c.rows("/api/reservations", {"tenant": args.tenant})
+        if not rows and args.format == "table":
+            print("no reservations on record")
+            return 0
+        i = {k: n for n, k in enumerate(cols)}
+        if args.format == "table":  # the window as times, the rest as stored
+            rows = [[*r[:i["start_ms"]], when(r[i["start_ms"]]), when(r[i["end_ms"]]), *r[i["end_ms"] + 1:]]
+                    for r in rows]
+            cols = [*cols[:i["start_ms"]], "start", "end", *cols[i["end_ms"] + 1:]]
+        emit(cols, rows, args.format)
+        return 0
     if args.action == "cancel":
         if not args.reservation_id:
             raise SystemExit("reserve cancel needs the reservation id")
