@@ -353,7 +353,8 @@ def service_doc(service: str, rows: list[list]) -> dict:
 def jobs_sql(tenant: str | None, params: dict | None = None) -> tuple[str, dict]:
     """The jobs list, confined to `tenant` (None: all), filtered by project, state, tier and submission time."""
     params = params or {}
-    inner, outer, qp = ["1"], ["1"], {}
+    # a job is what was submitted (or refused): a reservation's hold, named in the quota's records, is none
+    inner, outer, qp = ["1"], ["submitted_ms > 0"], {}
     if tenant is not None:
         inner.append("startsWith(job_id, concat({tenant:String}, '/'))")
         qp["tenant"] = tenant
