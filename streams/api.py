@@ -241,7 +241,7 @@ ORDER BY start_ms, reservation_id
 
 QUOTA_SQL = """
 SELECT tenant, project, quota_milli, overcommit_pct, quota_memory_mib, used_milli, reserved_milli, borrowed_milli,
-       used_memory_mib, quota_set_by
+       used_memory_mib, quota_set_by, rejected_ms, rejected_milli, rejected_code
 FROM (SELECT tenant, project, argMax(quota_milli, offset) AS quota_milli, argMax(overcommit_pct, offset) AS overcommit_pct,
              argMax(quota_memory_mib, offset) AS quota_memory_mib, argMax(actor, offset) AS quota_set_by
       FROM gpupool.quota_events FINAL WHERE kind = 'quota.set' AND {where}
@@ -251,6 +251,14 @@ FULL OUTER JOIN
      (SELECT tenant, project, argMax(used_milli, offset) AS used_milli, argMax(reserved_milli, offset) AS reserved_milli,
              argMax(borrowed_milli, offset) AS borrowed_milli, argMax(used_memory_mib, offset) AS used_memory_mib
       FROM gpupool.quota_events FINAL WHERE kind = 'quota.changed' AND {where} GROUP BY tenant, project) AS c
+USING (tenant, project)
+-- the last quota.set refused for the account (`gpupool quota set` says so instead of leaving the old quota to look set),
+-- also for an account whose every set was refused
+FULL OUTER JOIN
+     (SELECT tenant, JSONExtractString(payload, 'project') AS project, max(event_time_ms) AS rejected_ms,
+             argMax(JSONExtractUInt(payload, 'gpu_milli'), event_time_ms) AS rejected_milli,
+             argMax(JSONExtractString(payload, 'code'), event_time_ms) AS rejected_code
+      FROM gpupool.events FINAL WHERE kind = 'quota.rejected' AND {where} GROUP BY tenant, project) AS r
 USING (tenant, project)
 ORDER BY tenant, project
 """

@@ -172,6 +172,18 @@ def test_reserve_list_shows_a_booking_and_where_it_stands(pool):
     wait_for(lambda: listed("alice", "cancelled"), 30, "the booking listed as cancelled", pool)
 
 
+def test_quota_set_says_whether_it_is_in_force_or_refused(pool):
+    """A project quota beyond its tenant's is refused by the scheduler (quota.rejected); the command says so and
+    fails, instead of returning as if the quota were set. One that fits is read back in force."""
+    out = cli(pool, "quota", "set", "acme", "--project", "huge", "--compute", "900000", check=False)
+    assert out.returncode == 1, out
+    assert "acme/huge: refused (ProjectQuotasExceedTenant); the quota in force is still none" in out.stderr, out.stderr
+    out = cli(pool, "quota", "set", "acme", "--project", "small", "--compute", "1000")
+    assert out.strip() == "acme/small: quota 1000 milli-CU, cap 120%, in force"
+    shown = cli(pool, "quota", "show", "acme")
+    assert "small" in shown and "huge" not in shown  # an account known only by a refused set is not listed
+
+
 def test_cancel_says_when_no_such_job_is_on_record(pool):
     """A tenant's member names its own tenant's jobs: "globex/x" from alice is acme's "acme/globex/x", which nobody
     submitted -- the cancel says so and fails, rather than print the name as if it were done."""

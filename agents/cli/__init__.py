@@ -155,6 +155,8 @@ def parser() -> argparse.ArgumentParser:
     q.add_argument("--memory-gib", type=float, help="GPU-memory quota (default: not limited)")
     q.add_argument("--overcommit-pct", type=_percent, default=120, metavar="100..300",
                    help="the borrowing cap, percent of the quota (default 120)")
+    q.add_argument("--wait", type=float, default=15.0, metavar="SECONDS",
+                   help="set: how long to wait to read back whether it is in force or refused (0: do not)")
     fmt(q)
     n = add("node", None, help="nodes: list | show NODE | cordon|uncordon|drain|remove NODE... (operators)")
     n.add_argument("action", choices=["list", "show", "cordon", "uncordon", "drain", "remove"])

@@ -76,8 +76,44 @@ def cmd_quota_set(cfg, args) -> int:
     q = QuotaSet(tenant=args.tenant, project=args.project, gpu_milli=args.compute,
                  gpu_memory_mib=int(args.memory_gib * 1024) if args.memory_gib is not None else None,
                  overcommit_pct=args.overcommit_pct)
-    Client(cfg).send([q])
-    return 0
+    c = Client(cfg)
+    sent_ms = time.time_ns() // 1_000_000
+    c.send([q])
+    return _quota_answer(c, q, sent_ms, args.wait)
+
+
+QUOTA_GRACE_S = 3.0  # a refusal is stored after the set it answers (the scheduler read the set first): this long
+
+
+def _quota_answer(c: Client, q, sent_ms: int, wait_s: float) -> int:
+    """What became of a quota.set: refused (quota.rejected: the projects' quotas would add up to more than the
+    tenant's), or stored and not refused within QUOTA_GRACE_S -- an accepted set has no answer of its own, so "in
+    force" is said only after the grace -- read from the store, up to `wait_s` seconds; 1 when refused."""
+    name = f"{q.tenant}/{q.project}" if q.project else q.tenant
+    deadline = time.monotonic() + wait_s
+    seen = None  # when the store first showed the set
+    while True:
+        try:
+            cols, rows = c.rows("/api/quota", {"tenant": q.tenant})
+        except SystemExit:
+            rows, cols = [], []  # the API is not up: nothing to read back
+        for r in (dict(zip(cols, r)) for r in rows):
+            if r["tenant"] != q.tenant or (r["project"] or None) != q.project:
+                continue
+            if r.get("rejected_ms") and r["rejected_ms"] >= sent_ms - 1000 and r["rejected_milli"] == q.gpu_milli:
+                print(f"gpupool quota set: {name}: refused ({r['rejected_code']}); the quota in force is still "
+                      f"{r['quota_milli'] if r.get('quota_set_by') else 'none'}", file=sys.stderr)
+                return 1
+            if r.get("quota_milli") == q.gpu_milli and r.get("overcommit_pct") == q.overcommit_pct:
+                seen = seen or time.monotonic()
+                if time.monotonic() - seen >= QUOTA_GRACE_S:
+                    print(f"{name}: quota {q.gpu_milli} milli-CU, cap {q.overcommit_pct}%, in force")
+                    return 0
+        if time.monotonic() >= deadline:
+            if wait_s > 0:
+                print(f"{name}: quota set sent; not in force after {wait_s:g} s (`gpupool quota show`)")
+            return 0
+        time.sleep(0.5)
 
 
 def cmd_reserve(cfg, args) -> int:

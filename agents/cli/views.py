@@ -128,6 +128,9 @@ def cmd_quota_show(cfg, args) -> int:
     out = []
     for r in rows:
         d = dict(zip(cols, r))
+        if not d.get("quota_set_by") and not d.get("used_milli") and not d.get("reserved_milli") \
+                and not d.get("used_memory_mib"):
+            continue  # an account known only by a refused quota.set: no quota, nothing held (the json shows it)
         quota = d.get("quota_milli")
         out.append([d["tenant"], d["project"] or "(tenant)", quota if quota else "-",
                     f"{d['overcommit_pct']}%" if d.get("overcommit_pct") else "-", d.get("used_milli") or 0,

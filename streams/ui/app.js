@@ -216,14 +216,16 @@ async function pageQueue() {
 async function pageTenants() {
   const [quota, bill] = await Promise.all([api("/api/quota"), api("/api/billing", { by: "tenant", cost: 1 })]);
   const cost = new Map(rowsOf(bill).map((r) => [r.tenant, r]));
-  const rows = rowsOf(quota).filter((r) => !r.project).map((r) => {
+  // an account known only by a refused quota.set (no quota, nothing held) is not shown
+  const known = rowsOf(quota).filter((r) => r.quota_set_by || r.used_milli || r.reserved_milli || r.used_memory_mib);
+  const rows = known.filter((r) => !r.project).map((r) => {
     const b = cost.get(r.tenant) || {};
     const q = r.quota_milli || 0, used = r.used_milli || 0;
     const bar = h("span", { class: "bar-bg" }, h("span", { class: "bar-fg" + (used > q ? " over" : ""), style: `width:${q ? Math.min(100, (100 * used) / q) : 0}%` }));
     return [r.tenant, (q / 1000).toFixed(1), h("span", {}, bar, " ", (used / 1000).toFixed(2)), ((r.reserved_milli || 0) / 1000).toFixed(2),
       ((r.borrowed_milli || 0) / 1000).toFixed(2), b.gpu_hours ?? 0, b.cost ?? 0, b.borrowed_cost ?? 0];
   });
-  const projects = rowsOf(quota).filter((r) => r.project).map((r) => [r.tenant, r.project, r.quota_milli ? (r.quota_milli / 1000).toFixed(1) : "-", ((r.used_milli || 0) / 1000).toFixed(2), ((r.borrowed_milli || 0) / 1000).toFixed(2)]);
+  const projects = known.filter((r) => r.project).map((r) => [r.tenant, r.project, r.quota_milli ? (r.quota_milli / 1000).toFixed(1) : "-", ((r.used_milli || 0) / 1000).toFixed(2), ((r.borrowed_milli || 0) / 1000).toFixed(2)]);
   page("Tenants", h("p", { class: "muted", text: "Quota, used, reserved and borrowed in compute units (1 = one A100's dense throughput); cost from the price book." }),
     table(["tenant", "quota (CU)", "used (CU)", "reserved", "borrowed", "GPU-hours", "cost", "of which borrowed"], rows, "tenants-table"),
     projects.length ? h("h4", { text: "Projects" }) : null, projects.length ? table(["tenant", "project", "quota", "used", "borrowed"], projects, "projects-table") : null);
