@@ -100,3 +100,14 @@ def test_a_tenant_names_its_own_jobs_with_or_without_the_tenant_and_a_replica_wi
     assert [alice.job_ref(j) for j in ("train", "acme/train", "chat/r2", "acme/chat/r2")] == \
         ["acme/train", "acme/train", "acme/chat/r2", "acme/chat/r2"]
     assert client("operator", None).job_ref("acme/chat/r2") == "acme/chat/r2"
+
+
+def test_a_gang_placed_again_says_which_checkpoint_it_resumes_from():
+    """A gang interrupted (a card fault on one part) is placed again, whole, from its last checkpoint: the block
+    says so as a single job's placement does (found on the live stack: the gang's line said only "attempt 2")."""
+    again = [dict(place(i, f"node-00{i}", 9000), payload={**place(i, f"node-00{i}")["payload"], "attempt": 2,
+                                                           "resume_from": "ckpt:acme/big:20000"}) for i in (0, 1)]
+    for lines in (explain.explain_lines("acme/big", EVENTS + again, CARDS),
+                  explain.history_lines("acme/big", EVENTS + again, CARDS)):
+        [line] = [ln for ln in lines if "(attempt 2)" in ln]
+        assert line.endswith("gang of 2 parts (attempt 2), resuming from ckpt:acme/big:20000"), line

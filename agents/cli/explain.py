@@ -135,8 +135,10 @@ def event_line(block: list[dict], cards: dict[str, dict]) -> list[str]:
     if kind == "cmd.place":
         n = p.get("gang_size", 1)
         attempt = f" (attempt {p['attempt']})" if p.get("attempt", 0) > 1 else ""
-        if n > 1:
-            lines = [f"{when(e['time_ms'])}  cmd.place  gang of {n} parts{attempt}"]
+        if n > 1:  # every part resumes from the one checkpoint of the gang, and borrows or not as one
+            lines = [f"{when(e['time_ms'])}  cmd.place  gang of {n} parts{attempt}"
+                     + (", resuming from " + p["resume_from"] if p.get("resume_from") else "")
+                     + (", borrowed" if p.get("borrowed") else "")]
             lines += [f"    part {x['payload'].get('gang_index', 0) + 1}/{n} on {_part(x, cards)}"
                       for x in sorted(block, key=lambda x: x["payload"].get("gang_index", 0))]
             if len(block) < n:
