@@ -459,6 +459,8 @@ class QueryRunner:
 
 
 def node_state(view) -> str:
+    if view.removed:
+        return "removed"  # decommissioned for good: whatever its agent still reports
     if view.inventory is None:
         return "no-inventory"
     if not view.alive:

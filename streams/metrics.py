@@ -185,7 +185,8 @@ def fleet_families(views: list[NodeView]) -> list[GaugeMetricFamily]:
                    "model and data center", ["gpu_model", "datacenter"])
     free = _gauge("gpupool_gpu_free", "GPUs free on healthy cards of schedulable nodes, by card model and data "
                   "center", ["gpu_model", "datacenter"])
-    nodes = _gauge("gpupool_nodes", "Nodes by state (ready, cordoned, draining, down, no-inventory)", ["state"])
+    nodes = _gauge("gpupool_nodes", "Nodes by state (ready, cordoned, draining, down, no-inventory, removed)",
+                   ["state"])
     cards = _gauge("gpupool_cards", "Cards by health", ["health"])
     totals: dict[tuple[str, str], list[int]] = {}
     states: dict[str, int] = {}
@@ -193,8 +194,8 @@ def fleet_families(views: list[NodeView]) -> list[GaugeMetricFamily]:
     for v in views:
         st = node_state(v)
         states[st] = states.get(st, 0) + 1
-        if v.inventory is None:
-            continue
+        if v.inventory is None or v.removed:
+            continue  # a removed node's cards left the pool (cluster_metrics.metrics alike)
         dc = v.inventory.datacenter
         for c in v.card_free():
             t = totals.setdefault((c.model, dc), [0, 0, 0])
@@ -208,7 +209,7 @@ def fleet_families(views: list[NodeView]) -> list[GaugeMetricFamily]:
         cap.add_metric([m, dc], c / 1000)
         alloc.add_metric([m, dc], a / 1000)
         free.add_metric([m, dc], f / 1000)
-    for st in ("ready", "cordoned", "draining", "down", "no-inventory"):
+    for st in ("ready", "cordoned", "draining", "down", "no-inventory", "removed"):
         nodes.add_metric([st], states.get(st, 0))
     cards.add_metric(["healthy"], healthy)
     cards.add_metric(["unhealthy"], unhealthy)

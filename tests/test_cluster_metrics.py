@@ -45,3 +45,29 @@ def test_mig_card_cut_in_seven_is_not_a_free_card():
     inv = inventory("m", model="A100-40GB", gpus=1, mig=["1g.5gb"] * 7)
     m = metrics([evolve(None, c.env(inv, "m/inventory"))])
     assert m["whole_free_cards_by_model"] == {} and m["free_milli"] == 7 * 142
+
+
+def test_a_removed_node_is_listed_as_removed_and_leaves_the_pools_capacity():
+    """`node remove` decommissions a node for good: the scheduler stops placing there, and `gpupool node list`, the
+    node gauges and the cluster figures must say so too (found on the live stack: the node was listed "ready" with
+    its cards free after its removal, its agent still reporting)."""
+    from schemas.events import NodeRemoved
+    from streams.api import node_doc, node_state
+    from streams.metrics import fleet_families
+
+    c = Clock()
+    a = inventory("a", model="A100-80GB", gpus=2, rack="r1")
+    b = inventory("b", model="A100-80GB", gpus=2, rack="r1")
+    va = evolve(evolve(None, c.env(a, "a/inventory")), c.env(NodeRemoved(node="a"), "operator"))
+    va = evolve(va, c.env(a, "a/inventory"))  # its agent still reports: no way back but a re-add
+    vb = evolve(None, c.env(b, "b/inventory"))
+    assert va.removed and node_state(va) == "removed" and node_doc(va)["state"] == "removed"
+    assert node_state(vb) == "ready"
+    m = metrics([va, vb])
+    assert m["nodes"] == 1 and m["capacity_milli"] == 2000 and m["free_milli_by_model"] == {"A100-80GB": 2000}
+    states = {s.labels["state"]: s.value for f in fleet_families([va, vb]) if f.name.endswith("nodes")
+              for s in f.samples}
+    assert states["removed"] == 1 and states["ready"] == 1, states
+    capacity = {s.labels["gpu_model"]: s.value for f in fleet_families([va, vb]) if f.name.endswith("gpu_capacity")
+                for s in f.samples}
+    assert capacity == {"A100-80GB": 2.0}, capacity

@@ -45,8 +45,8 @@ def metrics(views: Iterable[NodeView], typical: tuple[TypicalPod, ...] = ()) -> 
     whole_free_by_model: Counter = Counter()
     frag_by: dict[str, Counter] = {}  # the node's card model -> data center -> fragmented milli
     for v in views:
-        if v.inventory is None:
-            continue
+        if v.inventory is None or v.removed:
+            continue  # a removed node's capacity left the pool for good (the scheduler's, docs/scheduler.md)
         if not v.schedulable:
             unschedulable.append(v.node)
         node_free: list[int] = []
@@ -72,7 +72,7 @@ def metrics(views: Iterable[NodeView], typical: tuple[TypicalPod, ...] = ()) -> 
             frag += f
             frag_by.setdefault(v.inventory.gpus[0].model, Counter())[v.inventory.datacenter] += f
     return {
-        "nodes": len(views),
+        "nodes": sum(1 for v in views if not v.removed),
         "cards": cards, "unhealthy_cards": unhealthy, "unschedulable_nodes": unschedulable,
         "capacity_milli": capacity, "allocated_milli": allocated,
         "allocation_permille": allocated * 1000 // capacity if capacity else 0,
