@@ -170,6 +170,13 @@ def test_reserve_list_shows_a_booking_and_where_it_stands(pool):
     assert rid not in cli(pool, "reserve", "list", user="bob")
     cli(pool, "reserve", "cancel", rid.split("/", 1)[1], user="alice")
     wait_for(lambda: listed("alice", "cancelled"), 30, "the booking listed as cancelled", pool)
+    # one that starts now is held on a node: `node show` says so, though no command reached the node
+    rid = cli(pool, "reserve", "book", "--compute", "500", "--memory-gib", "10", "--hours", "1", user="alice").strip()
+    row = wait_for(lambda: listed("alice", "active"), 30, "the booking held on a node", pool)
+    shown = cli(pool, "node", "show", row["node"])
+    assert f"kept for reservation {rid} (500 milli-CU, 10 GiB)" in shown, shown
+    cli(pool, "reserve", "cancel", rid, user="alice")
+    wait_for(lambda: listed("alice", "cancelled"), 30, "the held booking cancelled", pool)
 
 
 def test_quota_set_says_whether_it_is_in_force_or_refused(pool):

@@ -163,7 +163,8 @@ def cmd_node_list(cfg, args) -> int:
 
 
 def cmd_node_show(cfg, args) -> int:
-    doc = Client(cfg).api("/api/nodes")
+    c = Client(cfg)
+    doc = c.api("/api/nodes")
     node = next((n for n in doc["nodes"] if n["node"] == args.nodes[0]), None)
     if node is None:
         raise SystemExit(f"no node {args.nodes[0]!r}")
@@ -181,7 +182,22 @@ def cmd_node_show(cfg, args) -> int:
               f"{mib(g['free_memory_mib'])}; held by {holders}")
         for i in g["mig"]:
             print(f"      MIG {i['profile']} {i['uuid']}: {', '.join(i['holders']) or 'free'}")
+    # a reservation's hold keeps capacity here without a command to the node, so the node's cards above show it
+    # free: the scheduler's word on each active hold says it (`gpupool reserve list`)
+    for r in _active_holds(c, node["node"]):
+        print(f"  kept for reservation {r['reservation_id']} ({r['compute_milli']} milli-CU, "
+              f"{mib(r['gpu_memory_mib'])}) until {when(r['end_ms'])}: not free to other work, though its cards "
+              f"show free above until a job takes it")
     return 0
+
+
+def _active_holds(c: Client, node: str) -> list[dict]:
+    """The reservations the scheduler holds capacity for on `node` now (those the caller may read)."""
+    try:
+        cols, rows = c.rows("/api/reservations")
+    except SystemExit:
+        return []  # a role that may not read reservations, or no store: nothing to add
+    return [r for r in (dict(zip(cols, row)) for row in rows) if r["status"] == "active" and r["node"] == node]
 
 
 def cmd_prices_show(cfg, args) -> int:
