@@ -80,26 +80,37 @@ def test_a_job_interrupted_while_its_node_reports_late_starts_is_listed_pending_
     assert [dict(zip(res.column_names, r)) for r in res.result_rows if r[0] == "t/j"][0]["state"] == "running"
 
 
+def _lost_node_run(job_id: str, out_seq: int | None = None):
+    """A job placed on one of two 1-card nodes and started; then its node is lost. Returns the clock, the scheduler,
+    everything logged, the first placement and the loss's outputs (`out_seq`: the scheduler's seq before the loss)."""
+    from schemas.events import NodeLiveness
+
+    c = Clock()
+    s = Scheduler(ledger=open_ledger())
+    logged = [c.env(inventory("n0", "A100-80GB", gpus=1), "n0/inventory"),
+              c.env(inventory("n1", "A100-80GB", gpus=1), "n1/inventory"), c.env(job(job_id, "t", 1000, 40), "cli/j")]
+    for e in list(logged):
+        logged += s.step(e)
+    first = next(o.payload for o in logged if o.kind == "cmd.place")
+    e = c.env(JobStarted(job_id=job_id, node=first.node, command_id=first.command_id), f"{first.node}/job/{job_id}",
+              dt=100)
+    logged += [e] + s.step(e)
+    if out_seq is not None:
+        s.out_seq = out_seq
+    e = c.env(NodeLiveness(node=first.node, alive=False, last_heartbeat_ms=c.now + 500), f"{first.node}/liveness",
+              dt=3000)
+    out = s.step(e)
+    return c, s, logged + [e] + out, first, out
+
+
 def test_a_late_completion_of_a_run_on_a_lost_node_does_not_end_the_job_running_elsewhere(store):
     """The job runs on n0; n0 is lost, the scheduler interrupts the run and places the job on n1, where it starts;
     then n0 comes back and reports the old run completed. The scheduler ignores it (the job still runs); the list
     must too (the view does: streams/core/job_view.py), and not show an end time."""
-    from schemas.events import JobCompleted, NodeLiveness
+    from schemas.events import JobCompleted
 
     client, sink = store
-    c = Clock()
-    s = Scheduler(ledger=open_ledger())
-    logged = [c.env(inventory("n0", "A100-80GB", gpus=1), "n0/inventory"),
-              c.env(inventory("n1", "A100-80GB", gpus=1), "n1/inventory"), c.env(job("t/k", "t", 1000, 40), "cli/k")]
-    for e in list(logged):
-        logged += s.step(e)
-    first = next(o.payload for o in logged if o.kind == "cmd.place")
-    e = c.env(JobStarted(job_id="t/k", node=first.node, command_id=first.command_id), f"{first.node}/job/t/k", dt=100)
-    logged += [e] + s.step(e)
-    e = c.env(NodeLiveness(node=first.node, alive=False, last_heartbeat_ms=c.now + 500), f"{first.node}/liveness",
-              dt=3000)
-    out = s.step(e)
-    logged += [e] + out
+    c, s, logged, first, out = _lost_node_run("t/k")
     (again,) = [o.payload for o in out if o.kind == "cmd.place"]
     assert again.node != first.node
     for p, src in ((JobStarted(job_id="t/k", node=again.node, command_id=again.command_id), f"{again.node}/job/t/k"),
@@ -121,24 +132,10 @@ def test_history_and_explain_list_one_step_of_the_scheduler_in_the_order_it_deci
     at one log time, on four topics. `gpupool history` and `explain` list them in the scheduler's order (its seq),
     not by topic (which put the new placement before the interruption that caused it) nor by event id as text
     ("scheduler:100" before "scheduler:99")."""
-    from schemas.events import NodeLiveness
     from streams.api import EXPLAIN_SQL, HISTORY_SQL
 
     client, sink = store
-    c = Clock()
-    s = Scheduler(ledger=open_ledger())
-    logged = [c.env(inventory("n0", "A100-80GB", gpus=1), "n0/inventory"),
-              c.env(inventory("n1", "A100-80GB", gpus=1), "n1/inventory"), c.env(job("t/h", "t", 1000, 40), "cli/h")]
-    for e in list(logged):
-        logged += s.step(e)
-    first = next(o.payload for o in logged if o.kind == "cmd.place")
-    e = c.env(JobStarted(job_id="t/h", node=first.node, command_id=first.command_id), f"{first.node}/job/t/h", dt=100)
-    logged += [e] + s.step(e)
-    s.out_seq = 97  # the step's records cross from two digits to three
-    e = c.env(NodeLiveness(node=first.node, alive=False, last_heartbeat_ms=c.now + 500), f"{first.node}/liveness",
-              dt=3000)
-    out = s.step(e)
-    logged += [e] + out
+    _, _, logged, _, out = _lost_node_run("t/h", out_seq=97)  # the loss's records cross from two digits to three
     mine = [o for o in out if o.payload.__dict__.get("job_id") == "t/h"]
     assert {o.kind for o in mine} >= {"job.interrupted", "usage.accrued", "cmd.release", "cmd.place"}
     assert len({o.event_time_ms for o in mine}) == 1 and mine[0].seq < 100 <= mine[-1].seq
