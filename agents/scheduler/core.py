@@ -1014,7 +1014,7 @@ class Scheduler:
             if o is rec or o.request.tenant != t or o.state != "pending" or o.reserved or o.hold is not None \
                     or o.nominated is None or not o.nominated[1]:
                 continue
-            if not any(self.state_of(v) in ("stopping", "migrating") for v in o.nominated[1]):
+            if not self._victims_stopping(o):
                 continue  # its victims are gone: it takes what they freed now, or plans again
             if rec.nominated is not None:  # else every nominated job is ahead of it (`_queue_key`)
                 mine = self._queue_key(rec) if mine is None else mine
@@ -1283,7 +1283,7 @@ class Scheduler:
     def _preempt_for(self, out: list[Envelope], cause: Envelope, rec: JobRecord) -> bool:
         """True when the job waits on preemptions (already under way, or started now)."""
         if rec.nominated is not None:
-            if any(self.state_of(v) in ("stopping", "migrating") for v in rec.nominated[1]):
+            if self._victims_stopping(rec):
                 return True
             self._nominate(rec, None)  # its victims are gone and it still does not fit: plan again
         waiting = self._freed_by_stops(rec)
@@ -1795,9 +1795,12 @@ class Scheduler:
         """A nominated job its quota keeps waiting once its victims are all gone (its quota lowered meanwhile, or the
         cards freed hold more than its quota lets it hold): the nodes it claimed are not kept for it -- they would
         sit idle, other work told NominatedForOther, for as long as it waits on its quota."""
-        if rec.nominated is not None and not any(self.state_of(v) in ("stopping", "migrating")
-                                                 for v in rec.nominated[1]):
+        if rec.nominated is not None and not self._victims_stopping(rec):
             self._nominate(rec, None)
+
+    def _victims_stopping(self, rec: JobRecord) -> bool:
+        """Whether any victim the nominated job `rec` waits for is still stopping (or moving)."""
+        return any(self.state_of(v) in ("stopping", "migrating") for v in rec.nominated[1])
 
     def _nominate(self, rec: JobRecord, nominated, claim: tuple[str, ...] = ()) -> None:
         self._unclosed.update(rec.claim)

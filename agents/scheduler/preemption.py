@@ -163,6 +163,8 @@ def least_disruptive(room: "Room", ordered, valid=None) -> list | None:
 
 
 NODE_FILTERS = tuple(f for name, f in FILTERS if name != "HostResources")  # what stopping work does not change
+
+
 def filters_key(c) -> object:
     """The key under which a view's facts keep whether NODE_FILTERS reject a job with constraints `c` (all they read
     of the job): a plain string for the default constraints, whose frozen model hashes field by field on every look."""
