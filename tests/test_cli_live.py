@@ -210,3 +210,27 @@ def test_a_closed_pipe_ends_quietly(pool):
         cmd = f"{sys.executable} -m agents.cli {' '.join(argv)} | head -1"
         out = subprocess.run(["bash", "-c", cmd], env=env, capture_output=True, text=True, timeout=60)
         assert "Traceback" not in out.stderr and "BrokenPipe" not in out.stderr, out.stderr
+
+
+def test_submit_reads_back_the_schedulers_answer(pool):
+    """Like sbatch, `submit` says what became of the request -- placed where, waiting why, rejected why (exit 1) --
+    on stderr, the job's name alone on stdout; the same request again is said to change nothing, a different one
+    under a used id is said to be refused."""
+    out = cli(pool, "submit", "--compute", "300", "--memory-gib", "4", "--duration", "600", "--job-id", "answered",
+              user="alice", check=False)
+    assert out.returncode == 0 and out.stdout.strip() == "acme/answered", out
+    assert "gpupool submit: acme/answered: placed on node-00" in out.stderr and "milli-GPU (" in out.stderr, out
+    out = cli(pool, "submit", "--compute", "300", "--memory-gib", "4", "--duration", "600", "--job-id", "answered",
+              user="alice", check=False)
+    assert out.returncode == 0 and "the same request is on record already" in out.stderr, out
+    assert "; started on node-00" in out.stderr or "; " not in out.stderr.split("already", 1)[1], out.stderr
+    out = cli(pool, "submit", "--compute", "600", "--memory-gib", "4", "--duration", "600", "--job-id", "answered",
+              user="alice", check=False)
+    assert out.returncode == 1 and out.stdout.strip() == "acme/answered", out
+    assert "acme/answered: rejected: duplicate_job_id" in out.stderr and "[Admission] DuplicateJobId" in out.stderr
+    out = cli(pool, "submit", "--compute", "300", "--memory-gib", "4", "--model", "B200", user="alice", check=False)
+    assert out.returncode == 1 and "rejected: unsatisfiable" in out.stderr and "ModelNotAllowed" in out.stderr, out
+    out = cli(pool, "submit", "--compute", "300", "--memory-gib", "4", user="bob", check=False)
+    assert out.returncode == 0 and ": waiting" in out.stderr and "[Quota] NoQuota" in out.stderr, out
+    out = cli(pool, "submit", "--compute", "300", "--memory-gib", "4", "--wait", "0", user="bob", check=False)
+    assert out.returncode == 0 and out.stdout.startswith("globex/job-") and out.stderr == "", out

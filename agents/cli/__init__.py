@@ -115,6 +115,9 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--isolation", choices=["shared", "mig", "exclusive"],
                    help="software share, hardware slice (MIG) only, or whole cards only (default: the tier's, shared)")
     s.add_argument("--job-id")
+    s.add_argument("--wait", type=float, default=10.0, metavar="SECONDS",
+                   help="how long to wait to read back the scheduler's answer: placed, waiting or rejected (exit 1 "
+                        "when rejected; 0: do not wait)")
     c = add("cancel", requests.cmd_cancel, help="cancel jobs (a tenant: its own; operators: TENANT/NAME)")
     c.add_argument("jobs", nargs="+")
     c.add_argument("--reason")

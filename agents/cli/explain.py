@@ -163,6 +163,17 @@ def explain_lines(job: str, events: list[dict], cards: dict[str, dict] | None = 
     return lines
 
 
+def answer_lines(block: list[dict], cards: dict[str, dict]) -> list[str]:
+    """The scheduler's first answer to a request (`gpupool submit` reads it back): placed where (a gang's parts in
+    one block), waiting why, or rejected why, each with its reasons."""
+    e = block[0]
+    if e["kind"] == "cmd.place":
+        first, *rest = event_line(block, cards)
+        return [first.split("  cmd.place  ", 1)[1].join(("placed on ", ""))] + rest
+    head = "waiting" if e["kind"] == "job.pending" else summary(e)
+    return [head] + reason_lines(_unique_reasons(block), "    ")
+
+
 def cost_line(events: list[dict], cost: str | None = None) -> str:
     billed = sum(e["payload"]["gpu_milli_ms"] for e in events if e["kind"] == "usage.accrued")
     return f"cost so far: {billed / 1e6:.3f} GPU-seconds" + (f", {cost}" if cost else "")

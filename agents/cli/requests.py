@@ -30,9 +30,78 @@ def cmd_submit(cfg, args) -> int:
     c = Client(cfg)
     tenant = c.own_tenant(args.tenant)
     job_id = args.job_id or f"job-{uuid.uuid4().hex[:10]}"
-    c.send([job_request(args, job_id, tenant)])
-    print(c.qualify(tenant, job_id))
-    return 0
+    req = job_request(args, job_id, tenant)
+    ref = c.qualify(tenant, job_id)
+    wait = getattr(args, "wait", 0.0)
+    # a chosen id may name a job on record already: its requests so far tell ours apart (a fresh id has none)
+    before = _requests(c, ref) if wait and args.job_id else []
+    c.send([req])
+    print(ref)
+    return _submit_answer(c, ref, req, before, wait) if wait else 0
+
+
+SUBMIT_POLL_S = 0.25
+
+
+def _requests(c: Client, job: str) -> list[dict] | None:
+    """The job's events on record, or None when the API cannot say."""
+    try:
+        return c.api("/api/history", {"job": job}, timeout=10.0)["events"]
+    except SystemExit:
+        return None
+
+
+def _submit_answer(c: Client, job: str, req, before: list[dict] | None, wait_s: float) -> int:
+    """What the scheduler answered this request, read back from the store for up to `wait_s` seconds, on stderr
+    (stdout keeps the job's name alone, for scripts): placed where, waiting why, or rejected why -- like sbatch,
+    a request no node could ever hold, or a different request under a used id, exits 1. The same request again
+    is a no-op the scheduler does not answer: said at once, from the request on record."""
+    from agents.cli import explain
+
+    if before is None:
+        return 0  # the API is not up: nothing to read back
+    asked = {k: v for k, v in req.model_dump(mode="json").items() if k not in ("job_id", "tenant")}
+    first = next((e for e in before if e["kind"] == "job.requested"), None)
+    if first is not None and {k: v for k, v in first["payload"].items() if k not in ("job_id", "tenant")} == asked:
+        state = _state_of(before)
+        print(f"gpupool submit: {job}: the same request is on record already (sending it again changes nothing)"
+              + (f"; {state}" if state else ""), file=sys.stderr)
+        return 0
+    mine = sum(1 for e in before if e["kind"] == "job.requested")  # ours is the next one stored
+    deadline = time.monotonic() + wait_s
+    while True:
+        events = _requests(c, job) or []
+        seen = [i for i, e in enumerate(events) if e["kind"] == "job.requested"]
+        if len(seen) > mine:
+            after = events[seen[mine] + 1:]
+            answer = next((e for e in after if e["kind"] in ("cmd.place", "job.pending", "job.rejected")), None)
+            # a rejection answers a later request under a used id; anything else there is the first job's
+            if answer is not None and (not mine or answer["kind"] == "job.rejected"):
+                block = next(b for b in explain.blocks(after) if b[0] is answer)
+                head, *rest = explain.answer_lines(block, _cards(c) if answer["kind"] == "cmd.place" else {})
+                print("\n".join([f"gpupool submit: {job}: {head}", *rest]), file=sys.stderr)
+                return 1 if answer["kind"] == "job.rejected" else 0
+        if time.monotonic() >= deadline:
+            print(f"gpupool submit: {job}: no answer from the scheduler within {wait_s:g} s (yet): "
+                  f"`gpupool explain {job}` shows it once there is", file=sys.stderr)
+            return 0
+        time.sleep(SUBMIT_POLL_S)
+
+
+def _state_of(events: list[dict]) -> str:
+    from agents.cli import explain
+
+    # a later request's refusal under the same id (duplicate_job_id) says nothing of the job
+    last = next((e for e in reversed(events) if e["kind"] in explain.SHOWN_IN_HISTORY
+                 and e["kind"] not in ("usage.accrued", "job.requested")
+                 and not (e["kind"] == "job.rejected" and e["payload"].get("code") == "duplicate_job_id")), None)
+    return explain.summary(last) if last is not None else ""
+
+
+def _cards(c: Client) -> dict[str, dict]:
+    from agents.cli.views import _cards
+
+    return _cards(c)
 
 
 def _job_id(c: Client, job: str) -> str:
