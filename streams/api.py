@@ -138,9 +138,18 @@ SELECT job_id, tenant, state, tier, project, compute_milli,
        if(state = 'pending', '', arrayStringConcat(arraySort(arrayDistinct(arrayMap(x -> x.2,
            arrayFilter(x -> x.1 = last_place_ms, places)))), ',')) AS nodes,
        fromUnixTimestamp64Milli(toInt64(submitted_ms), 'UTC') AS submitted,
-       round((if(started_ms > 0, started_ms, if(ended_ms > 0, ended_ms, now_ms)) - submitted_ms) / 1000, 1) AS wait_s,
-       if(started_ms > 0, round((if(ended_ms > 0, ended_ms, now_ms) - started_ms) / 1000, 1), 0) AS elapsed_s,
+       -- waiting: all of its time on record that it did not run (before its first start, and requeued after a
+       -- preemption or a lost node until it starts again); elapsed: the time its runs ran, each from its start to
+       -- its stop, interruption or end (now, while it runs) -- Slurm's sacct Elapsed, summed over requeues
+       round((if(ended_ms > 0, ended_ms, now_ms) - submitted_ms - run_ms) / 1000, 1) AS wait_s,
+       round(run_ms / 1000, 1) AS elapsed_s,
        submitted_by, rejections
+FROM (
+SELECT *,
+       arraySum(arrayMap(i -> ifNull(if(runs[i].3 = 'job.started',
+                                        greatest(if(i < length(runs), runs[i + 1].1, if(ended_ms > 0, ended_ms, now_ms))
+                                                 - runs[i].1, 0), 0), 0),
+                         arrayEnumerate(runs))) AS run_ms
 FROM (
   SELECT job_id, any(tenant_of) AS tenant,
          -- an end of a run the scheduler interrupted left out too: a node that comes back and reports the old run
@@ -158,13 +167,20 @@ FROM (
              AS superseded,
          groupArrayIf((event_time, offset, kind, command_id), kind IN ('job.started', 'job.stopped', 'job.interrupted'))
              AS turns,
+         -- the same turns by log time in ms, each interruption with the runs it ended; a start or stop of a run
+         -- reported after the interruption that ended it (a node back from the dead) is no turn of the job's
+         arrayFilter(x -> NOT (x.3 IN ('job.started', 'job.stopped') AND has(superseded, x.4) AND NOT arrayExists(
+                                   y -> y.3 = 'job.interrupted' AND has(y.5, x.4) AND (y.1, y.2) > (x.1, x.2), turns_ms)),
+                     arraySort(x -> (x.1, x.2), turns_ms)) AS runs,
+         groupArrayIf((event_time_ms, offset, kind, command_id,
+                       if(kind = 'job.interrupted', JSONExtract(payload, 'commands', 'Array(String)'), [])),
+                      kind IN ('job.started', 'job.stopped', 'job.interrupted')) AS turns_ms,
          argMinIf(JSONExtractString(payload, 'tier'), event_time_ms, kind = 'job.requested') AS tier,
          argMinIf(JSONExtractString(payload, 'project'), event_time_ms, kind = 'job.requested') AS project,
          argMinIf(JSONExtractUInt(payload, 'compute_milli'), event_time_ms, kind = 'job.requested') AS compute_milli,
          maxIf(event_time_ms, kind = 'cmd.place') AS last_place_ms,
          groupArrayIf((event_time_ms, node, JSONLength(payload, 'assignments')), kind = 'cmd.place') AS places,
          minIf(event_time_ms, kind IN ('job.requested', 'job.rejected')) AS submitted_ms,
-         minIf(event_time_ms, kind = 'job.started') AS started_ms,
          greatest(maxIf(event_time_ms, kind IN ('job.cancelled', 'job.rejected')),
                   arrayMax(arrayMap(x -> if(has(superseded, x.2), 0, x.1), arrayPushBack(ends, (0, '', ''))))) AS ended_ms,
          groupArrayIf((event_time_ms, command_id, kind), kind IN ('job.completed', 'job.failed')) AS ends,
@@ -174,7 +190,7 @@ FROM (
   FROM (SELECT *, event_time, JSONExtractString(payload, 'code') AS code,
                if(position(job_id, '/') > 0, splitByChar('/', job_id)[1], tenant) AS tenant_of
         FROM gpupool.events FINAL WHERE job_id != '' AND {inner})
-  GROUP BY job_id)
+  GROUP BY job_id))
 WHERE {outer}
 ORDER BY submitted, job_id
 """

@@ -173,3 +173,36 @@ def test_a_reservation_hold_is_not_listed_as_a_job(store):
     res = client.query(sql, parameters=params)
     ids = [r[0] for r in res.result_rows]
     assert "t/on-r1" in ids and not any("#hold" in j for j in ids), ids
+
+
+def test_elapsed_is_the_time_its_runs_ran_and_the_rest_is_waiting(store):
+    """A job runs 3 s on n0, n0 is lost (the run is interrupted, billed to its last heartbeat), it is placed again
+    on n1 and runs 2 s more to completion; then n0 comes back and reports the old run's start and stop, late. The
+    list says it ran 5 s (sacct's Elapsed, summed over its runs) and waited the rest of its life -- not 5 s plus
+    the requeue, nor from its first start to its end."""
+    from schemas.events import JobCompleted, JobStopped
+
+    client, sink = store
+    c, s, logged, first, out = _lost_node_run("t/e")
+    (again,) = [o.payload for o in out if o.kind == "cmd.place"]
+    submitted = logged[2].event_time_ms
+    e = c.env(JobStarted(job_id="t/e", node=again.node, command_id=again.command_id), f"{again.node}/job/t/e",
+              dt=1000)
+    logged += [e] + s.step(e)
+    restarted = c.now
+    for p, src in ((JobCompleted(job_id="t/e", node=again.node, command_id=again.command_id), f"{again.node}/job/t/e"),
+                   (JobStarted(job_id="t/e", node=first.node, command_id=first.command_id), f"{first.node}/job/t/e"),
+                   (JobStopped(job_id="t/e", node=first.node, command_id=first.command_id), f"{first.node}/job/t/e")):
+        e = c.env(p, src, dt=2000)
+        logged += [e] + s.step(e)
+    assert s.state_of("t/e") == "done"
+    _store(sink, logged, part=3)
+    sql, params = jobs_sql(None)
+    res = client.query(sql, parameters=params)
+    [row] = [dict(zip(res.column_names, r)) for r in res.result_rows if r[0] == "t/e"]
+    started = next(x.event_time_ms for x in logged if x.kind == "job.started")
+    lost = next(x.event_time_ms for x in logged if x.kind == "job.interrupted")
+    ended = restarted + 2000
+    assert row["state"] == "completed", row
+    assert row["elapsed_s"] == round(((lost - started) + (ended - restarted)) / 1000, 1) == 5.0, row
+    assert row["wait_s"] == round((ended - submitted) / 1000 - row["elapsed_s"], 1), row
