@@ -167,7 +167,7 @@ class SearchMemoMachine(SchedulerMachine):
                 def gang(memo):
                     return plan_gang(r, s.nodes, s.index, allowed_models(s.index, r), s._victims(search, weakest),
                                      lambda chosen, v: search.valid(chosen, v, weakest),
-                                     s._view_facts if memo else None, memo)
+                                     s._view_facts if memo else None, memo, s.preemption.candidate_nodes)
                 assert gang(True) == gang(False)
 
 

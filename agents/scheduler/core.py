@@ -1317,7 +1317,8 @@ class Scheduler:
             plan = plan_gang(rec.request, self.nodes, self.index,
                              [m for m in allowed_models(self.index, rec.request) if m not in never],
                              self._victims(search, weakest), lambda chosen, v: search.valid(chosen, v, weakest),
-                             self._view_facts if self.search_memo else None, self.search_memo)
+                             self._view_facts if self.search_memo else None, self.search_memo,
+                             self.preemption.candidate_nodes)
         if plan is None:
             return False
         self._stop_for(out, cause, rec, plan.victims)

@@ -32,7 +32,9 @@ class PreemptionConfig:
     max_preemptions: int = 3
     window_ms: int = 3600_000
     protect_ms: int = 1800_000
-    candidate_nodes: int = 16  # nodes with a workable plan compared before choosing (the cheapest wins)
+    # nodes with a workable plan compared before choosing (the cheapest wins); for a multi-node gang, groups of
+    # nodes (a rack, a data center) with room enough
+    candidate_nodes: int = 16
     # A job stopped to make room for another (a preemption victim) preempts and reclaims nothing for this long after
     # its stop, in log time: it takes free capacity only, so a victim's requeue triggers no preemption its
     # preemptor's request was not allowed (no chains; Armada: evicted jobs do not evict).
@@ -365,14 +367,18 @@ def fits(view: node_view.NodeView, job: JobRequested) -> bool:
 
 
 def plan_gang(job: JobRequested, views: dict[str, node_view.NodeView], index: NodeIndex, models: list[str],
-              candidates: Mapping[str, list[Victim]], valid=None, facts=None, bound: bool = True) -> Plan | None:
+              candidates: Mapping[str, list[Victim]], valid=None, facts=None, bound: bool = True,
+              limit: int | None = None) -> Plan | None:
     """Preemption for a gang that spans nodes: the tightest level (rack, data center, anywhere, within the job's
     max_spread) where free cards plus what lower-tier work holds add up; free cards are used first, and on each node
     only as many victims are stopped as its part needs (least disruptive first, then pruned). A node's room once its
-    victims are gone is counted by arithmetic (`gang_room_after`). `facts(view)`: a dict kept for that view object
-    (views are immutable), where a node's rooms are kept for the next search; None: worked out every time. `bound`:
-    a group whose plan would stop more jobs than the best one so far is passed over unplanned (`_gang_fewest`)."""
-    limit = "nvlink" if job.constraints.interconnect == "nvlink" else job.constraints.max_spread
+    victims are gone is counted by arithmetic (`gang_room_after`), a group's nodes when the group is first looked at.
+    `facts(view)`: a dict kept for that view object (views are immutable), where a node's rooms are kept for the next
+    search; None: worked out every time. `bound`: a group whose plan would stop more jobs than the best one so far is
+    passed over unplanned (`_gang_fewest`). `limit`: at one level, the groups with room enough in total compared
+    before choosing (the cheapest plan among them wins), as the single-node search compares `candidate_nodes` nodes
+    (kube-scheduler's bounded preemption candidates); None: every group."""
+    spread = "nvlink" if job.constraints.interconnect == "nvlink" else job.constraints.max_spread
     # a node's room is counted from its victims' ids: a LazyVictims gives them without building every node's victims
     ids_of = getattr(candidates, "ids", None) or (lambda name: [v.job_id for v in candidates.get(name, ())])
     ids_memo: dict[str, list[str]] = {}
@@ -388,14 +394,15 @@ def plan_gang(job: JobRequested, views: dict[str, node_view.NodeView], index: No
         free = {name for name, _ in index.whole_free(m)}
         # a node without cards of this model has no room whoever stops (removed nodes: NodeReady says so too)
         names = sorted((set(candidates) | free) & index.with_model(m))
-        rooms: dict[str, tuple[int, int]] = {}
-        for name in names:
+        seen: dict[str, tuple[int, int] | None] = {}  # node -> (room now, room once its victims are gone), or None
+
+        def room(name: str) -> tuple[int, int] | None:
             view = views[name]
             if m not in view.fit_summary.by_model:
-                continue  # no healthy plain card of this model: no room whoever stops (the same cards after it)
+                return None  # no healthy plain card of this model: no room whoever stops (the same cards after it)
             if facts is None:
                 if any(f(view, job) for f in NODE_FILTERS):
-                    continue
+                    return None
             else:
                 kept = facts(view)
                 k = fkey  # what they read: the view, and of the job its constraints alone
@@ -403,15 +410,13 @@ def plan_gang(job: JobRequested, views: dict[str, node_view.NodeView], index: No
                 if rejected is None:
                     rejected = kept[k] = any(f(view, job) for f in NODE_FILTERS)
                 if rejected:
-                    continue
+                    return None
             ids = ids_of(name)
             if not ids and name not in free:
-                continue  # nobody to stop there and no free card (`candidates` may name nodes that hold nobody)
+                return None  # nobody to stop there and no free card (`candidates` may name nodes that hold nobody)
             if facts is None:
                 most = gang_room_after(view, job, m, cpu_per, mem_per, ids)
-                if most > 0:
-                    rooms[name] = (gang_room(view, job, m, cpu_per, mem_per), most)
-                continue
+                return (gang_room(view, job, m, cpu_per, mem_per), most) if most > 0 else None
             kept = facts(view)
             mine = ("gang of", m, cpu_per, mem_per, allowed)  # the last ids asked, found without hashing them
             got = kept.get(mine)
@@ -423,25 +428,43 @@ def plan_gang(job: JobRequested, views: dict[str, node_view.NodeView], index: No
                 if most is None:
                     most = kept[k] = gang_room_after(view, job, m, cpu_per, mem_per, ids)
                 kept[mine] = (ids, most)
-            if most > 0:
-                k = ("gang room", m, cpu_per, mem_per, allowed)
-                now = kept.get(k)
-                if now is None:
-                    now = kept[k] = gang_room(view, job, m, cpu_per, mem_per)
-                rooms[name] = (now, most)
-        if sum(most for _, most in rooms.values()) < n:
-            continue
+            if most <= 0:
+                return None
+            k = ("gang room", m, cpu_per, mem_per, allowed)
+            now = kept.get(k)
+            if now is None:
+                now = kept[k] = gang_room(view, job, m, cpu_per, mem_per)
+            return now, most
+
+        def rooms_of(members) -> dict[str, tuple[int, int]]:
+            out = {}
+            for name in members:
+                got = seen[name] if name in seen else seen.setdefault(name, room(name))
+                if got is not None:
+                    out[name] = got
+            return out
+
         for level in ("rack", "datacenter", "any"):
-            if not topology.allowed(level, limit):
+            if not topology.allowed(level, spread):
+                if sum(most for _, most in rooms_of(names).values()) < n:
+                    break  # not room enough anywhere: the next model
                 return None
             best: Plan | None = None
-            for members in group_by(level, rooms, views):
-                if bound and best is not None and _gang_fewest(job, views, m, n, cpu_per, mem_per, members, rooms,
-                                                     ids_of, facts, allowed) > best.cost[0]:
-                    continue  # its plan would stop more jobs than the best one: it cannot be cheaper
-                plan = _gang_plan(job, views, m, n, cpu_per, mem_per, members, rooms, candidates, valid)
-                if plan is not None and (best is None or plan.cost < best.cost):
-                    best = plan
+            compared = 0
+            for group in group_by(level, names, views):
+                rooms = rooms_of(group)
+                if sum(most for _, most in rooms.values()) < n:
+                    continue  # not room enough in the group whoever stops: no plan here
+                members = list(rooms)
+                compared += 1
+                if not (bound and best is not None and _gang_fewest(job, views, m, n, cpu_per, mem_per, members,
+                                                                     rooms, ids_of, facts, allowed) > best.cost[0]):
+                    plan = _gang_plan(job, views, m, n, cpu_per, mem_per, members, rooms, candidates, valid)
+                    if plan is not None and (best is None or plan.cost < best.cost):
+                        best = plan
+                # else its plan would stop more jobs than the best one: it cannot be cheaper
+                if limit is not None and compared >= limit:
+                    break
             if best is not None:
                 return best
     return None
