@@ -207,3 +207,22 @@ def test_fit_cache_is_bounded_per_node(monkeypatch):
         warm = place(f.index, f.views, j, w)
         assert all(len(entry[3]) <= 2 for entry in f.index.fit_cache.values())
         assert warm == place(f.index, f.views, j, w)
+
+
+def test_intern_gives_one_object_per_key_and_starts_again_past_its_bound(monkeypatch):
+    """The per-view memos are keyed by one object per job shape (hashed by identity, not field by field): equal
+    keys give the same object, different keys different ones; past INTERNED_MAX the table starts again and the
+    explanation's memo keyed by the old objects goes with it (no answer is found again under a stale key)."""
+    from agents.scheduler import node_index
+
+    idx = node_index.NodeIndex()
+    a, b = idx.intern((1000, 40960, (), "shared")), idx.intern((1000, 40960, (), "shared"))
+    assert a is b and a.key == (1000, 40960, (), "shared")
+    assert idx.intern((500, 40960, (), "shared")) is not a
+    monkeypatch.setattr(node_index, "INTERNED_MAX", 3)
+    idx.why_cache["n0"] = ("view", {a: ("GpuFit", "InsufficientGPU")})
+    idx.intern(("third",))
+    assert idx.why_cache and idx.intern((1000, 40960, (), "shared")) is a  # three keys: still the same table
+    fresh = idx.intern(("fourth",))  # a fourth: the table starts again
+    assert idx.why_cache == {} and fresh.key == ("fourth",)
+    assert idx.intern((1000, 40960, (), "shared")) is not a

@@ -1396,7 +1396,7 @@ class Scheduler:
         found, limit = 0, self.preemption.candidate_nodes
         now = self.now_ms
         mine = search.mine
-        sk = _shape_key(r)
+        sk = self.index.intern(_shape_key(r))  # the memos' key for its shape: one object, hashed by identity
         my_tenant, quota_version, bounded, sums = r.tenant, self.ledger.quota_version, search.bounded, self.h.sums
         h, ledger = self.h, self.ledger
         my_milli, my_memory = r.compute_milli, r.gpu_memory_mib

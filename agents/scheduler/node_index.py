@@ -63,6 +63,21 @@ def _share_entry(model_name: str, milli: int, memory_mib: int) -> tuple[int, int
     return (min(milli // 100, SHARE_BUCKETS - 1), min(memory_mib * 10 // mem, SHARE_BUCKETS - 1), milli, memory_mib)
 
 
+INTERNED_MAX = 4096
+
+
+class Interned:
+    """A memo key standing for one tuple (`NodeIndex.intern`): hashed and compared by identity."""
+
+    __slots__ = ("key",)
+
+    def __init__(self, key: tuple):
+        self.key = key
+
+    def __repr__(self) -> str:
+        return f"Interned({self.key!r})"
+
+
 @dataclass
 class NodeIndex:
     buckets: dict[tuple, dict[str, None]] = field(default_factory=dict)
@@ -83,12 +98,26 @@ class NodeIndex:
     # node -> (view, {(job shape, models tried): why it does not take such a job}): the explanation's answer per
     # node (placement._unschedulable) on this exact view
     why_cache: dict[str, tuple] = field(default_factory=dict)
+    # a job shape -> the one object that stands for it in the memos above (`intern`)
+    _interned: dict[tuple, "Interned"] = field(default_factory=dict)
     _capacity_basis: dict[str, tuple] = field(default_factory=dict)  # node -> what its `cu` was computed from
     # node -> (cards per model, CPU, host memory) of its inventory: what it could ever host (scarcity weights)
     hosts: dict[str, tuple] = field(default_factory=dict)
     hosts_version: int = 0
     _with_model: tuple[int, dict[str, frozenset[str]]] = (-1, {})  # (hosts_version, model -> nodes with such cards)
     _view: dict[str, NodeView] = field(default_factory=dict)  # node -> the view `update` was last given
+
+    def intern(self, key: tuple) -> "Interned":
+        """One object per distinct key, to key the per-view memos by: a nested tuple is hashed afresh at every look
+        (tens of thousands per explanation run), an object by its identity. Past INTERNED_MAX keys the table starts
+        again, and the memos keyed by the old objects with it."""
+        got = self._interned.get(key)
+        if got is None:
+            if len(self._interned) >= INTERNED_MAX:
+                self._interned.clear()
+                self.why_cache.clear()
+            got = self._interned[key] = Interned(key)
+        return got
 
     def copy(self) -> "NodeIndex":
         """An independent copy (bucket dicts copied, order kept) that can be updated without touching this one."""

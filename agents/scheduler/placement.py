@@ -700,8 +700,8 @@ def _expected_free(views: dict[str, NodeView], job: JobRequested, order: list[st
         return None  # whole cards coming free are no MIG instance: nothing here says when one will be
     best: tuple[int, str, str] | None = None
     needed = [(m, cards_needed(job.compute_milli, job.gpu_memory_mib, m)) for m in order]  # the same for every node
-    key = ("free", shape)
     why_cache = index.why_cache if shape is not None and index is not None else None
+    key = index.intern(("free", shape)) if why_cache is not None else None
     for name in nodes:
         v = views[name]
         known = None
@@ -752,8 +752,9 @@ def _unschedulable(index: NodeIndex, views: dict[str, NodeView], job: JobRequest
     # a node's answer is a function of its view and of what the filters and fit_cards read of the job: kept per view
     # (`NodeIndex.why_cache`) for a job without constraints, by its shape and the models tried -- each waiting victim
     # is explained once, against the same first EXPLAIN_LIMIT nodes, most of them unchanged since the last one
-    shape = (job.compute_milli, job.gpu_memory_mib, job.cpu_milli, job.memory_mib, job.gang, job.isolation_asked,
-             tuple(order)) if EXPLAIN_MEMO and job.constraints == _NO_CONSTRAINTS else None
+    shape = index.intern((job.compute_milli, job.gpu_memory_mib, job.cpu_milli, job.memory_mib, job.gang,
+                          job.isolation_asked, tuple(order))) \
+        if EXPLAIN_MEMO and job.constraints == _NO_CONSTRAINTS else None
 
     def check(name: str) -> None:
         seen.add(name)
@@ -803,7 +804,7 @@ def _unschedulable(index: NodeIndex, views: dict[str, NodeView], job: JobRequest
                               message=f"{count} node(s) rejected by {plugin}: {code}"))
     freeing = _expected_free(views, job, [m for m in order if m not in never] if never else order,
                              rejected.get(("GpuFit", "InsufficientGPU"), ()), index,
-                             (shape, never) if never and shape is not None else shape)
+                             index.intern((shape, never)) if never and shape is not None else shape)
     if freeing is not None:
         reasons.append(freeing)
     return Unschedulable(tuple(reasons) or (Reason(code="NoNodes", message="the pool has no nodes"),))
