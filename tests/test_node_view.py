@@ -159,3 +159,22 @@ def test_a_placement_or_release_carries_the_free_cards_it_did_not_touch(steps):
         fresh = _fresh_copy(v)
         assert v.card_free() == fresh.card_free()
         assert v.free_cpu_memory() == fresh.free_cpu_memory()
+
+
+def test_a_new_view_gets_the_fields_and_none_of_the_old_ones_derived_facts():
+    """The fold's copy (`_with`) is `dataclasses.replace`: the same fields, the change applied, unknown fields
+    refused -- and the old view's cached derived facts (free cards, fit summary) are not carried over by it."""
+    import pytest as _pytest
+    from dataclasses import replace as _replace
+
+    from streams.core import node_view as nv
+
+    v = Clock().env(inventory("n0", "A100-80GB", gpus=2), "n0/inventory")
+    v = nv.evolve(None, v)
+    assert v.fit_summary.by_model["A100-80GB"][2] == 2 and "fit_summary" in v.__dict__
+    w = nv._with(v, allocations={"j": nv.Held((Assignment(gpu_uuid=v.cards()[0].uuid, milli=1000,
+                                                          memory_mib=81920),))})
+    assert w == _replace(v, allocations=w.allocations)
+    assert "fit_summary" not in w.__dict__ and w.fit_summary.by_model["A100-80GB"][2] == 1
+    with _pytest.raises(TypeError):
+        nv._with(v, bogus=1)
