@@ -1542,17 +1542,17 @@ class Scheduler:
                     ok = facts[got_key] = room.fits_without(cand_ids)
                 if not ok:
                     continue
-            lost_of = [now - since if since < now else 0 for since in got[5]]  # the work each loses
             if keep and not reclaim:
                 # It yields a plan (the job fits with them all gone, and no victim's account is asked: the choice
                 # adds victims until it fits), worked out below only if it could be cheaper than the best one
                 # (`_plan_bound`): the cheapest plan of the nodes counted is the same whatever order they are tried in
-                deferred.append((_plan_bound(facts, sk, room, got, lost_of), len(deferred),
-                                 (name, room, rows, lost_of, accounts, facts)))
+                deferred.append((_plan_bound(facts, sk, room, got, now), len(deferred),
+                                 (name, room, rows, got[5], accounts, facts)))
                 found += 1
                 if found >= limit:
                     break
                 continue
+            lost_of = [now - since if since < now else 0 for since in got[5]]  # the work each loses
             chosen = choose(name, room, rows, lost_of, accounts, key, reclaim, keep, facts)
             if chosen is not None:
                 plan = Plan(name, tuple(chosen))
@@ -1563,9 +1563,10 @@ class Scheduler:
                 if found >= limit:
                     break
         deferred.sort(key=lambda d: (d[0], d[1]))
-        for bound, _, (name, room, rows, lost_of, accounts, facts) in deferred:
+        for bound, _, (name, room, rows, sinces, accounts, facts) in deferred:
             if best_cost is not None and bound > best_cost[:2]:
                 break  # no plan of this node or of any after it can be cheaper
+            lost_of = [now - since if since < now else 0 for since in sinces]  # the work each loses
             chosen = choose(name, room, rows, lost_of, accounts, None, False, True, facts)
             plan = Plan(name, tuple(chosen))
             cost = plan.cost
@@ -1902,7 +1903,7 @@ def _below_by_group(key: Claim) -> tuple[bool, ...]:
 _NO_LOSS = 1 << 62  # `since` of a candidate that does not run: it loses no work
 
 
-def _plan_bound(facts: dict, sk, room, got: tuple, lost_of: list[int]) -> tuple[int, int]:
+def _plan_bound(facts: dict, sk, room, got: tuple, now: int) -> tuple[int, int]:
     """A lower bound of a node's plan's (victims, work lost) -- `Plan.cost`'s first two fields -- from what its
     candidates lose, before any standing is read: one victim losing at least the least any candidate that alone makes
     room loses; else two or more, losing at least the two least. `got`: the node's kept rows (`_plan_nodes`), whose
@@ -1921,9 +1922,11 @@ def _plan_bound(facts: dict, sk, room, got: tuple, lost_of: list[int]) -> tuple[
                 first = i
                 break
         kept = facts[k] = (got, first)
+    sinces = got[5]  # the work each loses is read for the one or two the bound names alone
     if kept[1] is not None:
-        return 1, lost_of[kept[1]]
-    return 2, sum(lost_of[i] for i in got[6][:2])
+        since = sinces[kept[1]]
+        return 1, now - since if since < now else 0
+    return 2, sum(now - sinces[i] if sinces[i] < now else 0 for i in got[6][:2])
 
 
 def _first(pair: tuple):
