@@ -390,6 +390,9 @@ class ReservationDecided(Frozen):
     status: Literal["accepted", "rejected", "displaced", "active", "used", "expired", "cancelled"]
     node: str = ""
     reasons: tuple[Reason, ...] = ()
+    # active: the cards the hold keeps (on `node`, and a gang hold's other nodes): in the scheduler's own view only --
+    # nothing is sent to a node -- so the readers of the node views (node list, cluster) learn of it here
+    assignments: tuple[Assignment, ...] = ()
 
 
 # ---------------------------------------------------------------- inference services

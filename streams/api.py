@@ -255,6 +255,45 @@ WHERE {outer}
 ORDER BY start_ms, reservation_id
 """
 
+# The reservations holding capacity now (their latest decision is "active") and the cards each keeps: the scheduler
+# holds them in its own view alone (nothing is sent to a node), so the node views cannot show them; /api/nodes adds them.
+HOLDS_SQL = """
+SELECT reservation_id, end_ms, held FROM (
+  SELECT JSONExtractString(payload, 'reservation_id') AS reservation_id,
+         argMinIf(JSONExtractUInt(payload, 'end_ms'), event_time_ms, kind = 'reservation.requested') AS end_ms,
+         argMaxIf(JSONExtractString(payload, 'status'), (event_time_ms, seq), kind = 'reservation.decided') AS status,
+         argMaxIf(JSONExtractRaw(payload, 'assignments'), (event_time_ms, seq), kind = 'reservation.decided') AS held
+  FROM gpupool.events FINAL
+  WHERE kind IN ('reservation.requested', 'reservation.decided')
+  GROUP BY reservation_id)
+WHERE status = 'active'
+ORDER BY reservation_id
+"""
+
+
+def with_holds(doc: dict, holds: list[tuple]) -> dict:
+    """The nodes document with the reservation holds (HOLDS_SQL's rows) on the nodes whose cards they keep: each
+    card's `reserved_milli` / `reserved_memory_mib`, each node's `holds` (reservation, until when, how much)."""
+    by_card: dict[str, list[tuple[str, int, dict]]] = {}
+    for rid, end_ms, held in holds:
+        for a in orjson.loads(held or "[]"):
+            by_card.setdefault(a["gpu_uuid"], []).append((rid, end_ms, a))
+    for n in doc["nodes"]:
+        mine: dict[str, dict] = {}
+        for g in n["cards"]:
+            g["reserved_milli"] = g["reserved_memory_mib"] = 0
+            for rid, end_ms, a in by_card.get(g["uuid"], ()):
+                g["reserved_milli"] += a["milli"]
+                g["reserved_memory_mib"] += a["memory_mib"]
+                h = mine.setdefault(rid, {"reservation_id": rid, "end_ms": end_ms, "milli": 0, "memory_mib": 0,
+                                          "cards": []})
+                h["milli"] += a["milli"]
+                h["memory_mib"] += a["memory_mib"]
+                h["cards"].append(g["uuid"])
+        n["holds"] = list(mine.values())
+    return doc
+
+
 QUOTA_SQL = """
 SELECT tenant, project, quota_milli, overcommit_pct, quota_memory_mib, used_milli, reserved_milli, borrowed_milli,
        used_memory_mib, quota_set_by, rejected_ms, rejected_milli, rejected_code
@@ -647,6 +686,13 @@ async def answer(path: str, principal: Principal, params: dict, body: bytes, run
     doc = (extra or {})[path]()
     if inspect.isawaitable(doc):  # pages that ask the other workers for their partitions
         doc = await doc
-    if path == "/api/nodes" and principal.role == "tenant":
-        return redact(doc, principal.tenant)
+    if path == "/api/nodes":
+        try:
+            _, holds = await runner.ours(HOLDS_SQL)
+        except Exception:  # noqa: BLE001 - no store to ask (a worker without ClickHouse): the views alone
+            holds = None
+        if holds is not None:
+            doc = with_holds(doc, holds)
+        if principal.role == "tenant":
+            return redact(doc, principal.tenant)
     return doc

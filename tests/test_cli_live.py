@@ -174,7 +174,17 @@ def test_reserve_list_shows_a_booking_and_where_it_stands(pool):
     rid = cli(pool, "reserve", "book", "--compute", "500", "--memory-gib", "10", "--hours", "1", user="alice").strip()
     row = wait_for(lambda: listed("alice", "active"), 30, "the booking held on a node", pool)
     shown = cli(pool, "node", "show", row["node"])
-    assert f"kept for reservation {rid} (500 milli-CU, 10 GiB)" in shown, shown
+    kept = next(ln for ln in shown.splitlines() if ln.strip().startswith(f"kept for reservation {rid} ("))
+    assert "milli-GPU, 10 GiB on card(s) " in kept and kept.endswith("not free to other work"), shown
+    # the node list and the cluster count the hold out of what is free (the node's own view shows it free)
+    doc = json.loads(cli(pool, "node", "show", row["node"], "--format", "json"))
+    (hold,) = doc["holds"]
+    card = next(g for g in doc["cards"] if g["uuid"] in hold["cards"])
+    assert hold["reservation_id"] == rid and hold["memory_mib"] == 10 * 1024 and card["reserved_milli"] == hold["milli"]
+    in_list = next(ln.split() for ln in cli(pool, "node", "list").splitlines() if ln.startswith(row["node"]))
+    assert in_list[5] == f"{hold['milli'] / 1000:.2f}", in_list
+    assert f"kept for reservations: {hold['milli'] / 1000:.2f} GPUs" in cli(pool, "cluster")
+    assert "a reservation of another tenant" in cli(pool, "node", "show", row["node"], user="bob")
     cli(pool, "reserve", "cancel", rid, user="alice")
     wait_for(lambda: listed("alice", "cancelled"), 30, "the held booking cancelled", pool)
 

@@ -46,7 +46,8 @@ def cmd_sql(cfg, args) -> int:
 
 
 def cmd_cluster(cfg, args) -> int:
-    doc = Client(cfg).api("/cluster/")
+    c = Client(cfg)
+    doc = c.api("/cluster/")
     if args.format == "json":
         print(json.dumps(doc))
         return 0
@@ -55,10 +56,33 @@ def cmd_cluster(cfg, args) -> int:
     print(f"allocated {doc['allocated_milli'] / 1000:.2f} of {doc['capacity_milli'] / 1000:.0f} GPUs "
           f"({doc['allocation_permille'] / 10:.1f}%); fragmentation {doc['fragmentation_milli'] / 1000:.2f} GPUs "
           f"({doc['fragmentation_permille'] / 10:.1f}% of free)")
+    kept = _kept_by(c)
+    if kept["total"]:
+        print(f"kept for reservations: {kept['total'] / 1000:.2f} GPUs (not free to other work; counted out below)")
     for dim in ("model", "rack", "datacenter"):
-        free = ", ".join(f"{k} {v / 1000:.2f}" for k, v in doc[f"free_milli_by_{dim}"].items())
+        free = ", ".join(f"{k} {(v - kept[dim].get(k, 0)) / 1000:.2f}" for k, v in doc[f"free_milli_by_{dim}"].items())
         print(f"free GPUs by {dim}: {free}")
     return 0
+
+
+def _kept_by(c: Client) -> dict:
+    """What reservation holds keep (milli-GPU) on ready nodes, by card model, rack and data center: the cluster's
+    free figures come from the node views, which a hold never reaches (/api/nodes adds the holds)."""
+    out: dict = {"model": {}, "rack": {}, "datacenter": {}, "total": 0}
+    try:
+        nodes = c.api("/api/nodes")["nodes"]
+    except SystemExit:
+        return out
+    for n in nodes:
+        if n["state"] != "ready":
+            continue
+        for g in n["cards"]:
+            kept = g.get("reserved_milli", 0) if g["healthy"] else 0
+            if kept:
+                for dim, k in (("model", g["model"]), ("rack", n["rack"]), ("datacenter", n["datacenter"])):
+                    out[dim][k] = out[dim].get(k, 0) + kept
+                out["total"] += kept
+    return out
 
 
 def _cards(c: Client) -> dict[str, dict]:
@@ -152,13 +176,16 @@ def cmd_node_list(cfg, args) -> int:
         models: dict[str, int] = {}
         for g in n["cards"]:
             models[g["model"]] = models.get(g["model"], 0) + 1
-        free = sum(g["free_milli"] for g in n["cards"] if g["healthy"])
+        # a reservation's hold keeps cards the node's own view shows free: they are not free to other work
+        held = sum(g.get("reserved_milli", 0) for g in n["cards"] if g["healthy"])
+        free = sum(g["free_milli"] for g in n["cards"] if g["healthy"]) - held
         bad = sum(1 for g in n["cards"] if not g["healthy"])
         # free to take work: a node that is down, cordoned or draining has none (as `gpupool cluster` counts)
         rows.append([n["node"], n["state"], ", ".join(f"{k} x{v}" for k, v in sorted(models.items())),
-                     f"{free / 1000:.2f}" if n["state"] == "ready" else f"- ({free / 1000:.2f} idle)", bad,
-                     len(n["jobs"]), n["rack"], n["datacenter"]])
-    emit(["node", "state", "cards", "free_gpus", "unhealthy", "jobs", "rack", "datacenter"], rows, "table")
+                     f"{free / 1000:.2f}" if n["state"] == "ready" else f"- ({free / 1000:.2f} idle)",
+                     f"{held / 1000:.2f}" if held else "-", bad, len(n["jobs"]), n["rack"], n["datacenter"]])
+    emit(["node", "state", "cards", "free_gpus", "reserved_gpus", "unhealthy", "jobs", "rack", "datacenter"], rows,
+         "table")
     return 0
 
 
@@ -175,29 +202,22 @@ def cmd_node_show(cfg, args) -> int:
           f"last heartbeat {when(node['last_heartbeat_ms'])}")
     print(f"  CPU {node['free_cpu_milli'] / 1000:g} of {node['cpu_milli'] / 1000:g} free; host memory "
           f"{mib(node['free_memory_mib'])} of {mib(node['memory_mib'])} free")
+    idx = {g["uuid"]: g["index"] for g in node["cards"]}
     for g in node["cards"]:
         health = "ok" if g["healthy"] else f"OUT OF SERVICE: {g['fault']}"
         holders = ", ".join(g["holders"]) or "-"
-        print(f"  card {g['index']} {g['model']} {mib(g['memory_mib'])}: {health}; free {g['free_milli']} milli, "
-              f"{mib(g['free_memory_mib'])}; held by {holders}")
+        # a reservation's hold keeps capacity without a command to the node: free here is net of it
+        kept = g.get("reserved_milli", 0)
+        print(f"  card {g['index']} {g['model']} {mib(g['memory_mib'])}: {health}; free {g['free_milli'] - kept} milli, "
+              f"{mib(g['free_memory_mib'] - g.get('reserved_memory_mib', 0))}; held by {holders}"
+              + (f"; {kept} milli kept for a reservation" if kept else ""))
         for i in g["mig"]:
             print(f"      MIG {i['profile']} {i['uuid']}: {', '.join(i['holders']) or 'free'}")
-    # a reservation's hold keeps capacity here without a command to the node, so the node's cards above show it
-    # free: the scheduler's word on each active hold says it (`gpupool reserve list`)
-    for r in _active_holds(c, node["node"]):
-        print(f"  kept for reservation {r['reservation_id']} ({r['compute_milli']} milli-CU, "
-              f"{mib(r['gpu_memory_mib'])}) until {when(r['end_ms'])}: not free to other work, though its cards "
-              f"show free above until a job takes it")
+    for h in node.get("holds", ()):
+        rid = h["reservation_id"]  # another tenant's is not named (redacted for a tenant)
+        print(f"  kept for {f'reservation {rid}' if '/' in rid else 'a reservation of another tenant'} ({h['milli']} milli-GPU, {mib(h['memory_mib'])} on card(s) "
+              f"{', '.join(str(idx[u]) for u in h['cards'])}) until {when(h['end_ms'])}: not free to other work")
     return 0
-
-
-def _active_holds(c: Client, node: str) -> list[dict]:
-    """The reservations the scheduler holds capacity for on `node` now (those the caller may read)."""
-    try:
-        cols, rows = c.rows("/api/reservations")
-    except SystemExit:
-        return []  # a role that may not read reservations, or no store: nothing to add
-    return [r for r in (dict(zip(cols, row)) for row in rows) if r["status"] == "active" and r["node"] == node]
 
 
 def cmd_prices_show(cfg, args) -> int:

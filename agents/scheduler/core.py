@@ -1071,7 +1071,9 @@ class Scheduler:
         if rec.hold is not None:
             rec.hold.status = "active"
             self._emit(out, ReservationDecided(reservation_id=rec.hold.request.reservation_id, status="active",
-                                               node=result.node, reasons=result.reasons), cause)
+                                               node=result.node, reasons=result.reasons,
+                                               assignments=tuple(a for p in result.parts for a in p.assignments)),
+                       cause)
 
     # ---------------------------------------------------------------- reservations
 
