@@ -382,7 +382,7 @@ def place(index: NodeIndex, views: dict[str, NodeView], job: JobRequested, workl
     seen: set[str] = set()
     version = workload.version()
     iso = job.isolation_asked
-    shape = (job.compute_milli, job.gpu_memory_mib, job.cpu_milli, job.memory_mib, job.gang, iso) \
+    shape = index.intern((job.compute_milli, job.gpu_memory_mib, job.cpu_milli, job.memory_mib, job.gang, iso)) \
         if job.constraints == _NO_CONSTRAINTS else None
 
     def consider(name: str, rank: int, order: list[str], order_key: str | None) -> None:
