@@ -170,7 +170,8 @@ FROM (
          -- the same turns by log time in ms, each interruption with the runs it ended; a start or stop of a run
          -- reported after the interruption that ended it (a node back from the dead) is no turn of the job's
          arrayFilter(x -> NOT (x.3 IN ('job.started', 'job.stopped') AND has(superseded, x.4) AND NOT arrayExists(
-                                   y -> y.3 = 'job.interrupted' AND has(y.5, x.4) AND (y.1, y.2) > (x.1, x.2), turns_ms)),
+                                   y -> y.3 = 'job.interrupted' AND has(y.5, x.4) AND (y.1, y.2) > (x.1, x.2),
+                                   turns_ms)),
                      arraySort(x -> (x.1, x.2), turns_ms)) AS runs,
          groupArrayIf((event_time_ms, offset, kind, command_id,
                        if(kind = 'job.interrupted', JSONExtract(payload, 'commands', 'Array(String)'), [])),
@@ -256,7 +257,8 @@ ORDER BY start_ms, reservation_id
 """
 
 # The reservations holding capacity now (their latest decision is "active") and the cards each keeps: the scheduler
-# holds them in its own view alone (nothing is sent to a node), so the node views cannot show them; /api/nodes adds them.
+# holds them in its own view alone (nothing is sent to a node), so the node views cannot show them: /api/nodes adds
+# them.
 HOLDS_SQL = """
 SELECT reservation_id, end_ms, held FROM (
   SELECT JSONExtractString(payload, 'reservation_id') AS reservation_id,

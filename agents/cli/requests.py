@@ -57,6 +57,7 @@ def _submit_answer(c: Client, job: str, req, before: list[dict] | None, wait_s: 
     a request no node could ever hold, or a different request under a used id, exits 1. The same request again
     is a no-op the scheduler does not answer: said at once, from the request on record."""
     from agents.cli import explain
+    from agents.cli.views import _cards
 
     if before is None:
         return 0  # the API is not up: nothing to read back
@@ -98,10 +99,6 @@ def _state_of(events: list[dict]) -> str:
     return explain.summary(last) if last is not None else ""
 
 
-def _cards(c: Client) -> dict[str, dict]:
-    from agents.cli.views import _cards
-
-    return _cards(c)
 
 
 def _job_id(c: Client, job: str) -> str:
@@ -131,10 +128,8 @@ def cmd_cancel(cfg, args) -> int:
 
 def _submitted(c: Client, job: str) -> bool:
     """Whether the job's request is on record (True when the API cannot say: nothing to warn of then)."""
-    try:
-        return any(e["kind"] == "job.requested" for e in c.api("/api/history", {"job": job}, timeout=10.0)["events"])
-    except SystemExit:
-        return True
+    events = _requests(c, job)
+    return events is None or any(e["kind"] == "job.requested" for e in events)
 
 
 def cmd_quota_set(cfg, args) -> int:

@@ -208,14 +208,15 @@ def cmd_node_show(cfg, args) -> int:
         holders = ", ".join(g["holders"]) or "-"
         # a reservation's hold keeps capacity without a command to the node: free here is net of it
         kept = g.get("reserved_milli", 0)
-        print(f"  card {g['index']} {g['model']} {mib(g['memory_mib'])}: {health}; free {g['free_milli'] - kept} milli, "
-              f"{mib(g['free_memory_mib'] - g.get('reserved_memory_mib', 0))}; held by {holders}"
+        print(f"  card {g['index']} {g['model']} {mib(g['memory_mib'])}: {health}; free {g['free_milli'] - kept} "
+              f"milli, {mib(g['free_memory_mib'] - g.get('reserved_memory_mib', 0))}; held by {holders}"
               + (f"; {kept} milli kept for a reservation" if kept else ""))
         for i in g["mig"]:
             print(f"      MIG {i['profile']} {i['uuid']}: {', '.join(i['holders']) or 'free'}")
     for h in node.get("holds", ()):
         rid = h["reservation_id"]  # another tenant's is not named (redacted for a tenant)
-        print(f"  kept for {f'reservation {rid}' if '/' in rid else 'a reservation of another tenant'} ({h['milli']} milli-GPU, {mib(h['memory_mib'])} on card(s) "
+        whose = f"reservation {rid}" if "/" in rid else "a reservation of another tenant"
+        print(f"  kept for {whose} ({h['milli']} milli-GPU, {mib(h['memory_mib'])} on card(s) "
               f"{', '.join(str(idx[u]) for u in h['cards'])}) until {when(h['end_ms'])}: not free to other work")
     return 0
 
