@@ -172,6 +172,7 @@ class Search:
         self.slack = self._slack  # read as is by core.Scheduler._plan_nodes
         self._back: dict[str, Claim] = {}  # job -> its claim coming back after the preemptor alone (victim_claim)
         self._tables: dict[Claim, frozenset[tuple[str, int]]] = {}
+        self._accounts: dict[str, list] | None = None  # tenant -> [(project, its sums)], for _group_over
 
     def key(self, model_name: str | None = None) -> Claim:
         """The preemptor's claim as if admitted with what it would hold on this model's cards (None: what it asked)."""
@@ -299,11 +300,14 @@ class Search:
             r = self.r
             extra = (r.compute_milli, r.gpu_memory_mib) if tenant == r.tenant and self.g >= g else (0, 0)
             got = False
-            for (t, project), s in self.h.sums.items():
-                if t != tenant:
-                    continue
+            if self._accounts is None:  # each tenant's accounts, found in one pass over the sums for the search
+                self._accounts = {}
+                for (t, project), s in self.h.sums.items():
+                    self._accounts.setdefault(t, []).append((project, s))
+            for project, s in self._accounts.get(tenant, ()):
                 q = self.ledger.tenant_quota(tenant) if project is None else (
-                    self.ledger.accounts[(t, project)].quota if (t, project) in self.ledger.accounts else None)
+                    self.ledger.accounts[(tenant, project)].quota if (tenant, project) in self.ledger.accounts
+                    else None)
                 if q is None:
                     continue
                 m, mem = s.at_least(g)
