@@ -694,8 +694,10 @@ def _free_at(index: NodeIndex | None, v: NodeView) -> dict[str, list[int]]:
 def _expected_free(views: dict[str, NodeView], job: JobRequested, order: list[str], nodes,
                    index: NodeIndex | None = None, shape: tuple | None = None) -> Reason | None:
     """What would free capacity: the earliest time one of these nodes is expected to have enough completely free
-    cards of an allowed model for the job, from the stated durations of the work holding them. `shape`: the job's
-    key in `NodeIndex.why_cache` (`_unschedulable`), where each node's earliest (time, model) is kept per view."""
+    cards of an allowed model for the job, from the stated durations of the work holding them. `nodes`: nodes whose
+    filters pass the job (`_unschedulable`'s InsufficientGPU ones: only their cards are short), so none is asked
+    again. `shape`: the job's key in `NodeIndex.why_cache`, where each node's earliest (time, model) is kept per
+    view."""
     if job.isolation_asked == "mig":
         return None  # whole cards coming free are no MIG instance: nothing here says when one will be
     best: tuple[int, str, str] | None = None
@@ -711,12 +713,11 @@ def _expected_free(views: dict[str, NodeView], job: JobRequested, order: list[st
         mine = known.get(key, False) if known is not None else False
         if mine is False:  # the node's earliest (time, model), or None
             mine = None
-            if not _rejects(v, job, skip_host=True):
-                free_at = _free_at(index, v)
-                for m, n in needed:
-                    times = free_at.get(m, ())
-                    if len(times) >= n and (mine is None or (times[n - 1], m) < mine):
-                        mine = (times[n - 1], m)
+            free_at = _free_at(index, v)
+            for m, n in needed:
+                times = free_at.get(m, ())
+                if len(times) >= n and (mine is None or (times[n - 1], m) < mine):
+                    mine = (times[n - 1], m)
             if known is not None:
                 known[key] = mine
         if mine is not None and (best is None or (mine[0], name, mine[1]) < best):
