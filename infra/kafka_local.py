@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import secrets
 import shutil
 import signal
@@ -64,8 +65,31 @@ def port_open(host: str, port: int, timeout: float = 0.5) -> bool:
         return False
 
 
+LISTEN_FLOOR = 20000  # listeners are picked from here up to the kernel's ephemeral range
+
+
+def ephemeral_range() -> tuple[int, int]:
+    """The kernel's range for the local ports of outgoing connections (Linux's default where it cannot be read)."""
+    try:
+        lo, hi = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(lo), int(hi)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A port a listener of ours can bind now, below the kernel's ephemeral range. One the kernel hands out for
+    bind(0) lies inside that range, where any outgoing connection (a Kafka client's, a test's HTTP call) may take it
+    before the listener binds it -- a CI run once lost a worker's web port that way ("address already in use").
+    Outside the range only another listener can."""
+    lo, _ = ephemeral_range()
+    rng = random.SystemRandom()
+    if lo - LISTEN_FLOOR > 1000:
+        for _ in range(200):
+            p = rng.randrange(LISTEN_FLOOR, lo)
+            if port_free(p):
+                return p
+    with socket.socket() as s:  # no room below the range (an unusual kernel setting): the kernel's pick
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 

@@ -21,6 +21,15 @@ def test_a_run_of_free_ports_is_free_end_to_end():
     assert all(kafka_local.port_free(p + k) for k in range(6))
 
 
+def test_a_listener_port_is_picked_below_the_ephemeral_range():
+    """Outgoing connections take their local ports from the kernel's ephemeral range; a listener's port picked
+    there may be taken before the listener binds it. Ours are picked below it, and free."""
+    lo, _ = kafka_local.ephemeral_range()
+    ports = {kafka_local.free_port() for _ in range(50)}
+    assert all(kafka_local.LISTEN_FLOOR <= p < lo and kafka_local.port_free(p) for p in ports), sorted(ports)
+    assert len(ports) > 1  # picked at random, not one port for every caller
+
+
 def test_a_port_someone_listens_on_is_not_free():
     held = _listen(0)
     try:
