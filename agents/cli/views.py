@@ -190,8 +190,7 @@ def cmd_node_list(cfg, args) -> int:
 
 
 def cmd_node_show(cfg, args) -> int:
-    c = Client(cfg)
-    doc = c.api("/api/nodes")
+    doc = Client(cfg).api("/api/nodes")
     node = next((n for n in doc["nodes"] if n["node"] == args.nodes[0]), None)
     if node is None:
         raise SystemExit(f"no node {args.nodes[0]!r}")

@@ -1554,8 +1554,7 @@ class Scheduler:
                 if found >= limit:
                     break
                 continue
-            lost_of = [now - since if since < now else 0 for since in got[5]]  # the work each loses
-            chosen = choose(name, room, rows, lost_of, accounts, key, reclaim, keep, facts)
+            chosen = choose(name, room, rows, _lost_of(got[5], now), accounts, key, reclaim, keep, facts)
             if chosen is not None:
                 plan = Plan(name, tuple(chosen))
                 cost = plan.cost
@@ -1568,8 +1567,7 @@ class Scheduler:
         for bound, _, (name, room, rows, sinces, accounts, facts) in deferred:
             if best_cost is not None and bound > best_cost[:2]:
                 break  # no plan of this node or of any after it can be cheaper
-            lost_of = [now - since if since < now else 0 for since in sinces]  # the work each loses
-            chosen = choose(name, room, rows, lost_of, accounts, None, False, True, facts)
+            chosen = choose(name, room, rows, _lost_of(sinces, now), accounts, None, False, True, facts)
             plan = Plan(name, tuple(chosen))
             cost = plan.cost
             if best_cost is None or cost < best_cost:
@@ -1926,9 +1924,18 @@ def _plan_bound(facts: dict, sk, room, got: tuple, now: int) -> tuple[int, int]:
         kept = facts[k] = (got, first)
     sinces = got[5]  # the work each loses is read for the one or two the bound names alone
     if kept[1] is not None:
-        since = sinces[kept[1]]
-        return 1, now - since if since < now else 0
-    return 2, sum(now - sinces[i] if sinces[i] < now else 0 for i in got[6][:2])
+        return 1, _lost(sinces[kept[1]], now)
+    return 2, sum(_lost(sinces[i], now) for i in got[6][:2])
+
+
+def _lost(since: int, now: int) -> int:
+    """The work a candidate loses if stopped now: since its start or checkpoint (_NO_LOSS: it does not run)."""
+    return now - since if since < now else 0
+
+
+def _lost_of(sinces, now: int) -> list[int]:
+    """`_lost` of each, written inline: a call per candidate cost 0.6 % of bench.placement's 200 row."""
+    return [now - since if since < now else 0 for since in sinces]
 
 
 def _first(pair: tuple):

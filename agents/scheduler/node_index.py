@@ -110,12 +110,14 @@ class NodeIndex:
     def intern(self, key: tuple) -> "Interned":
         """One object per distinct key, to key the per-view memos by: a nested tuple is hashed afresh at every look
         (tens of thousands per explanation run), an object by its identity. Past INTERNED_MAX keys the table starts
-        again, and the memos keyed by the old objects with it."""
+        again, and the index's memos with it; what other memos keep under an old object is never found again and
+        goes with its view."""
         got = self._interned.get(key)
         if got is None:
             if len(self._interned) >= INTERNED_MAX:
                 self._interned.clear()
                 self.why_cache.clear()
+                self.fit_cache.clear()
             got = self._interned[key] = Interned(key)
         return got
 

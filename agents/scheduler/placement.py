@@ -692,7 +692,7 @@ def _free_at(index: NodeIndex | None, v: NodeView) -> dict[str, list[int]]:
 
 
 def _expected_free(views: dict[str, NodeView], job: JobRequested, order: list[str], nodes,
-                   index: NodeIndex | None = None, shape: tuple | None = None) -> Reason | None:
+                   index: NodeIndex | None = None, shape: object | None = None) -> Reason | None:
     """What would free capacity: the earliest time one of these nodes is expected to have enough completely free
     cards of an allowed model for the job, from the stated durations of the work holding them. `nodes`: nodes whose
     filters pass the job (`_unschedulable`'s InsufficientGPU ones: only their cards are short), so none is asked

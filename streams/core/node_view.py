@@ -182,6 +182,7 @@ def _fresh(view: NodeView, env: Envelope) -> bool:
 
 
 _FIELDS = tuple(f.name for f in fields(NodeView))
+_FIELD_SET = frozenset(_FIELDS)
 
 
 def _with(view: NodeView, **changes) -> NodeView:
@@ -196,9 +197,6 @@ def _with(view: NodeView, **changes) -> NodeView:
         d[k] = old[k]
     d.update(changes)
     return new
-
-
-_FIELD_SET = frozenset(_FIELDS)
 
 
 def _mark(view: NodeView, env: Envelope, **changes) -> NodeView:
