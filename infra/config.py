@@ -22,6 +22,8 @@ class Config:
     max_skew_ms: int = 5 * 60_000  # a request whose client time is further off is flagged (docs/security.md)
     sql_timeout_s: int = 10  # ClickHouse's max_execution_time for people's own SQL
     kafka_brokers: int = 1  # the local cluster's size (`gpupool up --brokers N` records it under the home)
+    rate_window_ms: int = 10_000  # the gateway's rate window per principal (streams/core/gateway.py, RateLimit)
+    rate_per_window: int = 200  # requests a principal may send per window; the rest are refused `rate_limited`
 
     @property
     def bootstrap(self) -> str:
@@ -61,4 +63,6 @@ def load() -> Config:
         max_skew_ms=int(os.environ.get("GPUPOOL_MAX_SKEW_MS", str(5 * 60_000))),
         sql_timeout_s=int(os.environ.get("GPUPOOL_SQL_TIMEOUT_S", "10")),
         kafka_brokers=local_brokers(home),
+        rate_window_ms=int(os.environ.get("GPUPOOL_RATE_WINDOW_MS", "10000")),
+        rate_per_window=int(os.environ.get("GPUPOOL_RATE_PER_WINDOW", "200")),
     )

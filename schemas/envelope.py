@@ -4,16 +4,16 @@ from __future__ import annotations
 from typing import Annotated
 
 import orjson
-from pydantic import Field, ValidationError
+from pydantic import Field, Strict, ValidationError
 
-from schemas.events import COMMAND_KINDS, KINDS, Event, Frozen, Ident, NonNeg
+from schemas.events import COMMAND_KINDS, KINDS, Event, Frozen, Ident, Int, NonNeg
 
 SCHEMA_VERSION = 3
 MAX_RECORD_BYTES = 1 << 20
 
 
 class Envelope(Frozen):
-    schema_version: Annotated[int, Field(ge=1)] = SCHEMA_VERSION
+    schema_version: Annotated[int, Strict(), Field(ge=1)] = SCHEMA_VERSION
     event_id: Ident
     source: Ident  # the producer; (source, seq) orders a source's facts
     seq: NonNeg
@@ -24,7 +24,7 @@ class Envelope(Frozen):
     # Set by the gateway on requests it lets in: the authenticated principal, and the time the client claimed
     # (event_time_ms is then the broker's append time of the request: docs/security.md).
     actor: str | None = None
-    claimed_time_ms: int | None = None
+    claimed_time_ms: Int | None = None
     payload: Event
 
     @property

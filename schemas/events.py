@@ -8,11 +8,20 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, Strict, model_validator
 
-NonNeg = Annotated[int, Field(ge=0)]
-Pos = Annotated[int, Field(gt=0)]
-Ident = Annotated[str, Field(min_length=1, max_length=200)]
+# Integers are integers: `true`, `1.0` and `"1"` are refused where a number is expected (pydantic's lax mode took
+# `true` as 1), as a quantity in milli-GPU or MiB must be exact.
+Int = Annotated[int, Strict()]
+NonNeg = Annotated[int, Strict(), Field(ge=0)]
+Pos = Annotated[int, Strict(), Field(gt=0)]
+# An id (a job, node, card, reservation, service, principal, reason code...): 1 to 200 characters, each a letter, mark,
+# digit, punctuation or symbol (Unicode categories L, M, N, P, S). No white space, no control characters, no format
+# characters (bidi overrides such as U+202E, zero-width characters, the BOM): an id is printed in tables and logs, and
+# must read there as it was written (docs/producing-jobs.md, "Ids").
+ID_MAX = 200
+ID_PATTERN = r"^[^\p{C}\p{Z}]+$"
+Ident = Annotated[str, Field(min_length=1, max_length=ID_MAX, pattern=ID_PATTERN)]
 
 
 class Frozen(BaseModel):
@@ -66,7 +75,7 @@ class GpuCard(Frozen):
     nvlink_domain: str | None = None
     nvlink_peers: tuple[str, ...] = ()
     pci_bus: str = ""
-    numa_node: int = 0
+    numa_node: Int = 0
     mig_capable: bool = False
     mig_enabled: bool = False
     mig_profiles: tuple[str, ...] = ()
@@ -95,14 +104,14 @@ class NodeHeartbeat(Frozen):
 class GpuSample(Frozen):
     gpu_uuid: Ident
     mig_uuid: str | None = None
-    util_pct: Annotated[int, Field(ge=0, le=100)]
+    util_pct: Annotated[int, Strict(), Field(ge=0, le=100)]
     mem_used_mib: NonNeg
     mem_total_mib: NonNeg
-    temperature_c: int = 0
+    temperature_c: Int = 0
     power_mw: NonNeg = 0
     ecc_corrected: NonNeg = 0
     ecc_uncorrected: NonNeg = 0
-    xid_errors: tuple[int, ...] = ()
+    xid_errors: tuple[Int, ...] = ()
     job_ids: tuple[Ident, ...] = ()  # as a job id anywhere: the minute history (JobMinute) takes them as they are
     fault: str = ""  # a fault the node agent saw on the card (an NVML read error, retired pages...): out of service
 
@@ -247,7 +256,7 @@ class JobStopped(Frozen):
 class Assignment(Frozen):
     """One slice of one card given to a job."""
     gpu_uuid: Ident
-    milli: Annotated[int, Field(gt=0, le=1000)]  # share of the card
+    milli: Annotated[int, Strict(), Field(gt=0, le=1000)]  # share of the card
     memory_mib: Pos
     mig_profile: str | None = None
     mig_uuid: str | None = None  # the MIG instance, when the slice is one
@@ -429,11 +438,11 @@ class InferenceLoad(Frozen):
     kind: Literal["inference.load"] = "inference.load"
     service_id: Ident
     replica: str = ""
-    qps: Annotated[int, Field(ge=0)]  # requests/s, integer
+    qps: Annotated[int, Strict(), Field(ge=0)]  # requests/s, integer
     p50_ms: NonNeg = 0
     p99_ms: NonNeg = 0
     queue_depth: NonNeg = 0
-    util_pct: Annotated[int, Field(ge=0, le=100)] = 0
+    util_pct: Annotated[int, Strict(), Field(ge=0, le=100)] = 0
 
 
 class ServiceScaled(Frozen):
@@ -472,7 +481,7 @@ class QuotaSet(Frozen):
     project: str | None = None  # None: the tenant level
     gpu_milli: NonNeg  # quota in milli-CU
     gpu_memory_mib: NonNeg | None = None  # GPU-memory quota (None: memory is not limited at this level)
-    overcommit_pct: Annotated[int, Field(ge=100, le=300)] = 120
+    overcommit_pct: Annotated[int, Strict(), Field(ge=100, le=300)] = 120
 
 
 class QuotaChanged(Frozen):
@@ -557,17 +566,17 @@ class CardMinute(Frozen):
     gpu_model: str = ""
     samples: Pos
     util_mean_permille: NonNeg
-    util_max_pct: Annotated[int, Field(ge=0, le=100)]
+    util_max_pct: Annotated[int, Strict(), Field(ge=0, le=100)]
     mem_used_mean_mib: NonNeg
     mem_used_max_mib: NonNeg
     mem_total_mib: NonNeg
-    temperature_mean_c: int = 0
-    temperature_max_c: int = 0
+    temperature_mean_c: Int = 0
+    temperature_max_c: Int = 0
     power_mean_mw: NonNeg = 0
     power_max_mw: NonNeg = 0
     ecc_corrected: NonNeg = 0
     ecc_uncorrected: NonNeg = 0
-    xid_errors: tuple[int, ...] = ()
+    xid_errors: tuple[Int, ...] = ()
     jobs: tuple[JobMinute, ...] = ()
 
 
@@ -592,10 +601,10 @@ class PoolMinute(Frozen):
     allocated_milli: NonNeg
     free_milli: NonNeg
     fragmentation_milli: NonNeg
-    allocated_milli_by_model: dict[str, int] = {}
-    capacity_milli_by_model: dict[str, int] = {}
-    queue_by_tier: dict[str, int] = {}
-    oldest_wait_ms_by_tier: dict[str, int] = {}
+    allocated_milli_by_model: dict[str, Int] = {}
+    capacity_milli_by_model: dict[str, Int] = {}
+    queue_by_tier: dict[str, Int] = {}
+    oldest_wait_ms_by_tier: dict[str, Int] = {}
 
 
 # ---------------------------------------------------------------- lifecycle (issue #13)

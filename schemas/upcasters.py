@@ -19,7 +19,7 @@ def _v1_to_v2(doc: dict) -> dict:
     if isinstance(payload, dict) and "gpu_memory_gib" in payload:
         payload = dict(payload)
         gib = payload.pop("gpu_memory_gib")
-        payload["gpu_memory_mib"] = gib * 1024 if isinstance(gib, int) else gib
+        payload["gpu_memory_mib"] = gib * 1024 if type(gib) is int else gib  # (a bool stays one: refused)
         doc["payload"] = payload
     doc["schema_version"] = 2
     return doc

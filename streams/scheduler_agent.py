@@ -22,7 +22,7 @@ from aiokafka.abc import ConsumerRebalanceListener
 from aiokafka.errors import CommitFailedError, IllegalStateError, RebalanceInProgressError
 
 from streams import scheduler_snapshot as snapshot
-from agents.scheduler.core import Scheduler, live_config, replay
+from agents.scheduler.core import Scheduler, live_config, replay, step_contained
 from infra.config import Config
 from schemas.envelope import DecodeError, decode_fast, encode
 from schemas.routing import route
@@ -120,6 +120,7 @@ class SchedulerAgent:
         self.position = 0
         self.emitted = 0
         self.bad_input = 0
+        self.faults = 0  # inputs whose handling raised (core.step_contained): skipped, as every replay skips them
         self.live = False
         self.snapshots: snapshot.Writer | None = None
         self.takeover: dict = {}  # the last rebuild: from which snapshot, how many records replayed, how long
@@ -131,7 +132,7 @@ class SchedulerAgent:
                 "snapshots": {"written": self.snapshots.count, "last_offset": self.snapshots.last_offset,
                               "last_bytes": self.snapshots.last_bytes} if self.snapshots else None,
                 "nodes": len(self.state.nodes),
-                "bad_input": self.bad_input,
+                "bad_input": self.bad_input, "faults": self.faults,
                 "pending": [r.request.job_id for r in self.state.pending_order()][:50]}
 
     def _step(self, msg) -> list:
@@ -140,7 +141,12 @@ class SchedulerAgent:
         except DecodeError:
             self.bad_input += 1  # the folds already dead-lettered it; the scheduler only skips
             return []
-        return self.state.step(env, msg.timestamp)  # the broker's append time is the scheduler's clock
+        out, fault = step_contained(self.state, env, msg.timestamp)  # the broker's append time is its clock
+        if fault is not None:
+            self.bad_input += 1
+            self.faults += 1
+            log.error("scheduler input offset %d (%s) skipped: %s", msg.offset, env.event_id, fault)
+        return out
 
     def _replayed(self, msg) -> None:
         """One record of the tail after the snapshot, through the one replay (core.replay) the audit uses."""

@@ -71,7 +71,12 @@ def batch_rows(topic: str, partition: int, msgs) -> dict[str, list]:
             continue  # dead-lettered by the folds
         if not at_home(env, topic):
             continue  # a kind off its home topic: dead-lettered by the folds, never billed or shown
-        for table, rows in rows_for(env, topic, partition, msg.offset).items():
+        try:
+            made = rows_for(env, topic, partition, msg.offset)
+        except Exception:  # noqa: BLE001 - one record's rows, never the batch: else the sink retried it for ever
+            log.exception("no rows for %s:%d:%d (%s): left out", topic, partition, msg.offset, env.event_id)
+            continue
+        for table, rows in made.items():
             tables[table].extend(rows)
     return tables
 

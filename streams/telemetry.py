@@ -238,28 +238,33 @@ class TelemetryFold:
         self.records += len(msgs)
         self.batches += 1
         self.last_batch_at = time.time()
-        table = w.node_table
         folded = 0
         for node, envs in by_node.items():
-            before = w.view_of(node)
             try:
-                after = node_view.fold_telemetry(before, envs)
+                folded += await self._fold_node(partition, node, envs, log_times[node], last_log_ms[node])
             except Exception as exc:  # noqa: BLE001 - a record that breaks the fold must not stop the others
                 log.warning("telemetry fold of %s failed: %s", node, exc)
-                continue
-            if after is before:
-                continue
-            table.data[node] = after  # in memory now; the changelog below
-            folded += len(envs)
-            if node_view.durable_change(before, after):
-                await self._write(partition, node, after)
-                self.dirty[partition].discard(node)
-            else:
-                self.dirty[partition].add(node)
-            await self._derive(node, envs[-1], before, after, last_log_ms[node])
-            if self.feeds_minutes:
-                await self._feed_minutes(node, envs, log_times[node], before, after)
+                w.dead_letters["telemetry_error"] += 1
+                w.metrics.dead_letters.labels("telemetry_error").inc()
         w.folded["gpu.telemetry"] += folded  # records of the telemetry topic that changed a view
+
+    async def _fold_node(self, partition: int, node: str, envs, log_times: list[int], log_ms: int) -> int:
+        """One node's records of a batch: fold, store, derive; how many records changed its view."""
+        w = self.w
+        before = w.view_of(node)
+        after = node_view.fold_telemetry(before, envs)
+        if after is before:
+            return 0
+        w.node_table.data[node] = after  # in memory now; the changelog below
+        if node_view.durable_change(before, after):
+            await self._write(partition, node, after)
+            self.dirty[partition].discard(node)
+        else:
+            self.dirty[partition].add(node)
+        await self._derive(node, envs[-1], before, after, log_ms)
+        if self.feeds_minutes:
+            await self._feed_minutes(node, envs, log_times, before, after)
+        return len(envs)
 
     async def _write(self, partition: int, node: str, view) -> None:
         self.changelog_writes += 1

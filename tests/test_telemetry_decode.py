@@ -20,24 +20,26 @@ ints = st.integers(-5, 2**63)
 edge_ints = st.sampled_from([-(2**64), -(2**63) - 1, -(2**63), 2**63 - 1, 2**63, 2**64 - 1, 2**64,
                              -(10**19) + 1, -(10**18), 10**19 - 1]) | st.integers(-(2**70), 2**70)
 text = st.text(max_size=8)
+# an id: the characters schemas/events.py's Ident takes (letters, marks, digits, punctuation, symbols)
+ident = st.text(st.characters(categories=("L", "M", "N", "P", "S")), min_size=1, max_size=12)
 
 
 @st.composite
 def samples(draw):
-    return GpuSample(gpu_uuid=draw(st.text(min_size=1, max_size=12)), mig_uuid=draw(st.none() | text),
+    return GpuSample(gpu_uuid=draw(ident), mig_uuid=draw(st.none() | text),
                      util_pct=draw(st.integers(0, 100)), mem_used_mib=draw(st.integers(0, 2**40)),
                      mem_total_mib=draw(st.integers(0, 2**40)), temperature_c=draw(st.integers(-50, 150)),
                      power_mw=draw(st.integers(0, 2**32)), ecc_corrected=draw(st.integers(0, 9)),
                      ecc_uncorrected=draw(st.integers(0, 9)), xid_errors=tuple(draw(st.lists(st.integers(0, 99),
                                                                                               max_size=2))),
-                     job_ids=tuple(draw(st.lists(st.text(min_size=1, max_size=8), max_size=2))), fault=draw(st.sampled_from(["", "xid 79"])))
+                     job_ids=tuple(draw(st.lists(ident, max_size=2))), fault=draw(st.sampled_from(["", "xid 79"])))
 
 
 @st.composite
 def telemetry_doc(draw) -> dict:
-    env = envelope(GpuTelemetry(node=draw(st.text(min_size=1, max_size=10)),
+    env = envelope(GpuTelemetry(node=draw(ident),
                                 samples=tuple(draw(st.lists(samples(), max_size=3)))),
-                   source=draw(st.text(min_size=1, max_size=10)), seq=draw(st.integers(0, 2**62)),
+                   source=draw(ident), seq=draw(st.integers(0, 2**62)),
                    time_ms=draw(st.integers(0, 2**45)))
     return orjson.loads(encode(env))
 

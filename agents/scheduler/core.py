@@ -49,6 +49,8 @@ SOURCE = "scheduler"
 # (event time before log time - RETAIN_MS) is refused (`stale_request`): it may be a duplicate of one forgotten
 # (docs/scheduler.md, "Finished jobs").
 RETAIN_MS = 24 * 3600_000
+# The most jobs one tenant may have waiting; a request through the gateway beyond it is refused (`too_many_pending`).
+MAX_PENDING = 500
 
 
 def own_source(source: str, job_id: str) -> bool:
@@ -67,13 +69,14 @@ class Scheduler:
     full_cycle_ms: int = 10_000
     usage_tick_ms: int = 60_000
     retain_ms: int | None = RETAIN_MS
+    max_pending: int = MAX_PENDING
     search_memo = True  # the claim search keeps per-node facts (_plan_nodes); off: the reference walk (tests)
 
     def __init__(self, *, ledger: Ledger | None = None, preemption: PreemptionConfig | None = None,
                  candidates: int = DEFAULT_CANDIDATES, full_cycle_ms: int | None = None,
                  usage_tick_ms: int | None = None, elastic=None, nodes: dict | None = None,
                  jobs: dict | None = None, applied: dict | None = None, out_seq: int = 0,
-                 retain_ms: int | None = RETAIN_MS):
+                 retain_ms: int | None = RETAIN_MS, max_pending: int = MAX_PENDING):
         self.h = Holdings() if nodes is None and jobs is None else rebuilt(nodes or {}, jobs or {})
         self.ledger = ledger if ledger is not None else Ledger()
         self.preemption = preemption or PreemptionConfig()
@@ -86,6 +89,8 @@ class Scheduler:
             if retain_ms is not None and retain_ms <= 0:
                 raise ValueError("retain_ms: a positive number of ms, or None (finished jobs kept for ever)")
             self.retain_ms = retain_ms  # None: finished jobs are kept (as Ended) for ever, and nothing is stale
+        if max_pending != MAX_PENDING:
+            self.max_pending = max_pending
         self.applied: dict[str, int] = dict(applied or {})
         self.now_ms = 0
         self.cycle = 0
@@ -330,6 +335,14 @@ class Scheduler:
                                 f"{self.now_ms} ms, more than {self.retain_ms} ms later: finished jobs are "
                                 f"remembered that long, so it cannot be told from a repeat of one; send it again",
                         data={"event_time_ms": env.event_time_ms, "retain_ms": self.retain_ms}),)), env)
+                elif env.source.startswith(GATEWAY_PREFIX) and self.h.pending_of.get(p.tenant, 0) >= self.max_pending:
+                    # Slurm's MaxSubmitJobs, Kueue's queue limits: a tenant's burst waits at its own door, not in
+                    # everyone's queue (what the pending queue costs each cycle is bounded by the tenants' caps)
+                    self._emit(out, Rejected(job_id=p.job_id, code="too_many_pending", reasons=(Reason(
+                        code="TooManyPending", plugin="Admission",
+                        message=f"{p.tenant} has {self.max_pending} jobs waiting, the most a tenant may have; send "
+                                f"it again once some of them are placed, or cancel some",
+                        data={"pending": self.h.pending_of[p.tenant], "max_pending": self.max_pending}),)), env)
                 else:
                     self.arrivals += 1
                     self._unpark(p.job_id)  # a forgotten job's id again: an old entry says nothing of it
@@ -1979,6 +1992,17 @@ def live_config() -> dict:
     return {"elastic": ElasticConfig()}
 
 
+def step_contained(s: Scheduler, env: Envelope, log_ms: int | None) -> tuple[list[Envelope], str | None]:
+    """`s.step`, with an input whose handling raises contained to that input: (its outputs, None), or ([], why)
+    when it raised. The live agent and every replay (rebuild, audit) step through here, so a record that trips a
+    bug in the policy is skipped the same way everywhere -- the replay still reproduces the live decisions -- and
+    no record can stop the scheduler for everyone (a crash would read the same record again after the restart)."""
+    try:
+        return s.step(env, log_ms), None
+    except Exception as exc:  # noqa: BLE001 - one record's fault, told by the caller, never a stop
+        return [], f"{type(exc).__name__}: {exc}"
+
+
 def replay(records, log_times: list[int] | None = None, *, scheduler: Scheduler | None = None, on_outputs=None,
            **config) -> tuple[Scheduler, list[Envelope]]:
     """The one replay: run the scheduler over recorded input -- the agent's rebuild, the audit and the benches all
@@ -1995,7 +2019,7 @@ def replay(records, log_times: list[int] | None = None, *, scheduler: Scheduler 
                 rec = decode_fast(rec)
             except DecodeError:
                 continue
-        got = s.step(rec, None if log_times is None else log_times[i])
+        got, _fault = step_contained(s, rec, None if log_times is None else log_times[i])
         if on_outputs is not None:
             on_outputs(i, got)
         else:

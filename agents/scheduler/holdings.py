@@ -256,6 +256,7 @@ class Holdings:
         self.victims = VictimIndex()
         self.held_by_tier: dict[int, int] = {}  # tier rank -> jobs holding capacity (holds aside)
         self.pending: set[str] = set()  # jobs in state "pending": the cycle's queue
+        self.pending_of: dict[str, int] = {}  # tenant -> how many of its jobs are pending (the cap's count)
         self.stopping: set[str] = set()  # jobs told to checkpoint and stop (or move), not yet stopped
         self.migrated: dict[str, list[int]] = {}  # tenant -> when its jobs were told to move (the disruption budget)
         self.running: dict[str, None] = {}  # jobs whose run is billed (started, holding), in order
@@ -294,17 +295,28 @@ class Holdings:
             rec.commands, rec.sources = dict(t.commands), t.sources
         self.jobs[rec.request.job_id] = rec
         rec.state = "pending"
-        self.pending.add(rec.request.job_id)
+        self._pending(rec, True)
+
+    def _pending(self, rec: JobRecord, pending: bool) -> None:
+        """The one place a job enters or leaves the pending set, and its tenant's count with it."""
+        j, tenant = rec.request.job_id, rec.request.tenant
+        if pending and j not in self.pending:
+            self.pending.add(j)
+            self.pending_of[tenant] = self.pending_of.get(tenant, 0) + 1
+        elif not pending and j in self.pending:
+            self.pending.discard(j)
+            left = self.pending_of[tenant] - 1
+            if left:
+                self.pending_of[tenant] = left
+            else:
+                del self.pending_of[tenant]
 
     def set_state(self, rec: JobRecord, state: str) -> None:
         """The one writer of a record's state; keeps the pending and stopping sets."""
         j = rec.request.job_id
         rec.state = state
         self._moved(rec)
-        if state == "pending":
-            self.pending.add(j)
-        else:
-            self.pending.discard(j)
+        self._pending(rec, state == "pending")
         if state in ("stopping", "migrating"):
             self.stopping.add(j)
         else:
@@ -530,6 +542,7 @@ class Holdings:
     def state(self) -> tuple:
         """Everything `rebuilt` must reproduce (for the tests)."""
         return (self.victims.state(), {k: v for k, v in self.held_by_tier.items() if v}, set(self.pending),
+                dict(self.pending_of),
                 set(self.stopping), set(self.running),
                 {k: (s.milli, s.memory) for k, s in self.sums.items() if any(s.milli) or any(s.memory)},
                 self.train_milli, dict(self.train_held), self.cap_milli, self.index.capacity_milli,
@@ -548,7 +561,7 @@ def rebuilt(nodes: dict[str, node_view.NodeView], jobs: dict[str, JobRecord]) ->
     h.victims.sync(h.nodes, jobs)
     for j, rec in jobs.items():
         if rec.state == "pending":
-            h.pending.add(j)
+            h._pending(rec, True)
         if rec.state in ("stopping", "migrating"):
             h.stopping.add(j)
         if rec.placement is None:

@@ -13,12 +13,14 @@ Every refusal is an event the sender can read: `job.rejected` for job requests, 
 """
 from __future__ import annotations
 
+import hashlib
+import unicodedata
 from dataclasses import dataclass
 
-from pydantic import ValidationError
+from pydantic import TypeAdapter, ValidationError
 
 from schemas.envelope import DecodeError, Envelope, envelope
-from schemas.events import KINDS, PrincipalRegistered, PrincipalRemoved, Reason, Rejected, RequestRejected
+from schemas.events import ID_MAX, KINDS, Ident, PrincipalRegistered, PrincipalRemoved, Reason, Rejected, RequestRejected
 from schemas.routing import home, key_of
 
 TENANT_KINDS = frozenset({
@@ -33,6 +35,20 @@ ID_FIELDS = {"job.requested": "job_id", "job.cancelled": "job_id", "job.scale_re
              "reservation.requested": "reservation_id", "reservation.cancelled": "reservation_id",
              "service.declared": "service_id", "service.removed": "service_id", "inference.load": "service_id"}
 SOURCE_PREFIX = "in/"
+_IDENT = TypeAdapter(Ident)
+
+
+@dataclass(frozen=True)
+class RateLimit:
+    """How many requests one principal's inbox may hold per window of log time (Slurm's and Kubernetes' API
+    Priority and Fairness' answer to one client's burst: the excess is refused at the door, cheaply, and told).
+
+    Counted on the log itself: the n-th record of an inbox whose append time falls in window w (of `window_ms`) is
+    refused when n > `per_window`. n is the record's offset less the offset of the first record of that window
+    (the broker answers it: ListOffsets by time), so the decision is a function of the inbox alone -- a re-run of
+    the gateway after a crash, or another worker taking the inbox over, decides every record as before."""
+    window_ms: int = 10_000
+    per_window: int = 200  # a burst of 200, 20 requests/s sustained
 
 
 @dataclass(frozen=True)
@@ -105,19 +121,25 @@ def _request_doc(raw: bytes | None) -> tuple[dict, dict]:
     return kept, payload
 
 
-def admit(principal: Principal | None, owner: str, raw: bytes | None, offset: int, log_ms: int) -> Outcome:
-    """Decide one inbox record. `owner`: the inbox's principal name; `log_ms`: the broker's append time. Every
-    record gets an outcome the sender can read; one that is not even JSON is also dead-lettered."""
+def admit(principal: Principal | None, owner: str, raw: bytes | None, offset: int, log_ms: int,
+          window_first: int | None = None, limit: RateLimit = RateLimit()) -> Outcome:
+    """Decide one inbox record. `owner`: the inbox's principal name; `log_ms`: the broker's append time;
+    `window_first`: the offset of the inbox's first record in this record's rate window (RateLimit; None: not
+    counted). Every record gets an outcome the sender can read; one that is not even JSON is also dead-lettered."""
     payload: dict = {}
     try:
         try:
             meta, payload = _request_doc(raw)
         except DecodeError as exc:
-            return Outcome(rejected=_answer(principal, owner, offset, log_ms, "", {}, Refused(exc.code, exc.detail)),
-                           dead_letter=(exc.code, exc.detail))
+            answer = _refusal(principal, owner, raw, offset, log_ms, {}, Refused(exc.code, exc.detail))
+            return Outcome(rejected=answer.rejected, dead_letter=(exc.code, exc.detail))
+        if window_first is not None and offset - window_first >= limit.per_window:
+            raise Refused("rate_limited", f"{owner} sent more than {limit.per_window} requests in "
+                                          f"{limit.window_ms // 1000} s of log time; this one was not admitted: send "
+                                          f"it again from {(log_ms // limit.window_ms + 1) * limit.window_ms} ms on")
         kind = payload.get("kind", "")
-        if kind not in KINDS:
-            raise Refused("unknown_kind", f"kind {kind!r}")
+        if not isinstance(kind, str) or kind not in KINDS:
+            raise Refused("unknown_kind", f"kind {printable(repr(kind))}")
         if principal is None:
             raise Refused("unknown_principal", f"{owner!r} is not a registered principal")
         allowed = KINDS_BY_ROLE.get(principal.role, frozenset())
@@ -127,20 +149,55 @@ def admit(principal: Principal | None, owner: str, raw: bytes | None, offset: in
         try:
             event = KINDS[kind].model_validate(payload)
         except ValidationError as exc:
-            first = exc.errors()[0]
-            raise Refused("invalid", f"{'.'.join(str(p) for p in first['loc'])}: {first['msg']}") from None
+            raise Refused("invalid", _invalid(exc)) from None
+        claimed = meta.get("event_time_ms")
+        # One source per (principal, routing key): every record of a source lands in one partition of its home
+        # topic, so the per-source order the folds and the scheduler rely on survives Kafka (docs/architecture.md).
+        probe = envelope(event, source="gateway", seq=0, time_ms=log_ms)
+        key = key_of(probe, home(kind)).decode()
+        try:
+            env = envelope(event, source=source_of(owner, key), seq=offset, time_ms=log_ms, tenant=tenant,
+                           actor=owner, claimed_time_ms=claimed, causation_id=meta.get("event_id"),
+                           event_id=f"{SOURCE_PREFIX}{owner}:{offset}",
+                           correlation_id=meta.get("correlation_id") or getattr(event, ID_FIELDS.get(kind, "kind"),
+                                                                                None))
+        except ValidationError as exc:
+            raise Refused("invalid", _invalid(exc)) from None
     except Refused as why:
-        return Outcome(rejected=_answer(principal, owner, offset, log_ms, payload.get("kind", ""), payload, why))
-    claimed = meta.get("event_time_ms")
-    # One source per (principal, routing key): every record of a source lands in one partition of its home topic,
-    # so the per-source order the folds and the scheduler rely on survives Kafka (docs/architecture.md).
-    probe = envelope(event, source="gateway", seq=0, time_ms=log_ms)
-    key = key_of(probe, home(kind)).decode()
-    env = envelope(event, source=f"{SOURCE_PREFIX}{owner}/{key}", seq=offset, time_ms=log_ms, tenant=tenant,
-                   actor=owner, claimed_time_ms=claimed, causation_id=meta.get("event_id"),
-                   event_id=f"{SOURCE_PREFIX}{owner}:{offset}",
-                   correlation_id=meta.get("correlation_id") or getattr(event, ID_FIELDS.get(kind, "kind"), None))
+        return _refusal(principal, owner, raw, offset, log_ms, payload, why)
     return Outcome(accepted=env)
+
+
+def _invalid(exc: ValidationError) -> str:
+    """The first problem pydantic found, in words a sender reads (an id's pattern said as the rule it keeps)."""
+    first = exc.errors()[0]
+    where = ".".join(str(p) for p in first["loc"])
+    if first["type"] == "string_pattern_mismatch":
+        return (f"{where}: not an id (letters, digits, punctuation and symbols only: no white space, control or "
+                f"format characters)")
+    return f"{where}: {first['msg']}"
+
+
+def _refusal(principal: Principal | None, owner: str, raw: bytes | None, offset: int, log_ms: int, payload: dict,
+             why: Refused) -> Outcome:
+    """The answer to a refused request; should even that not be built, the raw record as a dead letter, so that no
+    record can stop the gateway (every refusal has an outcome: an answer, or a dead letter saying why not)."""
+    kind = payload.get("kind", "")
+    try:
+        return Outcome(rejected=_answer(principal, owner, offset, log_ms, kind if isinstance(kind, str) else "",
+                                        payload, why))
+    except (ValidationError, ValueError, TypeError) as exc:
+        return Outcome(dead_letter=("unanswerable", f"{why.code}: {printable(why.message, 500)}; the answer could "
+                                                    f"not be built: {printable(str(exc), 500)}"))
+
+
+def source_of(owner: str, key: str) -> str:
+    """The source of an inbox's records with one routing key: `in/NAME/KEY`, or, where that would be longer than an
+    id may be (a job id near the limit), the key's digest in its place -- the same key, the same source."""
+    source = f"{SOURCE_PREFIX}{owner}/{key}"
+    if len(source) <= ID_MAX:
+        return source
+    return f"{SOURCE_PREFIX}{owner}/#{hashlib.sha256(key.encode()).hexdigest()[:32]}"
 
 
 def clock_skew_ms(env: Envelope) -> int:
@@ -167,35 +224,80 @@ def _scope(principal: Principal, kind: str, payload: dict) -> tuple[dict, str | 
                 raise Refused("unqualified_id", f"an operator names {field} as TENANT/NAME, not {ident!r}")
             tenant = ident.split("/", 1)[0]
     if field and field in payload:
-        payload[field] = qualify(tenant, str(payload[field]))
+        payload[field] = _qualified(tenant, field, payload[field])
     if kind == "job.requested":
         if payload.get("service_id"):
             raise Refused("forbidden", "service_id is set by the autoscaler, not by a request")
         if payload.get("reservation_id"):
-            payload["reservation_id"] = qualify(tenant, str(payload["reservation_id"]))
+            payload["reservation_id"] = _qualified(tenant, "reservation_id", payload["reservation_id"])
     return payload, tenant
+
+
+def _qualified(tenant: str, field: str, value) -> str:
+    """An id of the request qualified with the tenant, refused in words when it is not a string or not an id the
+    contracts take once qualified (too long, characters an id may not hold)."""
+    if not isinstance(value, str):
+        raise Refused("invalid", f"{field}: a string, not {type(value).__name__}")
+    ident = qualify(tenant, value)
+    why = id_problem(field, ident)
+    if why is not None:
+        raise Refused("invalid", why)
+    return ident
+
+
+def printable(text: str, limit: int = 200) -> str:
+    """`text` as it may be shown in a table or a log line: cut to `limit` characters, and every character an id may
+    not hold (control, format such as a bidi override, white space other than a plain space) written as an escape,
+    so a refusal quoting what the sender sent can neither break a line nor turn the text around."""
+    return "".join(ch if ch == " " or unicodedata.category(ch)[0] in "LMNPS"
+                   else ch.encode("unicode_escape").decode("ascii") for ch in text[:limit])
+
+
+def id_problem(field: str, text: str) -> str | None:
+    """Why `text` is not an id the contracts take, in words a sender reads; None when it is one."""
+    if not text:
+        return f"{field}: empty"
+    if len(text) > ID_MAX:
+        return f"{field}: {len(text)} characters, at most {ID_MAX} (the tenant's prefix included)"
+    bad = next((ch for ch in text if unicodedata.category(ch)[0] not in "LMNPS"), None)
+    if bad is not None:
+        return (f"{field}: U+{ord(bad):04X} is not allowed in an id (letters, digits, punctuation and symbols only: "
+                f"no white space, control or format characters)")
+    return None
+
+
+def valid_id(text: str) -> bool:
+    """Whether `text` is an id the contracts take (schemas/events.py, Ident: the one rule)."""
+    try:
+        _IDENT.validate_python(text)
+    except ValidationError:
+        return False
+    return True
 
 
 def _answer(principal: Principal | None, owner: str, offset: int, log_ms: int, kind: str, payload: dict,
             why: Refused) -> Envelope:
     """The refusal, in the sender's own namespace: a job request's answer names the job as the sender's tenant
-    would own it, so it can never land on another tenant's job."""
+    would own it, so it can never land on another tenant's job. It is always valid: a job id that is not one the
+    contracts take (too long once qualified, characters an id may not hold) is answered as a `request.rejected`
+    quoting it, escaped and cut (`printable`)."""
     source = f"gateway/{owner}"
     role = principal.role if principal is not None else ""
     tenant = principal.tenant if role == "tenant" else None
-    reason = Reason(code=why.code, plugin="Gateway", message=why.message)
+    reason = Reason(code=why.code, plugin="Gateway", message=printable(why.message, 2000))
     field = ID_FIELDS.get(kind)
-    raw_id = str(payload.get(field, "")) if field else ""
+    raw_id = payload.get(field, "") if field else ""
+    raw_id = raw_id if isinstance(raw_id, str) else ""
     job_id = None
     if kind in JOB_KINDS and raw_id:
         if role == "tenant":
             job_id = raw_id if raw_id.startswith(f"{tenant}/") else f"{tenant}/{raw_id}"
         elif role == "operator" and "/" in raw_id:
             job_id = raw_id  # an operator acts in the tenant the id names
-    if job_id is not None:
+    if job_id is not None and valid_id(job_id):
         return envelope(Rejected(job_id=job_id, code=why.code, reasons=(reason,)), source=source, seq=offset,
                         time_ms=log_ms, tenant=tenant, actor=owner, event_id=f"{source}:{offset}")
     subject = raw_id or str(payload.get("node", "") or payload.get("tenant", ""))
-    return envelope(RequestRejected(request_id=f"{owner}@{offset}", principal=owner, request_kind=kind,
-                                    subject=subject[:200], code=why.code, message=why.message[:2000]),
+    return envelope(RequestRejected(request_id=f"{owner}@{offset}", principal=owner, request_kind=printable(kind),
+                                    subject=printable(subject), code=why.code, message=reason.message),
                     source=source, seq=offset, time_ms=log_ms, tenant=tenant, actor=owner)
