@@ -17,8 +17,10 @@ def connect(dsn: str, apply_ddl: bool = True):
     if dsn.startswith("chdb://"):
         path = dsn[len("chdb://"):]
         if path.startswith("/") or path.startswith("."):
+            import os
             from pathlib import Path
             Path(path).mkdir(parents=True, exist_ok=True)
+            os.chmod(path, 0o700)  # the embedded engine's files (every bill) are the service's user's only
     client = clickhouse_connect.get_client(dsn=dsn)
     if apply_ddl:
         for stmt in statements():

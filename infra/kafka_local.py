@@ -265,6 +265,14 @@ class LocalBroker:
     def launch(self, cluster_id: str | None = None) -> subprocess.Popen:
         """Format the storage on first use (a cluster's nodes with its one id) and start the process detached."""
         self.data.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.data, 0o700)  # every inbox and every bill is in there: the service's user's only
+        umask = os.umask(0o077)  # what is written below (storage format, log, pid file) too: 0600
+        try:
+            return self._launch(cluster_id)
+        finally:
+            os.umask(umask)
+
+    def _launch(self, cluster_id: str | None) -> subprocess.Popen:
         props = self._properties()
         if not (self.data / "logs" / "meta.properties").exists():
             # The broker principal's SCRAM credential goes into the metadata log at format time (KIP-900): the

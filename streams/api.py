@@ -59,10 +59,65 @@ OTHER_JOB = "a job of another tenant"
 _QUALIFIED = re.compile(r"(?<![\w/.-])([a-z0-9][a-z0-9-]{0,62})/([A-Za-z0-9_.:#@-][^\s,;()'\"]*)")
 
 
+MAX_BODY_BYTES = 1 << 20  # a request body past this is refused (413) before it is read
+
+
 class ApiError(Exception):
     def __init__(self, status: int, message: str):
         super().__init__(message)
         self.status, self.message = status, message
+
+
+class AuthThrottle:
+    """Failed authentications per client (its address and the name it claims, or none for a bare token): past
+    `max_failures` within `window_s`, that client is answered 429 without its token being looked at until the
+    window has passed. Guessing a token is then `max_failures` tries a window, not as fast as the API answers; a
+    principal proving itself from elsewhere, or under its own name, is not held up by someone else's guessing.
+    `clock`: seconds (the HTTP edge's wall clock; injected in tests)."""
+
+    def __init__(self, max_failures: int = 10, window_s: float = 60.0, clock=None, keep: int = 10_000):
+        import time
+
+        self.max_failures, self.window_s, self.keep = max_failures, window_s, keep
+        self.clock = clock or time.monotonic
+        self.failures: dict[tuple[str, str], list[float]] = {}
+
+    def _recent(self, client: tuple[str, str]) -> list[float]:
+        now = self.clock()
+        recent = [t for t in self.failures.get(client, ()) if now - t < self.window_s]
+        if recent:
+            self.failures[client] = recent
+        else:
+            self.failures.pop(client, None)
+        return recent
+
+    def retry_after(self, client: tuple[str, str]) -> int | None:
+        """Seconds until `client` may try again, or None when it may now."""
+        recent = self._recent(client)
+        if len(recent) < self.max_failures:
+            return None
+        return max(1, int(recent[-self.max_failures] + self.window_s - self.clock()) + 1)
+
+    def failed(self, client: tuple[str, str]) -> int:
+        """Count one failure; how many `client` has within the window now."""
+        if len(self.failures) >= self.keep and client not in self.failures:
+            for old in list(self.failures)[: self.keep // 10]:  # bounded: the oldest clients go first
+                del self.failures[old]
+        recent = self._recent(client)
+        recent.append(self.clock())
+        self.failures[client] = recent
+        return len(recent)
+
+
+def claimed_name(header: str | None) -> str:
+    """The name a Basic header claims ("" for a bearer token or none): half of the throttle's key."""
+    scheme, _, value = (header or "").partition(" ")
+    if scheme.lower() != "basic":
+        return ""
+    try:
+        return base64.b64decode(value).decode().partition(":")[0][:200]
+    except (ValueError, UnicodeDecodeError):
+        return ""
 
 
 def authenticate(header: str | None, registry: dict[str, Principal]) -> Principal:

@@ -95,6 +95,17 @@ def _tp(topic: str, partition: int):
     return TopicPartition(topic, partition)
 
 
+async def _read_body(request) -> bytes:
+    """A request's body, read only up to api.MAX_BODY_BYTES (413 past that: a chunked body says no length first)."""
+    chunks, size = [], 0
+    while chunk := await request.content.read(64 << 10):
+        size += len(chunk)
+        if size > api.MAX_BODY_BYTES:
+            raise api.ApiError(413, f"the request body is over {api.MAX_BODY_BYTES} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 class Worker:
     """Holds the app and the in-process counters the API reports."""
 
@@ -107,6 +118,7 @@ class Worker:
         self.folded: Counter[str] = Counter()
         self.gateway_counts: Counter[str] = Counter()
         self.registry: dict[str, gateway.Principal] = {}
+        self.auth_throttle = api.AuthThrottle()
         self.rate_limit = gateway.RateLimit(window_ms=cfg.rate_window_ms, per_window=cfg.rate_per_window)
         self._windows: dict = {}  # inbox partition -> (rate window, its first offset, the last offset read here)
         self.app = faust.App(
@@ -620,14 +632,11 @@ class Worker:
             if request.method != method:
                 raise api.ApiError(405, f"{path} takes {method}")
             header = request.headers.get("Authorization")
-            try:
-                principal = api.authenticate(header, self.registry)
-            except api.ApiError as exc:
-                if exc.status != 401 or not header:
-                    raise
-                await self._registry_caught_up(timeout_s=5.0)  # a principal added a moment ago
-                principal = api.authenticate(header, self.registry)
-            body = await request.read() if request.method == "POST" else b""
+            principal = await self._authenticated(request, header)
+            if (request.content_length or 0) > api.MAX_BODY_BYTES:
+                raise api.ApiError(413, f"the request body is {request.content_length} bytes; at most "
+                                        f"{api.MAX_BODY_BYTES} are read")
+            body = await _read_body(request) if request.method == "POST" else b""
             if path == "/metrics":
                 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -635,11 +644,42 @@ class Worker:
                 return web.bytes(generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
             doc = await api.answer(path, principal, dict(request.query), body, self.queries, self._memory_pages)
         except api.ApiError as exc:
-            return web.json({"error": exc.message}, status=exc.status)
+            headers = {"Retry-After": str(exc.retry_after)} if getattr(exc, "retry_after", None) else None
+            return web.json({"error": exc.message}, status=exc.status, headers=headers)
         except Exception as exc:  # noqa: BLE001 - a failed query must not hurt the worker
             log.warning("API %s failed: %s", path, exc)
             return web.json({"error": str(exc).splitlines()[0][:2000]}, status=500)
         return web.json(doc)
+
+    async def _authenticated(self, request, header: str | None):
+        """The principal the request proves (api.authenticate), with failed attempts throttled per client
+        (api.AuthThrottle): each failure is counted and logged, and a client past the count is answered 429."""
+        peer = request.transport.get_extra_info("peername") if request.transport is not None else None
+        client = (str(peer[0]) if peer else "?", api.claimed_name(header))
+        wait = self.auth_throttle.retry_after(client)
+        if wait is not None:
+            self.metrics.auth_failures.labels("throttled").inc()
+            err = api.ApiError(429, f"too many failed authentications from {client[0]}"
+                                    f"{' as ' + repr(client[1]) if client[1] else ''}; try again in {wait} s")
+            err.retry_after = wait
+            raise err
+        try:
+            try:
+                return api.authenticate(header, self.registry)
+            except api.ApiError as exc:
+                if exc.status != 401 or not header:
+                    raise
+                await self._registry_caught_up(timeout_s=5.0)  # a principal added a moment ago
+                return api.authenticate(header, self.registry)
+        except api.ApiError as exc:
+            if exc.status == 401:
+                n = self.auth_throttle.failed(client)
+                self.metrics.auth_failures.labels("invalid" if header else "missing").inc()
+                if header:
+                    log.warning("authentication failed from %s%s (%d in %d s): %s", client[0],
+                                f" as {client[1]!r}" if client[1] else "", n, self.auth_throttle.window_s,
+                                exc.message)
+            raise
 
     @property
     def _memory_pages(self) -> dict:

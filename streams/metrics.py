@@ -63,6 +63,9 @@ class WorkerMetrics:
                                ["action"], registry=r)
         self.dead_letters = Counter("gpupool_dead_letters", "Records set aside as bad, by reason", ["reason"],
                                     registry=r)
+        self.auth_failures = Counter("gpupool_auth_failures", "HTTP requests refused at authentication, by outcome: "
+                                     "missing, invalid (401), throttled (429: too many failures)", ["outcome"],
+                                     registry=r)
         self.gateway = Counter("gpupool_gateway_requests", "People's requests the gateway read, by outcome",
                                ["outcome"], registry=r)
         self.telemetry_minutes = Counter("gpupool_telemetry_minutes", "Node-minutes of telemetry history emitted",

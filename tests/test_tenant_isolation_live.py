@@ -4,7 +4,11 @@ fleet of two 4-card nodes, alice (tenant acme) and bob (tenant globex)."""
 from __future__ import annotations
 
 import asyncio
+import base64
+import json
 import os
+import urllib.error
+import urllib.request
 
 import orjson
 from aiokafka import AIOKafkaProducer
@@ -124,3 +128,55 @@ def test_one_tenants_burst_is_refused_at_its_door_and_another_tenants_job_is_pla
     assert not [e for e in facts if e.kind == "job.interrupted"]
     nodes = [decode(r.value) for r in read_topic(pool, "gpupool.node-control")]
     assert not [e for e in nodes if e.kind == "node.liveness" and not e.payload.alive]
+
+
+def _http(pool: Stack, path: str, auth: str) -> tuple[int, dict, dict]:
+    req = urllib.request.Request(f"http://127.0.0.1:{pool.web_port}{path}", headers={"Authorization": auth})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.status, json.loads(resp.read()), dict(resp.headers)
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read()), dict(exc.headers)
+
+
+def _basic(name: str, token: str) -> str:
+    return "Basic " + base64.b64encode(f"{name}:{token}".encode()).decode()
+
+
+def test_guessing_a_token_is_throttled_logged_and_counted(pool):
+    """Unlimited guessing answered 401 as fast as it could (38 tries/s), said nothing and counted nothing: past ten
+    failures a minute a client (its address and the name it claims) is answered 429 with Retry-After, each failure
+    is a log line, and the metric counts them. Another name is not held up by the guessing."""
+    codes = [_http(pool, "/api/whoami", _basic("bob", f"guess-{i}"))[0] for i in range(12)]
+    assert codes[:10] == [401] * 10 and codes[10:] == [429, 429], codes
+    status, doc, headers = _http(pool, "/api/whoami", _basic("bob", pool.client("bob").creds.token))
+    assert status == 429 and int(headers["Retry-After"]) >= 1 and "too many failed authentications" in doc["error"]
+    alice = pool.client("alice").creds.token
+    assert _http(pool, "/api/whoami", _basic("alice", alice))[:2] == (200, {"name": "alice", "role": "tenant",
+                                                                           "tenant": "acme"})
+    assert pool.log("worker").count("authentication failed from 127.0.0.1 as 'bob'") >= 10
+    metrics = urllib.request.urlopen(urllib.request.Request(
+        f"http://127.0.0.1:{pool.web_port}/metrics",
+        headers={"Authorization": f"Bearer {pool.client().creds.token}"}), timeout=30).read().decode()
+    assert 'gpupool_auth_failures_total{outcome="invalid"} 10.0' in metrics
+    assert 'gpupool_auth_failures_total{outcome="throttled"} 3.0' in metrics
+
+
+def test_a_body_past_the_limit_is_413_not_500(pool):
+    fin = pool.client("admin").creds.token
+    req = urllib.request.Request(f"http://127.0.0.1:{pool.web_port}/api/sql", method="POST",
+                                 data=json.dumps({"sql": "SELECT 1 -- " + "x" * (4 << 20)}).encode(),
+                                 headers={"Authorization": f"Bearer {fin}", "Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(req, timeout=60)
+    assert err.value.code == 413 and "at most" in json.loads(err.value.read())["error"]
+
+
+def test_the_logs_and_the_bill_on_disk_are_the_service_users_only(pool):
+    """Kafka's segments hold every inbox, the embedded ClickHouse every bill: they were 0644 under 0755."""
+    for top in (pool.home / "kafka-data", pool.home / "clickhouse"):
+        assert top.is_dir() and top.stat().st_mode & 0o077 == 0, top
+        files = [p for p in top.rglob("*") if p.is_file()]
+        assert files, top
+        loose = [str(p) for p in files if p.stat().st_mode & 0o077]
+        assert not loose, loose[:5]

@@ -329,6 +329,7 @@ def cmd_worker(cfg, args) -> int:
 
     from streams.app import Worker
 
+    os.umask(0o077)  # what the worker writes (the embedded ClickHouse's parts, Faust's data): its user's only
     conn = security.kafka_conn(cfg, security.SERVICE)
     asyncio.run(kafka_local.ensure_topics(conn))
     w = Worker(cfg, with_scheduler=not args.no_scheduler, with_sink=not args.no_sink, name=args.name,
