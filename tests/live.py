@@ -3,6 +3,7 @@ principal allowed to read it, and raw produces as a given principal (authenticat
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import subprocess
 import sys
@@ -139,3 +140,29 @@ def replication(conn) -> tuple[dict[str, set[int]], set[str | None]]:
     replicas = {t["topic"]: {len(p["replicas"]) for p in t["partitions"]} for t in meta}
     insync = {dict((c[0], c[1]) for c in res[4]).get("min.insync.replicas") for resp in cfgs for res in resp.resources}
     return replicas, insync
+
+
+@contextlib.contextmanager
+def live_pool(tmp_path_factory, broker_mode: str, libs_home, name: str, users, fleet: str = "demo:2",
+              quota_for=(), **stack_kw):
+    """A module's stack: a broker (or GPUPOOL_KAFKA's), a worker, a simulated fleet, the principals `users`
+    ((name, role, tenant) each) and a quota for each tenant of `quota_for`; yielded once the scheduler has the
+    fleet's nodes, stopped afterwards."""
+    from agents.stack import Stack
+
+    s = Stack(home=tmp_path_factory.mktemp(name) / "gpupool", libs_home=libs_home,
+              bootstrap=os.environ["GPUPOOL_KAFKA"] if broker_mode == "env" else None, **stack_kw)
+    s.start_broker()
+    try:
+        s.start_worker()
+        s.start_agent(fleet)
+        for user, role, tenant in users:
+            s.add_user(user, role, tenant)
+        if quota_for:
+            quotas(s, *quota_for)  # without one a tenant runs nothing
+        nodes = int(fleet.rpartition(":")[2]) if fleet.startswith("demo:") else None
+        wait_for(lambda: s.stats()["scheduler"]["nodes"] == nodes if nodes else s.stats()["scheduler"]["nodes"],
+                 60, "the fleet in the scheduler", s)
+        yield s
+    finally:
+        s.stop()

@@ -10,29 +10,19 @@ import sys
 
 import pytest
 
-from agents.stack import Stack
 from schemas.events import JobRequested, QuotaSet
-from tests.live import cli, job_states, quotas, wait_for
+from tests.live import cli, job_states, live_pool, wait_for
 
 pytestmark = pytest.mark.broker
 
 
 @pytest.fixture(scope="module")
 def pool(tmp_path_factory, broker_mode, libs_home):
-    s = Stack(home=tmp_path_factory.mktemp("cli") / "gpupool", libs_home=libs_home,
-              bootstrap=os.environ["GPUPOOL_KAFKA"] if broker_mode == "env" else None)
-    s.start_broker()
-    try:
-        s.start_worker()
-        s.start_agent("demo:2")  # node-000: A100-80GB x4, node-001: H100-80GB x4
-        s.add_user("alice", "tenant", "acme")
-        s.add_user("fin", "finance")
-        s.add_user("bob", "tenant", "globex")
-        quotas(s, "acme")  # without one a tenant runs nothing
-        wait_for(lambda: s.stats()["scheduler"]["nodes"] == 2, 60, "the fleet in the scheduler", s)
+    # node-000: A100-80GB x4, node-001: H100-80GB x4
+    with live_pool(tmp_path_factory, broker_mode, libs_home, "cli", [
+            ("alice", "tenant", "acme"), ("fin", "finance", None), ("bob", "tenant", "globex")],
+            quota_for=("acme",)) as s:
         yield s
-    finally:
-        s.stop()
 
 
 def test_cancel_a_running_job_and_read_its_history(pool):

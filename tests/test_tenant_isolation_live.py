@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
-import os
 import urllib.error
 import urllib.request
 
@@ -17,26 +16,16 @@ import pytest
 from agents.stack import Stack
 from schemas.envelope import decode
 from schemas.events import QuotaSet
-from tests.live import produce, quotas, read_topic, wait_for
+from tests.live import live_pool, produce, read_topic, wait_for
 
 pytestmark = pytest.mark.broker
 
 
 @pytest.fixture(scope="module")
 def pool(tmp_path_factory, broker_mode, libs_home):
-    s = Stack(home=tmp_path_factory.mktemp("isolation") / "gpupool", libs_home=libs_home,
-              bootstrap=os.environ["GPUPOOL_KAFKA"] if broker_mode == "env" else None)
-    s.start_broker()
-    try:
-        s.start_worker()
-        s.start_agent("demo:2")
-        s.add_user("alice", "tenant", "acme")
-        s.add_user("bob", "tenant", "globex")
-        quotas(s, "acme", "globex")
-        wait_for(lambda: s.client().api("/cluster/")["cards"] == 8, 60, "the fleet", s)
+    with live_pool(tmp_path_factory, broker_mode, libs_home, "isolation", [
+            ("alice", "tenant", "acme"), ("bob", "tenant", "globex")], quota_for=("acme", "globex")) as s:
         yield s
-    finally:
-        s.stop()
 
 
 def _job(job_id, compute=1000, duration=600) -> bytes:
