@@ -58,6 +58,7 @@ TICK_INTERVAL_S = 1.0
 LAG_INTERVAL_S = 15.0  # how often the consumer groups' lag is measured for /metrics
 GATEWAY_GROUP = "gpupool-gateway"
 FAIR_TURN = 8  # records an inbox hands the gateway before the next inbox of the batch takes its turn
+GATEWAY_YIELD_EVERY = 64  # records the gateway decides before it lets the rest of the loop run
 
 
 def fair_turns(batches: dict, turn: int):
@@ -254,9 +255,11 @@ class Worker:
                 # Fair interleaving (Kubernetes' API Priority and Fairness queues each flow apart): the inboxes of a
                 # batch take turns, FAIR_TURN records each, so one principal's burst goes out to the scheduler's
                 # input interleaved with everyone else's requests instead of ahead of them.
-                for tp, msg in fair_turns(batches, FAIR_TURN):
+                for i, (tp, msg) in enumerate(fair_turns(batches, FAIR_TURN), start=1):
                     await self._admit(producer, inbox_owner(tp.topic), msg,
                                       await self._window_first(consumer, tp, msg))
+                    if i % GATEWAY_YIELD_EVERY == 0:
+                        await asyncio.sleep(0)  # the scheduler, the folds and the API share the loop
                 if batches:
                     await producer.flush()
                     await commit_or_reread(consumer, {tp: msgs[-1].offset + 1 for tp, msgs in batches.items()}, log)
