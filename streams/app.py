@@ -680,7 +680,8 @@ class Worker:
         return {"/cluster/": self.cluster, "/stats/": self.stats, "/api/nodes": self.nodes,
                 "/internal/views": self.internal_views,
                 "/api/principals": lambda: {"principals": [
-                    {"name": p.name, "role": p.role, "tenant": p.tenant} for p in sorted(
+                    {"name": p.name, "role": p.role, "tenant": p.tenant, "nodes": list(p.nodes),
+                     "auto_admit": p.auto_admit} for p in sorted(
                         self.registry.values(), key=lambda p: p.name)]}}
 
     def internal_views(self) -> dict:

@@ -157,6 +157,8 @@ def test_a_new_node_takes_no_work_until_an_operator_admits_it(pool, tmp_path):
     # an operator registers a real node's principal, without auto-admission
     out = cli(pool, "user", "add", "node-fresh", "--role", "node", "--node", "fresh-000")
     assert "fresh-000" in out
+    assert any(ln.split()[:2] == ["node-fresh", "node"] and "fresh-000" in ln
+               for ln in cli(pool, "user", "list").splitlines())
     spec = tmp_path / "fresh.yaml"
     spec.write_text("nodes:\n  - {name: fresh-000, model: L4, gpus: 2}\n")
     pool.spawn("agent-fresh", "agent", "--simulate", str(spec), "--principal", "node-fresh",

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from schemas.envelope import DecodeError, Envelope, decode, encode, envelope
+from schemas.envelope import DecodeError, Envelope, decode_fast, encode, envelope
 from schemas.events import MigrateJob, NodeAdmitted, PlaceJob, ResizeJob
 
 NODE_KINDS = frozenset({"node.inventory", "node.heartbeat", "gpu.telemetry"})
@@ -46,7 +46,7 @@ class Verdict:
 def check(principal, owner: str, raw: bytes | None) -> Verdict:
     """Decide one channel record. `principal`: the registry's entry for the channel's owner (None: unknown)."""
     try:
-        env = decode(raw)
+        env = decode_fast(raw)  # the same answer as decode, in one pass for a current record
     except DecodeError as exc:
         return Verdict(code=exc.code, detail=exc.detail)
     if principal is None or principal.role != "node":
