@@ -172,14 +172,21 @@ async def add_many(conn: KafkaConn, many: list[Credentials]) -> None:
 # A simulated fleet of more nodes than this gets one principal for all of them (the `simulated` mode,
 # docs/security.md): creating thousands of SCRAM users and channels costs minutes; a real fleet has one a node.
 FLEET_PRINCIPALS_MAX = 64
-FLEET_PRINCIPAL = "node-fleet-sim"
+
+
+def fleet_principal(nodes: list[str]) -> str:
+    """The one principal of a big simulated fleet: `node-fleet-` and a digest of its nodes, so that two fleets of one
+    stack never take each other's nodes away."""
+    import hashlib
+
+    return "node-fleet-" + hashlib.sha256("\n".join(sorted(nodes)).encode()).hexdigest()[:12]
 
 
 def fleet_credentials(home, nodes: list[str], *, auto_admit: bool = True) -> list[Credentials]:
     """The node principals of a simulated fleet: one a node (`node-NODE`), or one for all when the fleet has more
     than FLEET_PRINCIPALS_MAX nodes; stored ones are kept when they still speak for the same nodes."""
     if len(nodes) > FLEET_PRINCIPALS_MAX:
-        wanted = [(FLEET_PRINCIPAL, tuple(nodes))]
+        wanted = [(fleet_principal(nodes), tuple(nodes))]
     else:
         wanted = [(security.node_principal(n), (n,)) for n in nodes]
     out = []

@@ -89,3 +89,18 @@ def test_a_relayed_node_takes_work_only_once_admitted_in_any_order():
     # a later inventory (the node restarted) leaves the decision as it was
     again = envelope(inv, source="a/inventory", seq=2, time_ms=4_000, actor="node-a")
     assert _fold(relayed, admit, again).schedulable
+
+
+def test_a_simulated_fleet_gets_a_principal_a_node_and_a_big_one_one_principal(tmp_path):
+    from infra import principals, security
+
+    small = principals.fleet_credentials(tmp_path, ["node-000", "node-001"])
+    assert [(c.name, c.nodes, c.auto_admit) for c in small] == [("node-node-000", ("node-000",), True),
+                                                               ("node-node-001", ("node-001",), True)]
+    security.save(tmp_path, small[0])
+    assert principals.fleet_credentials(tmp_path, ["node-000"])[0] == small[0]  # stored ones are kept
+    many = [f"n{i}" for i in range(principals.FLEET_PRINCIPALS_MAX + 1)]
+    (big,) = principals.fleet_credentials(tmp_path, many)
+    assert big.nodes == tuple(many) and big.name.startswith("node-fleet-")
+    (other,) = principals.fleet_credentials(tmp_path, [f"m{i}" for i in range(len(many))])
+    assert other.name != big.name  # two big fleets of one stack keep their own nodes
