@@ -292,17 +292,31 @@ class Worker:
                     if owner not in self.registry:  # added a moment ago: the registry may lag its channel
                         await self._registry_caught_up()
                     for msg in msgs:
-                        try:
-                            await self._relay(producer, commands, owner, msg)
-                        except Exception as exc:  # noqa: BLE001 - one record's failure stays that record's
-                            log.exception("node relay: %s:%d", msg.topic, msg.offset)
-                            await self._refuse(producer, owner, msg, "relay_error", f"{type(exc).__name__}: {exc}")
+                        await self._relay_one(producer, commands, owner, msg)
                     await producer.flush()
                     await commit_or_reread(consumer, {tp: msgs[-1].offset + 1}, log)
         finally:
             await stop_consumer(consumer)
             await stop_consumer(commands)
             await producer.stop()
+
+    async def _relay_one(self, producer, commands, owner: str, msg) -> None:
+        """One channel record, whatever happens: the broker away is waited out (the record is relayed once it is
+        back, never dropped: a node's job.completed must not be lost to a broker restart); any other failure is
+        that record's own dead letter (`relay_error`), and the relay goes on."""
+        from aiokafka.errors import KafkaError
+
+        while True:
+            try:
+                await self._relay(producer, commands, owner, msg)
+                return
+            except KafkaError as exc:
+                log.warning("node relay: %s; %s:%d again in 1 s", exc, msg.topic, msg.offset)
+                await asyncio.sleep(1.0)
+            except Exception as exc:  # noqa: BLE001 - one record's failure stays that record's
+                log.exception("node relay: %s:%d", msg.topic, msg.offset)
+                await self._refuse(producer, owner, msg, "relay_error", f"{type(exc).__name__}: {exc}")
+                return
 
     async def _read_placements(self, commands, timeout_ms: int = 0, until: dict | None = None) -> None:
         """Fold the commands read so far into the placements; with `until` (partition -> offset), read on until
