@@ -273,7 +273,7 @@ def main() -> int:
         inv_recs, tel_recs = build_records(args.nodes, n, args.gpus, time.time_ns() // 1_000_000 + 600_000)
         build_s = time.monotonic() - t
         t = time.monotonic()
-        asyncio.run(produce(stack.conn("node"), inv_recs + tel_recs))  # what nodes may write
+        asyncio.run(produce(stack.conn("service"), inv_recs + tel_recs))  # what the node relay writes
         prod_s = time.monotonic() - t
         size = sum(len(v) for _, _, v in tel_recs)
         result["produce"] = {"build_encode_s": round(build_s, 2), "produce_s": round(prod_s, 2),

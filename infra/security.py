@@ -21,7 +21,8 @@ from infra.config import Config
 ROLES = ("tenant", "operator", "finance", "auditor", "node", "service")
 # Names become parts of topic names and ACLs: lower-case letters, digits and '-', starting with a letter or digit.
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
-# The principals `gpupool up` creates: the worker, the node agents, and one operator.
+# The principals `gpupool up` creates: the worker and one operator; and one node principal per simulated node
+# (`node_principal`). NODE: the default name of a node agent's principal (`--principal`).
 SERVICE, NODE, ADMIN = "service", "node", "admin"
 
 
@@ -43,6 +44,11 @@ class Credentials:
     tenant: str | None
     password: str
     token: str
+    nodes: tuple[str, ...] = ()  # node role: the nodes it speaks for
+    auto_admit: bool = False  # node role: its nodes take work when first heard, without `gpupool node admit`
+
+    def __post_init__(self):
+        object.__setattr__(self, "nodes", tuple(self.nodes))  # a list when read back from JSON
 
     @property
     def token_sha256(self) -> str:
@@ -57,7 +63,8 @@ def same_token(token: str, digest: str) -> bool:
     return hmac.compare_digest(token_digest(token), digest)
 
 
-def new_credentials(name: str, role: str, tenant: str | None = None) -> Credentials:
+def new_credentials(name: str, role: str, tenant: str | None = None, nodes: tuple[str, ...] | list[str] = (),
+                    auto_admit: bool = False) -> Credentials:
     check_name("principal", name)
     if role not in ROLES:
         raise CredentialsError(f"role {role!r}: one of {', '.join(ROLES)}")
@@ -65,7 +72,27 @@ def new_credentials(name: str, role: str, tenant: str | None = None) -> Credenti
         raise CredentialsError("--tenant is required for the tenant role, and only for it")
     if tenant is not None:
         check_name("tenant", tenant)
-    return Credentials(name, role, tenant, secrets.token_urlsafe(24), secrets.token_urlsafe(32))
+    if role == "node" and not nodes:
+        raise CredentialsError("--node NODE is required for the node role: the node(s) the principal speaks for")
+    if role != "node" and (nodes or auto_admit):
+        raise CredentialsError("--node and --auto-admit are for the node role only")
+    for n in nodes:
+        if not NODE_RE.match(n or ""):
+            raise CredentialsError(f"node {n!r}: use 1-200 letters, digits, '.', '_' or '-'")
+    return Credentials(name, role, tenant, secrets.token_urlsafe(24), secrets.token_urlsafe(32),
+                       tuple(dict.fromkeys(nodes)), auto_admit)
+
+
+NODE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
+
+
+def node_principal(node: str) -> str:
+    """The principal `gpupool up` (and the test stacks) make for one simulated node: `node-NODE` where the node's
+    name makes a principal name, else `node-` and a digest of it."""
+    name = f"node-{node}"
+    if NAME_RE.match(name):
+        return name
+    return f"node-{hashlib.sha256(node.encode()).hexdigest()[:16]}"
 
 
 def credentials_dir(home: Path) -> Path:
@@ -120,7 +147,8 @@ def load(cfg: Config, name: str | None = None) -> Credentials:
         return Credentials(name, os.environ.get("GPUPOOL_ROLE", ""), os.environ.get("GPUPOOL_TENANT") or None,
                            password, token or "")
     if password is not None or token is not None:
-        creds = Credentials(creds.name, creds.role, creds.tenant, password or creds.password, token or creds.token)
+        creds = Credentials(creds.name, creds.role, creds.tenant, password or creds.password, token or creds.token,
+                            creds.nodes, creds.auto_admit)
     return creds
 
 

@@ -466,6 +466,10 @@ class PrincipalRegistered(Frozen):
     role: Literal["tenant", "operator", "finance", "auditor", "node", "service"]
     tenant: str | None = None
     token_sha256: str = ""
+    # node role only: the nodes it speaks for (its channel `gpupool.node.NAME` carries their reports and nothing
+    # else), and whether a node of them is admitted to the pool when first heard (else an operator admits it)
+    nodes: tuple[Ident, ...] = ()
+    auto_admit: bool = False
 
 
 class PrincipalRemoved(Frozen):
@@ -619,6 +623,17 @@ class NodeRemoved(Frozen):
     reason: str = ""
 
 
+class NodeAdmitted(Frozen):
+    """Whether a node may take work (docs/security.md, "Node identity"). A node whose inventory came through a node
+    principal's channel (the worker's relay stamps it with the principal as `actor`) takes no work until admitted:
+    by an operator (`gpupool node admit NODE`; `--revoke` states `admitted: false`), or by the relay itself when the
+    principal is registered with auto-admission. The latest by event time wins (like `node.cordon`)."""
+    kind: Literal["node.admitted"] = "node.admitted"
+    node: Ident
+    admitted: bool = True
+    reason: str = ""
+
+
 class JobInterrupted(Frozen):
     """The scheduler ended a run the job did not end itself: its node was lost (code NodeLost: silent for two
     heartbeats) or a card it held failed (GpuFault). Usage is billed up to `billed_to_ms`, its capacity and quota
@@ -657,7 +672,7 @@ Event = Annotated[
         ReservationRequested, ReservationCancelled, ReservationDecided,
         ServiceDeclared, ServiceRemoved, InferenceLoad, ServiceScaled,
         QuotaSet, QuotaChanged, QuotaBorrowed, QuotaReturned, UsageAccrued, PriceSet,
-        NodeRemoved, JobInterrupted, QuotaRejected, TelemetryMinute, PoolMinute,
+        NodeRemoved, NodeAdmitted, JobInterrupted, QuotaRejected, TelemetryMinute, PoolMinute,
     ],
     Field(discriminator="kind"),
 ]

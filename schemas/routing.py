@@ -14,7 +14,7 @@ _BY_KIND: dict[str, TopicSpec] = {
     "job.stopped": JOB_EVENTS,
     # what operators decide about nodes (through the gateway) and what the worker derives from telemetry
     "node.cordon": NODE_CONTROL, "gpu.health": NODE_CONTROL, "node.liveness": NODE_CONTROL,
-    "node.removed": NODE_CONTROL,
+    "node.removed": NODE_CONTROL, "node.admitted": NODE_CONTROL,
     # requests, once the gateway let them in (or the autoscaler made them)
     "job.requested": JOB_REQUESTS, "job.cancelled": JOB_REQUESTS, "job.scale_requested": JOB_REQUESTS,
     "reservation.requested": JOB_REQUESTS, "reservation.cancelled": JOB_REQUESTS,

@@ -52,12 +52,12 @@ def replication(brokers: int) -> Replication:
     return Replication(factor, 2 if factor >= 3 else 1)
 
 
-# Written by node agents (role `node`)
-INVENTORY = TopicSpec("gpupool.inventory", 8, key="node id", cleanup="compact", writer="node")
+# What node agents report, relayed by the worker from each node principal's own channel (`gpupool.node.NAME`, below)
+# once it checked that the report is about a node the principal speaks for (streams/core/node_relay.py)
+INVENTORY = TopicSpec("gpupool.inventory", 8, key="node id", cleanup="compact")
 # the broker stamps telemetry: a node's heartbeats are judged on the log's time, not the node's or the worker's
-TELEMETRY = TopicSpec("gpupool.telemetry", 8, key="node id", retention_ms=DAY_MS, writer="node",
-                      log_append_time=True)
-JOB_EVENTS = TopicSpec("gpupool.job-events", 4, key="job id", writer="node")  # what a node did with a job
+TELEMETRY = TopicSpec("gpupool.telemetry", 8, key="node id", retention_ms=DAY_MS, log_append_time=True)
+JOB_EVENTS = TopicSpec("gpupool.job-events", 4, key="job id")  # what a node did with a job
 # Written by the service (worker, scheduler, sink): what was asked (after the gateway), decided and commanded
 JOB_REQUESTS = TopicSpec("gpupool.job-requests", 4, key="job id")
 DECISIONS = TopicSpec("gpupool.decisions", 4, key="job id")  # pending reasons, rejections, reservation/service answers
@@ -96,6 +96,7 @@ ALL_TOPICS: tuple[TopicSpec, ...] = (
 )
 
 INBOX_PREFIX = "gpupool.in."
+NODE_CHANNEL_PREFIX = "gpupool.node."  # not to be confused with gpupool.node-control: the dot is the difference
 
 
 def inbox(principal: str) -> TopicSpec:
@@ -109,10 +110,23 @@ def inbox_owner(topic: str) -> str | None:
     return topic[len(INBOX_PREFIX):] if topic.startswith(INBOX_PREFIX) else None
 
 
+def node_channel(principal: str) -> TopicSpec:
+    """What one node principal reports (inventory, telemetry, its jobs' events): only it may write there, so the
+    worker's relay takes the principal, and so the nodes it may speak for, from the topic."""
+    return TopicSpec(f"{NODE_CHANNEL_PREFIX}{principal}", 1, key="node id", retention_ms=DAY_MS,
+                     writer=f"principal {principal}", log_append_time=True)
+
+
+def channel_owner(topic: str) -> str | None:
+    return topic[len(NODE_CHANNEL_PREFIX):] if topic.startswith(NODE_CHANNEL_PREFIX) else None
+
+
 def by_name(name: str) -> TopicSpec:
     for spec in ALL_TOPICS:
         if spec.name == name:
             return spec
     if inbox_owner(name):
         return inbox(inbox_owner(name))
+    if channel_owner(name):
+        return node_channel(channel_owner(name))
     raise KeyError(name)

@@ -579,6 +579,8 @@ def node_state(view) -> str:
         return "down"
     if view.cordoned:
         return "draining" if view.drain else "cordoned"
+    if not view.admitted:
+        return "not-admitted"  # `gpupool node admit NODE` (docs/security.md, "Node identity")
     return "ready"
 
 

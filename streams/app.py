@@ -20,10 +20,11 @@ from schemas.routing import at_home, route
 from schemas.topics import replication
 from schemas.topics import (
     CLOCK, COMMANDS, DEAD_LETTERS, DECISIONS, INBOX_PREFIX, INVENTORY, JOB_EVENTS, JOB_REQUESTS, JOB_VIEW_CHANGELOG, LEDGER,
-    NODE_CONTROL, NODE_VIEW_CHANGELOG, PRINCIPALS, SCHEDULER_INPUT, TELEMETRY, TELEMETRY_MINUTES, inbox_owner,
+    NODE_CHANNEL_PREFIX, NODE_CONTROL, NODE_VIEW_CHANGELOG, PRINCIPALS, SCHEDULER_INPUT, TELEMETRY, TELEMETRY_MINUTES,
+    channel_owner, inbox_owner,
 )
 from streams import api, codec, metrics, ui
-from streams.core import cluster_metrics, gateway, job_view, node_view, telemetry_history
+from streams.core import cluster_metrics, gateway, job_view, node_relay, node_view, telemetry_history
 from streams.core.liveness import Liveness
 from streams.telemetry import TelemetryFold
 
@@ -31,7 +32,8 @@ log = logging.getLogger("gpupool.worker")
 
 # What the scheduler must see, in one total order. Telemetry itself stays out: only the health and liveness
 # transitions the folds derive from it go in, so the audit log stays small and the scheduler stays fast.
-NODE_FACTS_FOR_SCHEDULER = frozenset({"node.inventory", "node.cordon", "gpu.health", "node.liveness", "node.removed"})
+NODE_FACTS_FOR_SCHEDULER = frozenset({"node.inventory", "node.cordon", "gpu.health", "node.liveness", "node.removed",
+                                      "node.admitted"})
 JOB_FACTS_FOR_SCHEDULER = frozenset({
     "job.requested", "job.cancelled", "job.scale_requested", "job.started", "job.completed", "job.failed",
     "job.stopped", "job.checkpointed",
@@ -57,6 +59,8 @@ HEARTBEAT_INTERVAL_S = 1.0
 TICK_INTERVAL_S = 1.0
 LAG_INTERVAL_S = 15.0  # how often the consumer groups' lag is measured for /metrics
 GATEWAY_GROUP = "gpupool-gateway"
+NODE_RELAY_GROUP = "gpupool-node-relay"
+LAG_GROUPS = ("gpupool", "gpupool-scheduler", "gpupool-sink", GATEWAY_GROUP, NODE_RELAY_GROUP)
 FAIR_TURN = 8  # records an inbox hands the gateway before the next inbox of the batch takes its turn
 GATEWAY_YIELD_EVERY = 64  # records the gateway decides before it lets the rest of the loop run
 
@@ -72,7 +76,6 @@ def fair_turns(batches: dict, turn: int):
                 yield tp, msg
         at += turn
         queues = [(tp, msgs) for tp, msgs in queues if len(msgs) > at]
-LAG_GROUPS = ("gpupool", "gpupool-scheduler", "gpupool-sink", GATEWAY_GROUP)
 
 
 def _as_view(mod, value):
@@ -118,6 +121,7 @@ class Worker:
         self.dead_letters: Counter[str] = Counter()
         self.folded: Counter[str] = Counter()
         self.gateway_counts: Counter[str] = Counter()
+        self.relay_counts: Counter[str] = Counter()  # the node relay: relayed, refused:CODE
         self.registry: dict[str, gateway.Principal] = {}
         self.auth_throttle = api.AuthThrottle()
         self.rate_limit = gateway.RateLimit(window_ms=cfg.rate_window_ms, per_window=cfg.rate_per_window)
@@ -165,6 +169,9 @@ class Worker:
         self.telemetry = TelemetryFold(self, self.minutes)
         self.app.task(self.telemetry.run)
         self.app.task(self.run_gateway)
+        self.app.task(self.run_node_relay)
+        self.placements = node_relay.Placements()
+        self._auto_admitted: set[str] = set()
         self._registry_position = 0
         self.registry_ready = asyncio.Event()  # the registry was read to its end once: the API can authenticate
         self.scheduler = self.sink = None
@@ -326,6 +333,115 @@ class Worker:
             self.metrics.gateway.labels(what).inc()
             if what == "accepted" and abs(gateway.clock_skew_ms(env)) > self.cfg.max_skew_ms:
                 self.gateway_counts["clock_skew"] += 1  # the log's time was used; the client's is kept as data
+
+    # ---------------------------------------------------------------- the node relay: node reports become facts
+
+    async def run_node_relay(self) -> None:
+        """Every node principal's channel (`gpupool.node.*`, found by pattern as principals are added), in order per
+        channel: each record checked by streams/core/node_relay.py and relayed to its home topic, or dead-lettered.
+        Outputs are produced before the channel offset is committed; a re-run relays the same bytes again, which the
+        folds drop as duplicates (per-source sequence numbers)."""
+        from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+
+        await self._registry_caught_up()
+        consumer = AIOKafkaConsumer(**self.conn.options(), group_id=NODE_RELAY_GROUP, enable_auto_commit=False,
+                                    auto_offset_reset="earliest", metadata_max_age_ms=2000)
+        commands = AIOKafkaConsumer(**self.conn.options(), group_id=None, enable_auto_commit=False)
+        producer = AIOKafkaProducer(**self.conn.options(), acks="all", enable_idempotence=True, linger_ms=0)
+        await consumer.start()
+        await commands.start()
+        await producer.start()
+        commands.assign([_tp(COMMANDS.name, p) for p in range(COMMANDS.partitions)])
+        await commands.seek_to_beginning()
+        consumer.subscribe(pattern=f"^{NODE_CHANNEL_PREFIX.replace('.', chr(92) + '.')}.+")
+        try:
+            while True:
+                batches = await consumer.getmany(timeout_ms=500, max_records=2000)
+                await self._read_placements(commands, timeout_ms=0)
+                for tp, msgs in sorted(batches.items(), key=lambda kv: kv[0].topic):
+                    owner = channel_owner(tp.topic)
+                    if owner not in self.registry:  # added a moment ago: the registry may lag its channel
+                        await self._registry_caught_up()
+                    for msg in msgs:
+                        await self._relay_one(producer, commands, owner, msg)
+                    await producer.flush()
+                    await commit_or_reread(consumer, {tp: msgs[-1].offset + 1}, log)
+        finally:
+            await stop_consumer(consumer)
+            await stop_consumer(commands)
+            await producer.stop()
+
+    async def _relay_one(self, producer, commands, owner: str, msg) -> None:
+        """One channel record, whatever happens: the broker away is waited out (the record is relayed once it is
+        back, never dropped: a node's job.completed must not be lost to a broker restart); any other failure is
+        that record's own dead letter (`relay_error`), and the relay goes on."""
+        from aiokafka.errors import KafkaError
+
+        while True:
+            try:
+                await self._relay(producer, commands, owner, msg)
+                return
+            except KafkaError as exc:
+                log.warning("node relay: %s; %s:%d again in 1 s", exc, msg.topic, msg.offset)
+                await asyncio.sleep(1.0)
+            except Exception as exc:  # noqa: BLE001 - one record's failure stays that record's
+                log.exception("node relay: %s:%d", msg.topic, msg.offset)
+                await self._refuse(producer, owner, msg, "relay_error", f"{type(exc).__name__}: {exc}")
+                return
+
+    async def _read_placements(self, commands, timeout_ms: int = 0, until: dict | None = None) -> None:
+        """Fold the commands read so far into the placements; with `until` (partition -> offset), read on until
+        every partition reached it."""
+        while True:
+            for msgs in (await commands.getmany(timeout_ms=timeout_ms, max_records=5000)).values():
+                for msg in msgs:
+                    try:
+                        env = decode(msg.value)
+                    except DecodeError:
+                        continue  # the node-view fold dead-letters it
+                    self.placements.fold(env)
+            if until is None:
+                return
+            positions = [await commands.position(tp) for tp in until]
+            if all(pos >= end for pos, end in zip(positions, until.values())):
+                return
+            timeout_ms = 200
+
+    async def _refuse(self, producer, owner: str, msg, code: str, detail: str) -> None:
+        """A channel record not relayed: a dead letter with the reason, counted for operators (/stats/ relay,
+        gpupool_dead_letters{reason}), and a log line naming the principal."""
+        self.dead_letters[code] += 1
+        self.metrics.dead_letters.labels(code).inc()
+        self.relay_counts[f"refused:{code}"] += 1
+        log.warning("node relay refused a record of %s (%s:%d): %s %s", owner, msg.topic, msg.offset, code, detail)
+        await producer.send(DEAD_LETTERS.name, key=msg.topic.encode(), value=codec.dead_letter(
+            code, detail, msg.topic, msg.partition, msg.offset, msg.value))
+
+    async def _relay(self, producer, commands, owner: str, msg) -> None:
+        principal = self.registry.get(owner)
+        verdict = node_relay.check(principal, owner, msg.value)
+        if verdict.job_check is not None:
+            job, node = verdict.job_check
+            if not self.placements.placed(job, node):
+                # the node read its command before it reported: the commands written until now must show it
+                ends = await commands.end_offsets(list(commands.assignment()))
+                await self._read_placements(commands, until=ends)
+                if not self.placements.placed(job, node):
+                    verdict = node_relay.Verdict(code="not_your_node",
+                                                 detail=f"{owner}: job {job!r} was never placed on {node!r}")
+        if verdict.env is None:
+            await self._refuse(producer, owner, msg, verdict.code, verdict.detail)
+            return
+        env = verdict.env
+        if env.kind == "node.inventory" and env.payload.node not in self._auto_admitted:
+            admitted = node_relay.admission(principal, env, msg.timestamp)
+            if admitted is not None:  # before the inventory: the node is never seen unadmitted for long
+                spec, key = route(admitted)
+                await producer.send(spec.name, key=key, value=encode(admitted))
+                self._auto_admitted.add(env.payload.node)
+        spec, key = route(env)
+        await producer.send(spec.name, key=key, value=verdict.raw)
+        self.relay_counts["relayed"] += 1
 
     # ---------------------------------------------------------------- ingest
 
@@ -689,7 +805,8 @@ class Worker:
         return {"/cluster/": self.cluster, "/stats/": self.stats, "/api/nodes": self.nodes,
                 "/internal/views": self.internal_views,
                 "/api/principals": lambda: {"principals": [
-                    {"name": p.name, "role": p.role, "tenant": p.tenant} for p in sorted(
+                    {"name": p.name, "role": p.role, "tenant": p.tenant, "nodes": list(p.nodes),
+                     "auto_admit": p.auto_admit} for p in sorted(
                         self.registry.values(), key=lambda p: p.name)]}}
 
     def internal_views(self) -> dict:
@@ -770,6 +887,7 @@ class Worker:
             "worker": self.name, "partitions": sorted(self.node_partitions()),
             "dead_letters": dict(self.dead_letters), "folded": dict(self.folded),
             "gateway": dict(self.gateway_counts), "principals": len(self.registry),
+            "relay": dict(self.relay_counts),
             "liveness": {"heard": {n: list(v) for n, v in sorted(self.liveness.heard.items())},
                          "read": {str(p): list(v) for p, v in sorted(self.liveness.read.items())},
                          "start": {str(p): o for p, o in sorted(self.liveness.start.items())},

@@ -624,8 +624,8 @@ def test_agent_publishes_inventory_on_change_telemetry_and_health_with_per_sourc
     for source in ("n1/telemetry", "n1/inventory"):
         seqs = [e.seq for _, _, e in envs if e.source == source]
         assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
-    assert {topic for topic, _, e in envs if e.kind == "gpu.telemetry"} == {"gpupool.telemetry"}
-    assert {topic for topic, _, e in envs if e.kind != "gpu.telemetry"} == {"gpupool.inventory"}
+    # everything on the node principal's own channel (the worker relays it to gpupool.telemetry / .inventory)
+    assert agent.principal == "node-n1" and {topic for topic, _, _ in envs} == {"gpupool.node.node-n1"}
 
 
 def test_preempt_during_a_release_still_reports_the_stop():

@@ -1,7 +1,7 @@
 """Trust at every boundary, probed on the real broker and the running worker (docs/security.md): one test per row of
 the access table, each able to fail. One stack serves the module: a broker with SASL/SCRAM and the StandardAuthorizer,
 a worker, a simulated fleet, and the principals alice (tenant acme), bob (tenant globex), fin (finance), aud
-(auditor), admin (operator), node and service."""
+(auditor), admin (operator), service, and the fleet's node principals node-node-000 and node-node-001."""
 from __future__ import annotations
 
 import asyncio
@@ -123,13 +123,17 @@ WRITES = [
     ("alice", "gpupool.in.alice", True), ("alice", "gpupool.in.bob", False), ("alice", "gpupool.job-requests", False),
     ("alice", "gpupool.ledger", False), ("alice", "gpupool.commands", False), ("alice", "gpupool.inventory", False),
     ("alice", "gpupool.principals", False),
-    ("node", "gpupool.telemetry", True), ("node", "gpupool.in.admin", False), ("node", "gpupool.ledger", False),
-    ("node", "gpupool.commands", False), ("node", "gpupool.node-control", False),
+    # a node principal writes its own channel only (the worker relays it: tests/test_node_identity.py)
+    ("node-node-000", "gpupool.node.node-node-000", True), ("node-node-000", "gpupool.node.node-node-001", False),
+    ("node-node-000", "gpupool.telemetry", False), ("node-node-000", "gpupool.inventory", False),
+    ("node-node-000", "gpupool.job-events", False), ("node-node-000", "gpupool.in.admin", False),
+    ("node-node-000", "gpupool.ledger", False), ("node-node-000", "gpupool.commands", False),
+    ("node-node-000", "gpupool.node-control", False),
     ("admin", "gpupool.in.admin", True), ("admin", "gpupool.ledger", False), ("admin", "gpupool.commands", False),
     ("admin", "gpupool.job-requests", False), ("admin", "gpupool.scheduler-input", False),
     ("fin", "gpupool.in.fin", False), ("fin", "gpupool.ledger", False),
     ("aud", "gpupool.ledger", False), ("aud", "gpupool.in.alice", False),
-    ("service", "gpupool.dead-letters", True), ("service", "gpupool.inventory", False),
+    ("service", "gpupool.dead-letters", True), ("service", "gpupool.node.node-node-000", False),
     ("service", "gpupool.principals", False),
 ]
 
@@ -164,9 +168,13 @@ def test_reads_are_decided_by_the_broker(pool):
     for user in ("alice", "fin", "admin"):
         assert _describe_error(pool.conn(user).options(), "gpupool.ledger") == 29
     assert _describe_error(pool.conn("aud").options(), "gpupool.ledger") == 0
-    # a node may describe (it writes there) but not read what other nodes wrote
+    # a node may describe its own channel (it writes there) but not read it, nor see what other nodes report
+    node = pool.conn("node-node-000").options()
+    assert _describe_error(node, "gpupool.node.node-node-000") == 0
     with pytest.raises(TopicAuthorizationFailedError):
-        _consume_one(pool.conn("node").options(), "gpupool.inventory")
+        _consume_one(node, "gpupool.node.node-node-000")
+    for topic in ("gpupool.inventory", "gpupool.telemetry", "gpupool.node.node-node-001"):
+        assert _describe_error(node, topic) == 29
     assert _consume_one(pool.conn("aud").options(), "gpupool.principals") > 0  # the auditor reads the log
     assert _consume_one(pool.conn("aud").options(), "gpupool.in.alice") > 0  # inboxes included
 

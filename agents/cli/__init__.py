@@ -77,7 +77,8 @@ def parser() -> argparse.ArgumentParser:
                    help="ecc:NODE:INDEX | clear:NODE:INDEX | lose:NODE | slow:NODE:FACTOR | recover:NODE | "
                         "restart:NODE | fail:JOB, optionally @SECONDS after start")
     a.add_argument("--group", help="consumer group for commands")
-    a.add_argument("--principal", default="node", help="the node principal the agent connects as")
+    a.add_argument("--principal", default=None,
+                   help="the node principal the agent connects as (default: each node's own, node-NODE)")
     a.add_argument("--allow-mig-reconfigure", action="store_true")
     a.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1:PORT (default: "
                    "$GPUPOOL_AGENT_METRICS_PORT, else none)")
@@ -161,10 +162,11 @@ def parser() -> argparse.ArgumentParser:
     q.add_argument("--wait", type=float, default=15.0, metavar="SECONDS",
                    help="set: how long to wait to read back whether it is in force or refused (0: do not)")
     fmt(q)
-    n = add("node", None, help="nodes: list | show NODE | cordon|uncordon|drain|remove NODE... (operators)")
-    n.add_argument("action", choices=["list", "show", "cordon", "uncordon", "drain", "remove"])
+    n = add("node", None, help="nodes: list | show NODE | cordon|uncordon|drain|remove|admit NODE... (operators)")
+    n.add_argument("action", choices=["list", "show", "cordon", "uncordon", "drain", "remove", "admit"])
     n.add_argument("nodes", nargs="*")
     n.add_argument("--reason")
+    n.add_argument("--revoke", action="store_true", help="admit: take the admission back (the node takes no work)")
     fmt(n)
     pr = add("prices", None, help="the price book: show | set --model M --per-gpu-hour X | load FILE")
     pr.add_argument("action", choices=["show", "set", "load"])
@@ -177,11 +179,16 @@ def parser() -> argparse.ArgumentParser:
     pr.add_argument("--tier", choices=["inference", "online-training", "offline"])
     pr.add_argument("--valid-from", help="ISO time or epoch ms (default: now)")
     fmt(pr)
-    us = add("user", None, help="principals: add NAME --role ROLE [--tenant T] | list | remove NAME")
+    us = add("user", None, help="principals: add NAME --role ROLE [--tenant T] [--node NODE [--auto-admit]] | list | "
+                                "remove NAME")
     us.add_argument("action", choices=["add", "list", "remove"])
     us.add_argument("name", nargs="?")
     us.add_argument("--role", choices=list(security.ROLES))
     us.add_argument("--tenant", help="the tenant of a tenant principal")
+    us.add_argument("--node", action="append", default=[], metavar="NODE",
+                    help="a node principal: the node it speaks for (repeat for several)")
+    us.add_argument("--auto-admit", action="store_true",
+                    help="a node principal: its nodes take work when first heard, without `gpupool node admit`")
     us.add_argument("--show-token", action="store_true", help="print the HTTP token (it is also in the file)")
     fmt(us)
 

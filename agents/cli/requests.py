@@ -241,10 +241,12 @@ def cmd_service(cfg, args) -> int:
     return 0
 
 
-def node_request(action: str, node: str, reason: str):
-    """cordon / uncordon / drain / remove / clear (a card's health, NODE:INDEX or NODE:UUID)."""
-    from schemas.events import NodeCordon
+def node_request(action: str, node: str, reason: str, revoke: bool = False):
+    """cordon / uncordon / drain / remove / admit / clear (a card's health, NODE:INDEX or NODE:UUID)."""
+    from schemas.events import NodeAdmitted, NodeCordon
 
+    if action == "admit":
+        return NodeAdmitted(node=node, admitted=not revoke, reason=reason)
     if action == "cordon":
         return NodeCordon(node=node, cordoned=True, reason=reason)
     if action == "uncordon":
@@ -257,12 +259,12 @@ def node_request(action: str, node: str, reason: str):
         if "node.removed" not in KINDS:
             raise SystemExit("this version cannot remove nodes")
         return KINDS["node.removed"](node=node, reason=reason)
-    raise SystemExit(f"node {action}: one of cordon, uncordon, drain, remove")
+    raise SystemExit(f"node {action}: one of cordon, uncordon, drain, remove, admit")
 
 
 def cmd_node_change(cfg, args) -> int:
     c = Client(cfg)
-    c.send([node_request(args.action, n, args.reason or "") for n in args.nodes])
+    c.send([node_request(args.action, n, args.reason or "", getattr(args, "revoke", False)) for n in args.nodes])
     return 0
 
 

@@ -25,7 +25,7 @@ RESTART_BACKOFF_S = (1, 2, 4, 8, 16, 30, 60)
 
 def ensure_broker(cfg, say=lambda _: None) -> str:
     """GPUPOOL_KAFKA if set, else the project's own local broker (fetched and started on demand); then the topics
-    and the principals `up` creates (service, node, admin), made with the local broker's own principal or, on an
+    and the principals `up` creates (service, admin), made with the local broker's own principal or, on an
     external broker, with the configured operator's credentials."""
     from infra import principals
 
@@ -36,7 +36,7 @@ def ensure_broker(cfg, say=lambda _: None) -> str:
         say("fetching Kafka (once) and starting the local broker (SASL/SCRAM on 127.0.0.1)")
         kafka_local.fetch(cfg.home)
         conn = kafka_local.default_broker(cfg).start().bootstrap_conn()
-    say("topics and principals (service, node, admin)")
+    say("topics and principals (service, admin)")
     asyncio.run(principals.bootstrap(cfg, conn))
     return cfg.bootstrap
 
@@ -110,6 +110,12 @@ def _up(cfg, args, say) -> int:
     if args.brokers is not None and not cfg.kafka:
         cfg = remember_brokers(cfg, args.brokers)
     ensure_broker(cfg, say)
+    if args.simulate:  # one principal a simulated node, auto-admitted: starting the fleet is the operator's word
+        from agents.node import fleet
+        from agents.node.channels import ensure_fleet
+
+        say("node principals for the simulated fleet (one a node, auto-admitted)")
+        ensure_fleet(cfg, [inv.node for inv in fleet.load(args.simulate)])
     rd = run_dir(cfg)
     (rd / "state.json").unlink(missing_ok=True)
     argv = [sys.executable, "-m", "agents.cli", "supervise", "--home", str(cfg.home), "--workers", str(args.workers)]
@@ -361,6 +367,10 @@ def cmd_agent(cfg, args) -> int:
                                         principal=args.principal, control=Path(args.control) if args.control else None)
     except (OSError, ValueError) as exc:  # a bad fleet file or fault: one line naming it
         raise SystemExit(f"gpupool agent: {exc}") from None
+    if not args.principal:  # each simulated node reports as its own principal, made now if missing (an operator)
+        from agents.node.channels import ensure_fleet
+
+        ensure_fleet(cfg, sorted(agent.nodes))
     from agents.node.nvml_agent import metrics_port
 
     agent.metrics.serve(metrics_port(args))

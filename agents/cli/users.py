@@ -22,10 +22,13 @@ def cmd_user_change(cfg, args) -> int:
         return 0
     if not args.role:
         raise SystemExit(f"user add needs --role ({', '.join(security.ROLES)})")
-    creds = security.new_credentials(args.name, args.role, args.tenant)
+    creds = security.new_credentials(args.name, args.role, args.tenant, getattr(args, "node", None) or (),
+                                     getattr(args, "auto_admit", False))
     asyncio.run(principals.add(c.conn(), creds))
     path = security.save(cfg.home, creds)
-    print(f"added {creds.name} ({creds.role}{' of ' + creds.tenant if creds.tenant else ''}); credentials in {path}")
+    what = (f" of {creds.tenant}" if creds.tenant else "") + (
+        f" for {', '.join(creds.nodes)}{', auto-admitted' if creds.auto_admit else ''}" if creds.nodes else "")
+    print(f"added {creds.name} ({creds.role}{what}); credentials in {path}")
     if args.show_token:
         print(f"HTTP token: {creds.token}")
     return 0

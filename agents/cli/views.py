@@ -231,6 +231,8 @@ def cmd_prices_show(cfg, args) -> int:
 
 def cmd_user_list(cfg, args) -> int:
     doc = Client(cfg).api("/api/principals")
-    emit(["name", "role", "tenant"], [[p["name"], p["role"], p["tenant"] or ""] for p in doc["principals"]],
-         args.format)
+    emit(["name", "role", "tenant", "nodes"],
+         [[p["name"], p["role"], p["tenant"] or "",
+           ",".join(p.get("nodes") or ()) + (" (auto-admit)" if p.get("auto_admit") else "")]
+          for p in doc["principals"]], args.format)
     return 0

@@ -34,7 +34,8 @@ from pathlib import Path
 from agents.node.fencing import Fence
 from agents.node.sim_agent import parse_checkpoint, wall_ms
 from infra.kafka_client import consume_commands
-from infra.security import NODE, kafka_conn
+from infra.security import kafka_conn, node_principal
+from schemas.topics import node_channel
 from schemas.envelope import Envelope, encode, envelope
 from schemas.events import (
     Assignment, GpuHealth, GpuSample, GpuTelemetry, JobCheckpointed, JobCompleted, JobFailed, JobStarted, JobStopped,
@@ -375,8 +376,11 @@ def with_faults(tel: GpuTelemetry, health: list[GpuHealth]) -> GpuTelemetry:
 class NvmlAgent:
     def __init__(self, cfg, args, backend, *, node: str | None = None):
         self.cfg = cfg
-        self.principal = getattr(args, "principal", None) or NODE
         self.node = node or os.environ.get("GPUPOOL_NODE") or socket.gethostname()
+        # the node's own principal (`gpupool user add node-NODE --role node --node NODE`): it writes only its
+        # channel, `gpupool.node.PRINCIPAL`, which the worker relays (docs/security.md, "Node identity")
+        self.principal = getattr(args, "principal", None) or node_principal(self.node)
+        self.channel = node_channel(self.principal).name
         self.rack = os.environ.get("GPUPOOL_RACK", "rack-0")
         self.datacenter = os.environ.get("GPUPOOL_DATACENTER", "dc-0")
         self.interval = float(getattr(args, "interval", 1.0) or 1.0)
@@ -396,8 +400,8 @@ class NvmlAgent:
 
     async def publish(self, payload, source: str, cause: str | None = None) -> None:
         env = envelope(payload, source=source, seq=self.seq.next(source), time_ms=wall_ms(), causation_id=cause)
-        spec, key = route(env)
-        await self.producer.send(spec.name, key=key, value=encode(env))
+        _, key = route(env)
+        await self.producer.send(self.channel, key=key, value=encode(env))
         self.metrics.observe(payload)
         await self.producer.flush()  # job facts are rare and must not sit in a batch when the agent dies
 
@@ -434,7 +438,7 @@ class NvmlAgent:
 
     @property
     def conn(self):
-        return kafka_conn(self.cfg, self.principal)  # the node principal: writes only what nodes may state
+        return kafka_conn(self.cfg, self.principal)  # the node's principal: writes only its own channel
 
     async def command_loop(self) -> None:
         async def execute(env) -> None:

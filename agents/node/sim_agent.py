@@ -5,7 +5,9 @@ doubles as the heartbeat), and carries out the scheduler's commands once per com
 its duration; its completion is stamped start + duration exactly, so the bill is checkable to the millisecond. A job
 placed with a checkpoint interval reports a checkpoint every interval of its run; one placed with `resume_from` runs
 only what is left. Everything the agent writes goes through `self.producer` (`send(topic, key=, value=)`, `flush()`):
-an AIOKafkaProducer that run() makes, or any object with those coroutines given to the constructor (the tests').
+the node principals' channels that run() connects (agents/node/channels.py: each node writes as its own principal to
+`gpupool.node.NAME`, and the worker relays it), or any object with those coroutines given to the constructor (the
+tests': records then go to their home topics).
 With `speedup` > 1 simulated time runs that much faster than the wall clock (durations, checkpoint intervals and fault
 delays are simulated seconds, event times simulated milliseconds; the telemetry interval stays wall seconds).
 
@@ -36,7 +38,6 @@ import time
 from pathlib import Path
 from dataclasses import dataclass, field
 
-from aiokafka import AIOKafkaProducer
 from agents.node.fencing import Fence
 from infra.kafka_client import consume_commands
 from infra.security import NODE, kafka_conn
@@ -118,7 +119,7 @@ class Fault:
 class SimFleetAgent:
     def __init__(self, cfg: Config, inventories: list[NodeInventory], *, telemetry_interval_s: float = 1.0,
                  group_id: str = "gpupool-agent-sim", faults: list[str] | tuple[str, ...] = (), producer=None,
-                 speedup: float = 1.0, principal: str = NODE, control: Path | None = None):
+                 speedup: float = 1.0, principal: str | None = None, control: Path | None = None):
         if speedup <= 0:
             raise ValueError("speedup must be positive")
         self.cfg = cfg
@@ -126,7 +127,10 @@ class SimFleetAgent:
         self.nodes = {inv.node: SimNode(inv) for inv in inventories}
         self.interval = telemetry_interval_s
         self.group_id = group_id
-        self.principal = principal  # the node principal: it may write inventory, telemetry and job events only
+        # the node principal every node reports as (None: each node's own, agents/node/channels.py): it writes only
+        # its channel, which the worker relays; with a producer given (the tests'), records go to their home topics
+        self.principal = principal
+        self.topic_of: dict[str, str] = {}  # node -> its principal's channel, once run() connected
         self.control = control  # a file of faults to apply as lines are appended (None: none)
         self.seen_commands: set[str] = set()
         self._seq: dict[str, int] = {}
@@ -135,6 +139,7 @@ class SimFleetAgent:
         self.published = 0
         self.stopping = asyncio.Event()
         self.timed_faults: list[Fault] = []
+        self._speakers: dict = {}  # node -> the credentials of its principal (run())
         self.started_mono: float | None = None  # event-loop time the agent started at; timed faults count from it
         self._started_wall = 0
         self._tasks: set[asyncio.Task] = set()
@@ -177,7 +182,7 @@ class SimFleetAgent:
         env = envelope(payload, source=source, seq=self._next_seq(source), time_ms=time_ms or self.now_ms(),
                        causation_id=cause)
         spec, key = route(env)
-        await self.producer.send(spec.name, key=key, value=encode(env))
+        await self.producer.send(self.topic_of.get(payload.node, spec.name), key=key, value=encode(env))
         self.published += 1
         self.metrics.observe(payload)
 
@@ -331,7 +336,9 @@ class SimFleetAgent:
         await self.producer.flush()
 
     async def command_loop(self) -> None:
-        await consume_commands(kafka_conn(self.cfg, self.principal), self.group_id, self.stopping, self.execute, log)
+        # any of the fleet's principals reads the commands (every node principal may; each node takes its own)
+        reader = self.principal or (next(iter(self._speakers.values())).name if self._speakers else NODE)
+        await consume_commands(kafka_conn(self.cfg, reader), self.group_id, self.stopping, self.execute, log)
 
     # ---------------------------------------------------------------- faults
 
@@ -492,9 +499,12 @@ class SimFleetAgent:
         until `stopping` is set. Timed faults fire their delay after this start."""
         own = self.producer is None
         if own:
-            self.producer = AIOKafkaProducer(**kafka_conn(self.cfg, self.principal).options(), acks="all",
-                                             enable_idempotence=True, linger_ms=10, max_batch_size=1 << 20)
+            from agents.node.channels import NodeChannels, speaking_for
+
+            self._speakers = speaking_for(self.cfg, sorted(self.nodes), self.principal)
+            self.producer = NodeChannels(self.cfg, self._speakers, linger_ms=10, max_batch_size=1 << 20)
             await self.producer.start()
+            self.topic_of = dict(self.producer.topic_of)
         self._start_clock()
         try:
             for f in self.timed_faults:

@@ -36,8 +36,8 @@ from schemas.gpu_models import model as gpu_model
 from schemas.events import (
     TIER_RANK, GpuHealth, JobCancelled, JobCheckpointed, JobCompleted, JobFailed, JobInterrupted, JobPending,
     JobRequested, JobStarted, JobStopped, MigrateJob, MigReconfigure, ReservationCancelled, ReservationDecided,
-    ReservationRequested, NodeCordon, NodeInventory, NodeLiveness, NodeRemoved, PlaceJob, PreemptJob, QuotaRejected,
-    QuotaSet, Reason, Rejected, ReleaseJob, ResizeJob, SchedulerTick, Tier, UsageAccrued,
+    ReservationRequested, NodeAdmitted, NodeCordon, NodeInventory, NodeLiveness, NodeRemoved, PlaceJob, PreemptJob,
+    QuotaRejected, QuotaSet, Reason, Rejected, ReleaseJob, ResizeJob, SchedulerTick, Tier, UsageAccrued,
 )
 from streams.core import node_view
 from streams.core.gateway import SOURCE_PREFIX as GATEWAY_PREFIX
@@ -310,7 +310,7 @@ class Scheduler:
         if p.kind not in _SAME_EPOCH:
             self.epoch += 1
         match p:
-            case NodeInventory() | NodeCordon() | NodeLiveness() | GpuHealth() | NodeRemoved():
+            case NodeInventory() | NodeCordon() | NodeLiveness() | GpuHealth() | NodeRemoved() | NodeAdmitted():
                 self.node_epoch += 1  # a node's facts changed: waiting jobs are explained afresh
                 before = self.nodes.get(p.node)
                 self.h.apply(env)

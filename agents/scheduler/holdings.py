@@ -32,7 +32,7 @@ from agents.scheduler.victims import VictimIndex
 from schemas.envelope import Envelope
 from schemas.events import (
     TIER_RANK, GpuHealth, JobRequested, JobStarted, MigrateJob, MigReconfigure, NodeCordon, NodeInventory,
-    NodeLiveness, NodeRemoved, PlaceJob, PreemptJob, ReleaseJob, ResizeJob, Tier,
+    NodeAdmitted, NodeLiveness, NodeRemoved, PlaceJob, PreemptJob, ReleaseJob, ResizeJob, Tier,
 )
 from streams.core import node_view
 
@@ -366,7 +366,7 @@ class Holdings:
         as the scheduler takes it (the node's own time, never later than the log's)."""
         p = env.payload
         match p:
-            case NodeInventory() | NodeCordon() | NodeLiveness() | GpuHealth() | NodeRemoved():
+            case NodeInventory() | NodeCordon() | NodeLiveness() | GpuHealth() | NodeRemoved() | NodeAdmitted():
                 view = self._fold(p.node, env)
                 cap = pool_milli(view)
                 self.cap_milli += cap - self.cap.get(p.node, 0)

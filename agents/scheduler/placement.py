@@ -93,6 +93,8 @@ def _f_schedulable(v: NodeView, job: JobRequested) -> str | None:
         return "NodeNotReady"
     if v.cordoned:
         return "NodeCordoned"
+    if not v.admitted:
+        return "NodeNotAdmitted"  # reported through a node principal, not yet admitted (`gpupool node admit`)
     return None
 
 

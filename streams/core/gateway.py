@@ -27,7 +27,8 @@ TENANT_KINDS = frozenset({
     "job.requested", "job.cancelled", "job.scale_requested", "reservation.requested", "reservation.cancelled",
     "service.declared", "service.removed", "inference.load",
 })
-OPERATOR_KINDS = TENANT_KINDS | frozenset({"quota.set", "node.cordon", "node.removed", "gpu.health", "price.set"})
+OPERATOR_KINDS = TENANT_KINDS | frozenset({"quota.set", "node.cordon", "node.removed", "gpu.health", "price.set",
+                                          "node.admitted"})
 KINDS_BY_ROLE = {"tenant": TENANT_KINDS, "operator": OPERATOR_KINDS}
 JOB_KINDS = frozenset({"job.requested", "job.cancelled", "job.scale_requested"})
 # the id field each request kind names its subject by, qualified with the tenant
@@ -57,13 +58,15 @@ class Principal:
     role: str
     tenant: str | None = None
     token_sha256: str = ""
+    nodes: tuple[str, ...] = ()  # node role: the nodes it speaks for (streams/core/node_relay.py)
+    auto_admit: bool = False
 
 
 def fold_registry(registry: dict[str, Principal], env: Envelope) -> dict[str, Principal]:
     """The principals topic as a map; a removal forgets the name."""
     p = env.payload
     if isinstance(p, PrincipalRegistered):
-        return {**registry, p.name: Principal(p.name, p.role, p.tenant, p.token_sha256)}
+        return {**registry, p.name: Principal(p.name, p.role, p.tenant, p.token_sha256, p.nodes, p.auto_admit)}
     if isinstance(p, PrincipalRemoved):
         return {k: v for k, v in registry.items() if k != p.name}
     return registry

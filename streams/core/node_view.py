@@ -12,7 +12,7 @@ from functools import cached_property
 from schemas.envelope import Envelope
 from schemas.events import (
     Assignment, GpuCard, GpuHealth, GpuSample, GpuTelemetry, MigInstance, MigReconfigure, NodeCordon, NodeHeartbeat, NodeInventory,
-    NodeLiveness, NodeRemoved, PlaceJob, ReleaseJob, ResizeJob,
+    NodeAdmitted, NodeLiveness, NodeRemoved, PlaceJob, ReleaseJob, ResizeJob,
 )
 from schemas.gpu_models import MIG_MEMORY_SLICES, mig_profile, mig_share_milli
 
@@ -69,6 +69,11 @@ class NodeView:
     inventory_ms: int = -1  # event time of the inventory in force
     # card uuid -> (time, layout) of the latest MIG reconfigure command
     mig_commands: dict[str, tuple[int, tuple[MigInstance, ...]]] = field(default_factory=dict)
+    # node identity (docs/security.md): an inventory relayed from a node principal's channel (its envelope's actor
+    # set) makes the node one that needs admission; (event time, admitted) of the latest node.admitted decides it.
+    # A node of a log from before node identity (no relayed inventory, no decision) counts as admitted.
+    needs_admission: bool = False
+    admission: tuple[int, bool] = (-1, False)
 
     @property
     def mig_pending(self) -> frozenset[str]:
@@ -92,6 +97,10 @@ class NodeView:
         return self.removal[1]
 
     @property
+    def admitted(self) -> bool:
+        return self.admission[1] if self.admission[0] >= 0 else not self.needs_admission
+
+    @property
     def alive(self) -> bool:
         return self.last_heartbeat_ms > self.silent_since_ms
 
@@ -104,7 +113,7 @@ class NodeView:
 
     @property
     def schedulable(self) -> bool:
-        return self.inventory is not None and self.alive and not self.cordoned and not self.removed
+        return self.inventory is not None and self.alive and not self.cordoned and not self.removed and self.admitted
 
     def cards(self) -> tuple[GpuCard, ...]:
         return self.inventory.gpus if self.inventory else ()
@@ -241,9 +250,11 @@ def evolve(view: NodeView | None, env: Envelope) -> NodeView:
     t = env.event_time_ms
     match p:
         case NodeInventory():
+            needs = view.needs_admission or env.actor is not None  # relayed from a node principal's channel
             if t < view.inventory_ms:
-                return _mark(view, env, last_heartbeat_ms=max(view.last_heartbeat_ms, t))
-            return _mark(view, env, inventory=p, inventory_ms=t, last_heartbeat_ms=max(view.last_heartbeat_ms, t))
+                return _mark(view, env, last_heartbeat_ms=max(view.last_heartbeat_ms, t), needs_admission=needs)
+            return _mark(view, env, inventory=p, inventory_ms=t, last_heartbeat_ms=max(view.last_heartbeat_ms, t),
+                         needs_admission=needs)
         case MigReconfigure():
             commands = dict(view.mig_commands)
             if t >= commands.get(p.gpu_uuid, (-1, ()))[0]:
@@ -264,6 +275,8 @@ def evolve(view: NodeView | None, env: Envelope) -> NodeView:
             return _mark(view, env, cordon=max(view.cordon, (t, p.cordoned, p.drain)))
         case NodeRemoved():
             return _mark(view, env, removal=max(view.removal, (t, p.removed)))
+        case NodeAdmitted():
+            return _mark(view, env, admission=max(view.admission, (t, p.admitted)))
         case NodeLiveness():
             if p.alive:
                 return _mark(view, env, last_heartbeat_ms=max(view.last_heartbeat_ms, p.last_heartbeat_ms))
