@@ -243,3 +243,19 @@ def test_a_boolean_or_text_is_refused_where_a_number_is_expected(field, value):
     out = gateway.admit(PRINCIPALS[0], "alice", orjson.dumps(BASE["job.requested"] | {field: value}), 1, 1)
     assert out.accepted is None and out.rejected.payload.code == "invalid"
     assert field in out.rejected.payload.reasons[0].message
+
+
+@settings(max_examples=300, deadline=None)
+@given(raw=node_facts() | st.binary(max_size=64), owner=st.sampled_from(["node-n1", "node-n2", "ghost"]))
+def test_the_node_relay_decides_every_channel_record_without_raising(raw, owner):
+    """The relay (a node's channel to the node topics) over what a node may send: each record relayed as a valid
+    record of the node the principal speaks for, or refused with a code."""
+    from streams.core import node_relay
+
+    registry = {"node-n1": Principal("node-n1", "node", nodes=("n1",)),
+                "node-n2": Principal("node-n2", "node", nodes=("n2",))}
+    verdict = node_relay.check(registry.get(owner), owner, raw)
+    if verdict.env is None:
+        assert verdict.code
+    else:
+        assert verdict.env.payload.node in registry[owner].nodes and decode(verdict.raw) == verdict.env
