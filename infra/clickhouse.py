@@ -12,14 +12,15 @@ def statements() -> list[str]:
     return [s.strip() for s in "\n".join(lines).split(";") if s.strip()]
 
 
-def connect(dsn: str, apply_ddl: bool = True):
-    """A client for `dsn` (chdb:///path or http(s)://...). chdb allows one process per data path."""
+def connect(dsn: str, apply_ddl: bool = True, settings: dict | None = None):
+    """A client for `dsn` (chdb:///path or http(s)://...). chdb allows one process per data path. `settings`: the
+    session's (chdb: SET, in order, as the client is made; a server: sent with every request)."""
     if dsn.startswith("chdb://"):
         path = dsn[len("chdb://"):]
         if path.startswith("/") or path.startswith("."):
             from pathlib import Path
             Path(path).mkdir(parents=True, exist_ok=True)
-    client = clickhouse_connect.get_client(dsn=dsn)
+    client = clickhouse_connect.get_client(dsn=dsn, settings=settings)
     if apply_ddl:
         for stmt in statements():
             client.command(stmt)
