@@ -65,6 +65,25 @@ class ApiError(Exception):
         self.status, self.message = status, message
 
 
+# The largest request body read (POST /api/sql): an SQL text of sql_guard.MAX_SQL_BYTES, its JSON escapes and its
+# parameters. Over it: 413.
+MAX_BODY_BYTES = 4 * sql_guard.MAX_SQL_BYTES
+
+
+async def read_body(request, limit: int = MAX_BODY_BYTES) -> bytes:
+    """A request's body, read in chunks and never past `limit` bytes: ApiError(413) as soon as it is longer (a
+    declared Content-Length over the limit is refused before any of it is read)."""
+    if request.content_length is not None and request.content_length > limit:
+        raise ApiError(413, f"the request body is {request.content_length} bytes: at most {limit} are read")
+    chunks, size = [], 0
+    async for chunk in request.content.iter_chunked(64 * 1024):
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, f"the request body is over {limit} bytes: at most {limit} are read")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 def authenticate(header: str | None, registry: dict[str, Principal]) -> Principal:
     """The principal a request's Authorization header proves, or ApiError(401)."""
     if not header:
@@ -673,6 +692,9 @@ async def answer(path: str, principal: Principal, params: dict, body: bytes, run
         doc = service_doc(service, rows)
         return redact(doc, scope) if scope is not None else doc
     if path == "/api/sql":
+        if len(body) > MAX_BODY_BYTES:
+            raise ApiError(413, f"the request body is over {MAX_BODY_BYTES} bytes: an SQL text may have at most "
+                                f"{sql_guard.MAX_SQL_BYTES}")
         try:
             doc = orjson.loads(body or b"{}")
             sql, qp = str(doc.get("sql", "")), doc.get("parameters") or {}
@@ -680,6 +702,8 @@ async def answer(path: str, principal: Principal, params: dict, body: bytes, run
             raise ApiError(400, 'body: {"sql": "...", "parameters": {...}}') from None
         try:
             cols, rows = await runner.theirs(sql, qp)
+        except sql_guard.QueryTooLarge as exc:
+            raise ApiError(413, str(exc)) from None
         except sql_guard.QueryRefused as exc:
             raise ApiError(400, f"refused: {exc}") from None
         except Exception as exc:  # noqa: BLE001 - ClickHouse's own refusal or error, returned to the caller

@@ -5,6 +5,7 @@ answer correctly. The read-only session itself is probed too: a write hidden in 
 straight to it is refused by ClickHouse."""
 from __future__ import annotations
 
+import asyncio
 import re
 from pathlib import Path
 
@@ -335,3 +336,42 @@ def test_a_text_over_the_limit_is_refused_before_any_session(tmp_path):
         sql_guard.run_readonly(f"chdb://{never}", "SELECT 1 -- " + "é" * 40_000)  # 80,012 bytes
     assert not never.exists()  # no session was made
 
+
+def test_a_body_over_the_limit_is_refused_while_it_is_read():
+    """streams.api.read_body on a real aiohttp server: a 4 MB body answers 413 without being read whole."""
+    from aiohttp import ClientSession, web
+    from aiohttp.test_utils import TestServer
+
+    from streams import api
+
+    seen: dict = {}
+
+    async def handler(request):
+        try:
+            body = await api.read_body(request)
+        except api.ApiError as exc:
+            seen["read"] = request.content.total_bytes
+            return web.json_response({"error": exc.message}, status=exc.status)
+        return web.json_response({"n": len(body)})
+
+    async def go():
+        app = web.Application()
+        app.router.add_post("/api/sql", handler)
+        async with TestServer(app) as server, ClientSession() as session:
+            async def chunks(n):  # no Content-Length: the reader must stop on its own
+                for _ in range(n):
+                    yield b"x" * 65536
+
+            async with session.post(server.make_url("/api/sql"), data=chunks(64)) as resp:  # 4 MiB
+                big = resp.status, await resp.json()
+            async with session.post(server.make_url("/api/sql"), data=b"y" * (4 << 20)) as resp:  # declared
+                declared = resp.status
+            async with session.post(server.make_url("/api/sql"), data=b"z" * 1000) as resp:
+                small = resp.status, await resp.json()
+        return big, declared, small
+
+    big, declared, small = asyncio.run(go())
+    assert big[0] == 413 and "at most" in big[1]["error"]
+    assert seen["read"] < 2 * api.MAX_BODY_BYTES  # stopped soon after the limit, not at 4 MiB
+    assert declared == 413
+    assert small == (200, {"n": 1000})
