@@ -1,28 +1,50 @@
 """Ad-hoc SQL for finance, auditors and operators (`gpupool sql`, POST /api/sql), kept harmless by ClickHouse itself.
 
-1. One statement: a small lexer (quotes, back-quotes, comments) finds any `;` that is not the last character. The
-   embedded engine runs every statement of a multi-statement string, so this check comes first.
-2. ClickHouse parses it (`EXPLAIN AST`): the statement must be a SELECT, SHOW, DESCRIBE or EXPLAIN; table functions
-   other than pure generators (numbers, zeros, values, ...) and functions that reach files, URLs or other servers
-   are refused, as are INTO OUTFILE and a SETTINGS clause.
-3. It runs with `readonly=1` (ClickHouse refuses any write, also one hidden in WITH or a subquery, and any change
-   of a setting), on a fresh session (the embedded engine keeps settings per session, so the worker's own session
-   never becomes read-only), under ClickHouse's own limits: time, rows read, result rows, memory.
-4. The caller runs it off the event loop (a thread), so no query can stall folding or scheduling.
+No lexer of ours decides what a text means: ClickHouse's parser does, on a session that is read-only before it sees
+a byte of the text.
+1. Size: a text over MAX_SQL_BYTES is refused before anything parses it (QueryTooLarge; the API answers 413), and
+   ClickHouse's own `max_query_size` bounds every parse below.
+2. A read-only session: the embedded engine gets a fresh client whose session settings (the limits, then
+   `readonly=1`, last) are SET when it is created, before any query; a server gets the same settings with every
+   request, which it applies before it parses the text. Either way ClickHouse refuses writes, DDL, any change of a
+   setting (`SET readonly = 0` included) and the table functions that create or reach out (file, url, s3, remote,
+   executable, ...), whatever the text hides; not everything: KILL QUERY and SYSTEM STOP MERGES run read-only, and
+   the embedded engine writes INTO OUTFILE's file on the host (4 refuses those). The session is asked for its
+   `readonly` before it is used.
+3. One statement, by ClickHouse's parser, never executed while being checked: the text goes as a bound String
+   parameter to `formatQuerySingleLine`, which parses it and fails on a second statement (dollar quotes, comments,
+   nested comments: the parser's own rules). Its output is the canonical text of that one statement, which is
+   parsed once more the same way; from here on only the canonical text is used (no comment, no dollar quote left).
+4. `EXPLAIN AST` of the canonical text (it parses, it does not run the statement) must show a SELECT, SHOW or
+   DESCRIBE; no SETTINGS clause; nothing on the statement but its select list, tables, names and format (a literal
+   there is INTO OUTFILE, on SELECT, SHOW and DESCRIBE alike); no table function but pure generators; no function
+   that reads files, URLs or other servers (the scalar `file()` reads host files even under readonly).
+5. Parameters are bound by ClickHouse only (`{name:Type}` placeholders): text that clickhouse-connect would bind
+   itself (`%(name)s`) is refused, so the text that runs is the text that was checked.
+6. The canonical text runs, on the same read-only session, under ClickHouse's limits: time, rows read, result rows,
+   memory, query size. The caller runs it off the event loop (a thread), so no query can stall folding or scheduling.
+
+Reading `system.*` is allowed: it is the engine's own metadata (the roles that may run SQL read every gpupool table
+anyway), and what the engine's default user may not read (`system.users`: SHOW USERS) ClickHouse refuses itself.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+MAX_SQL_BYTES = 64 * 1024  # the longest SQL text accepted, in UTF-8 bytes (the API answers 413 above it)
 LIMITS = {
     "max_execution_time": 10,
     "max_rows_to_read": 200_000_000,
     "max_result_rows": 100_000,
     "result_overflow_mode": "throw",
     "max_memory_usage": 2 << 30,
+    "max_query_size": MAX_SQL_BYTES,
 }
 ALLOWED_STATEMENTS = frozenset({"SelectWithUnionQuery", "ShowTables", "DescribeQuery", "ShowCreateTableQuery",
                                 "ShowDatabases", "ShowColumns"})
+# What may hang right under the statement in its AST: the select list, a table, names, the output format.
+# A Literal there is INTO OUTFILE (or its COMPRESSION), a Set is a SETTINGS clause; anything else is refused too.
+TOP_CHILDREN = frozenset({"ExpressionList", "Identifier", "TableExpression", "TableIdentifier"})
 # Table functions that read nothing but what they generate.
 SAFE_TABLE_FUNCTIONS = frozenset({"numbers", "numbers_mt", "zeros", "zeros_mt", "generate_series",
                                   "generateSeries", "values", "null", "view", "merge"})
@@ -34,41 +56,18 @@ OUTSIDE_FUNCTIONS = frozenset({
     "deltaLake", "hudi", "hive", "dictionary", "format", "loop", "fuzzJSON", "fuzzQuery", "ytsaurus", "arrowFlight",
     "mergeTreeIndex", "mergeTreeProjection", "paimon", "filesystem", "prometheusQuery", "timeSeriesData",
 })
+# Parses the text (a bound parameter: never part of the query text) into one statement's canonical text, and that
+# text once more; `getSetting` shows the session is read-only before anything else runs on it.
+CANONICAL_SQL = ("SELECT formatQuerySingleLine({q:String}) AS canonical, formatQuerySingleLine(canonical) AS again, "
+                 "getSetting('readonly') AS readonly")
 
 
 class QueryRefused(ValueError):
     pass
 
 
-def single_statement(sql: str) -> str:
-    """The statement without a trailing `;`; QueryRefused when there is more than one."""
-    i, n = 0, len(sql)
-    last_semicolon = -1
-    while i < n:
-        c = sql[i]
-        if c in ("'", '"', "`"):
-            j = i + 1
-            while j < n and sql[j] != c:
-                j += 2 if sql[j] == "\\" else 1
-            i = j + 1
-            continue
-        if sql.startswith("--", i) or sql.startswith("#", i):
-            j = sql.find("\n", i)
-            i = n if j < 0 else j + 1
-            continue
-        if sql.startswith("/*", i):
-            j = sql.find("*/", i + 2)
-            i = n if j < 0 else j + 2
-            continue
-        if c == ";":
-            if last_semicolon >= 0 or sql[i + 1:].strip():
-                raise QueryRefused("one statement per query: found a ';' followed by more")
-            last_semicolon = i
-        i += 1
-    body = sql[:last_semicolon] if last_semicolon >= 0 else sql
-    if not body.strip():
-        raise QueryRefused("empty query")
-    return body.strip()
+class QueryTooLarge(QueryRefused):
+    pass
 
 
 @dataclass(frozen=True)
@@ -93,32 +92,86 @@ def check_ast(lines: list[str]) -> None:
         words = node.label.split()
         if words[0] == "Set" or words[0] == "SetQuery":
             raise QueryRefused("a SETTINGS clause is not allowed: the limits are the server's")
+        if node.depth == nodes[0].depth + 1 and words[0] not in TOP_CHILDREN:
+            if words[0] == "Literal":
+                raise QueryRefused("INTO OUTFILE is not allowed")
+            raise QueryRefused(f"a {words[0]} clause on the statement is not allowed")
         if words[0] == "Function" and len(words) > 1:
             name = words[1]
             parent = next((p for p in reversed(nodes[:k]) if p.depth < node.depth), None)
             is_table = parent is not None and parent.label.startswith("TableExpression")
             if name in OUTSIDE_FUNCTIONS or (is_table and name not in SAFE_TABLE_FUNCTIONS):
                 raise QueryRefused(f"{name}() reaches outside the pool's tables and is not allowed")
-    if top == "SelectWithUnionQuery":
-        children = [n for n in nodes[1:] if n.depth == nodes[1].depth]
-        if any(n.label.startswith("Literal") for n in children):
-            raise QueryRefused("INTO OUTFILE is not allowed")
+
+
+def check_size(sql: str) -> None:
+    n = len(sql.encode("utf-8", "surrogatepass"))
+    if n > MAX_SQL_BYTES:
+        raise QueryTooLarge(f"the SQL text is {n} bytes: at most {MAX_SQL_BYTES} are accepted")
+
+
+def session(dsn: str, limits: dict | None = None):
+    """A fresh read-only session: (a client, the settings each of its queries must carry). The embedded engine: a
+    new client (its own session) whose settings are SET as it is made, before any query, `readonly` last (it
+    forbids any later change); a server: the settings ride with every request, applied before the text is parsed."""
+    from infra.clickhouse import connect
+
+    settings = {**LIMITS, **(limits or {}), "readonly": 1}
+    if dsn.startswith("chdb:"):
+        return connect(dsn, apply_ddl=False, settings=settings), None
+    return connect(dsn, apply_ddl=False), settings
+
+
+def canonical(client, sql: str, per_query: dict | None) -> str:
+    """The one statement `sql` holds, as ClickHouse formats it; QueryRefused for none, several, or a session that
+    is not read-only. Nothing of `sql` is executed: it is a value that formatQuerySingleLine parses."""
+    from clickhouse_connect.driver.exceptions import DatabaseError
+
+    if not sql.strip():
+        raise QueryRefused("empty query")
+    try:
+        r = client.query(CANONICAL_SQL, parameters={"q": sql}, settings=per_query)
+    except DatabaseError as exc:  # ClickHouse's parser said no: say why
+        msg = str(exc)
+        if "Multi-statements are not allowed" in msg:
+            raise QueryRefused("one statement per query: ClickHouse's parser found more than one") from None
+        if "Empty query" in msg:
+            raise QueryRefused("empty query") from None
+        raise QueryRefused(f"ClickHouse could not parse the query: {msg.splitlines()[0][:1500]}") from None
+    text, _, readonly = r.result_rows[0]
+    if int(readonly) < 1:  # never expected: the session was made read-only before this query
+        raise RuntimeError("the SQL session is not read-only: nothing is run")
+    return text
+
+
+def check_parameters(text: str, parameters: dict | None) -> None:
+    """Parameters must be ClickHouse's to bind: refuse any that clickhouse-connect would paste into the text."""
+    if not parameters:
+        return
+    if not isinstance(parameters, dict):
+        raise QueryRefused("parameters: an object of name -> value")
+    from clickhouse_connect.driver.binding import bind_query
+
+    try:
+        bound, _ = bind_query(text, parameters)
+    except Exception as exc:  # noqa: BLE001 - the client could not bind them: the caller's mistake
+        raise QueryRefused(f"parameters: {exc}") from None
+    if bound != text:
+        raise QueryRefused("parameters are bound by ClickHouse: write them as {name:Type} placeholders")
 
 
 def run_readonly(dsn: str, sql: str, parameters: dict | None = None, limits: dict | None = None):
-    """Check and run one read-only statement on a fresh session; returns (column names, rows). Blocking: call it
-    from a thread."""
-    from infra.clickhouse import connect
-
-    body = single_statement(sql)
-    settings = {**LIMITS, **(limits or {})}
-    client = connect(dsn, apply_ddl=False)
+    """Check and run one read-only statement on a fresh read-only session; returns (column names, rows). Blocking:
+    call it from a thread."""
+    check_size(sql)
+    client, per_query = session(dsn, limits)
     try:
-        # EXPLAIN AST only parses (one statement: checked above). The query then runs with the limits and readonly
-        # last, as the session's first settings: a read-only session refuses any later change of a setting.
-        ast = client.query(f"EXPLAIN AST {body}", parameters=parameters or None)
-        check_ast([r[0] for r in ast.result_rows])
-        result = client.query(body, parameters=parameters or None, settings={**settings, "readonly": 1})
+        text = canonical(client, sql, per_query)
+        check_parameters(text, parameters)
+        # raw: no FORMAT clause appended (a statement that takes none, SYSTEM ..., would not parse with one)
+        ast = client.raw_query(f"EXPLAIN AST {text}", parameters=parameters or None, settings=per_query)
+        check_ast(ast.decode("utf-8", "replace").split("\n"))  # TSV: a literal's own line breaks are escaped
+        result = client.query(text, parameters=parameters or None, settings=per_query)
         return list(result.column_names), [list(r) for r in result.result_rows]
     finally:
         client.close()

@@ -59,9 +59,6 @@ OTHER_JOB = "a job of another tenant"
 _QUALIFIED = re.compile(r"(?<![\w/.-])([a-z0-9][a-z0-9-]{0,62})/([A-Za-z0-9_.:#@-][^\s,;()'\"]*)")
 
 
-MAX_BODY_BYTES = 1 << 20  # a request body past this is refused (413) before it is read
-
-
 class ApiError(Exception):
     def __init__(self, status: int, message: str):
         super().__init__(message)
@@ -118,6 +115,25 @@ def claimed_name(header: str | None) -> str:
         return base64.b64decode(value).decode().partition(":")[0][:200]
     except (ValueError, UnicodeDecodeError):
         return ""
+
+
+# The largest request body read (POST /api/sql): an SQL text of sql_guard.MAX_SQL_BYTES, its JSON escapes and its
+# parameters. Over it: 413.
+MAX_BODY_BYTES = 4 * sql_guard.MAX_SQL_BYTES
+
+
+async def read_body(request, limit: int = MAX_BODY_BYTES) -> bytes:
+    """A request's body, read in chunks and never past `limit` bytes: ApiError(413) as soon as it is longer (a
+    declared Content-Length over the limit is refused before any of it is read)."""
+    if request.content_length is not None and request.content_length > limit:
+        raise ApiError(413, f"the request body is {request.content_length} bytes: at most {limit} are read")
+    chunks, size = [], 0
+    async for chunk in request.content.iter_chunked(64 * 1024):
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, f"the request body is over {limit} bytes: at most {limit} are read")
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def authenticate(header: str | None, registry: dict[str, Principal]) -> Principal:
@@ -730,6 +746,9 @@ async def answer(path: str, principal: Principal, params: dict, body: bytes, run
         doc = service_doc(service, rows)
         return redact(doc, scope) if scope is not None else doc
     if path == "/api/sql":
+        if len(body) > MAX_BODY_BYTES:
+            raise ApiError(413, f"the request body is over {MAX_BODY_BYTES} bytes: an SQL text may have at most "
+                                f"{sql_guard.MAX_SQL_BYTES}")
         try:
             doc = orjson.loads(body or b"{}")
             sql, qp = str(doc.get("sql", "")), doc.get("parameters") or {}
@@ -737,6 +756,8 @@ async def answer(path: str, principal: Principal, params: dict, body: bytes, run
             raise ApiError(400, 'body: {"sql": "...", "parameters": {...}}') from None
         try:
             cols, rows = await runner.theirs(sql, qp)
+        except sql_guard.QueryTooLarge as exc:
+            raise ApiError(413, str(exc)) from None
         except sql_guard.QueryRefused as exc:
             raise ApiError(400, f"refused: {exc}") from None
         except Exception as exc:  # noqa: BLE001 - ClickHouse's own refusal or error, returned to the caller

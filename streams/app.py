@@ -99,17 +99,6 @@ def _tp(topic: str, partition: int):
     return TopicPartition(topic, partition)
 
 
-async def _read_body(request) -> bytes:
-    """A request's body, read only up to api.MAX_BODY_BYTES (413 past that: a chunked body says no length first)."""
-    chunks, size = [], 0
-    while chunk := await request.content.read(64 << 10):
-        size += len(chunk)
-        if size > api.MAX_BODY_BYTES:
-            raise api.ApiError(413, f"the request body is over {api.MAX_BODY_BYTES} bytes")
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
 class Worker:
     """Holds the app and the in-process counters the API reports."""
 
@@ -752,10 +741,7 @@ class Worker:
                 raise api.ApiError(405, f"{path} takes {method}")
             header = request.headers.get("Authorization")
             principal = await self._authenticated(request, header)
-            if (request.content_length or 0) > api.MAX_BODY_BYTES:
-                raise api.ApiError(413, f"the request body is {request.content_length} bytes; at most "
-                                        f"{api.MAX_BODY_BYTES} are read")
-            body = await _read_body(request) if request.method == "POST" else b""
+            body = await api.read_body(request) if request.method == "POST" else b""
             if path == "/metrics":
                 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 

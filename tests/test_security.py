@@ -323,14 +323,75 @@ def test_the_authenticated_actor_is_recorded(pool, tmp_path):
     ("SELECT file('/etc/hostname')", "file()"),
     ("SELECT * FROM url('http://127.0.0.1:1/x', CSV, 'a Int')", "url()"),
     ("SELECT * FROM remote('127.0.0.1', system.one)", "remote()"),
-    ("SELECT count() FROM gpupool.usage SETTINGS max_execution_time = 1000", "SETTINGS"),
+    ("SELECT count() FROM gpupool.usage SETTINGS max_execution_time = 1000", "SETTINGS|readonly mode"),
     ("SELECT * FROM system.one INTO OUTFILE '/tmp/gpupool-outfile'", "OUTFILE"),
+    ("SHOW TABLES FROM gpupool INTO OUTFILE '/tmp/gpupool-outfile-show'", "OUTFILE"),
+    ("SELECT $$'$$; DROP TABLE gpupool.price_book; SELECT '1'", "one statement"),
 ])
 def test_sql_is_read_only_and_stays_inside(pool, sql, why):
     with pytest.raises(ApiFailure, match=why):
         pool.client("fin").sql(sql)
     tables = {r[0] for r in pool.client("fin").sql("SHOW TABLES FROM gpupool")[1]}
     assert {"price_book", "usage", "events"} <= tables  # nothing was dropped
+
+
+def test_a_write_hidden_behind_a_dollar_quote_is_refused_and_writes_nothing(pool):
+    """#31's reproduction, through `gpupool --as fin sql`: the old guard's own lexer did not know ClickHouse's
+    dollar-quoted strings, missed the ';', and the embedded engine ran every statement (once in the guard's EXPLAIN,
+    again in the "readonly" run): a forged usage row raised another tenant's bill. ClickHouse's own parser now
+    finds the second statement, and the session it would have run in was read-only before it saw the text."""
+    fin = pool.client("fin")
+
+    def forged() -> tuple:
+        rows = fin.sql("SELECT count() AS n, sum(gpu_milli_ms) AS ms FROM gpupool.usage WHERE tenant = 'globex'")[1]
+        tables = {r[0] for r in fin.sql("SHOW TABLES FROM gpupool")[1]}
+        return tuple(rows[0]), "forged" in tables, "price_book" in tables
+
+    before = forged()
+    assert before[1:] == (False, True)
+    attack = ("SELECT $$'$$; INSERT INTO gpupool.usage (tenant, event_id, gpu_milli_ms) VALUES ('globex', 'forged', "
+              "3600000); CREATE TABLE gpupool.forged (a Int8) ENGINE = Memory; SELECT '1'")
+    out = cli(pool, "--as", "fin", "sql", attack, check=False)
+    assert out.returncode != 0 and "one statement" in out.stderr, out.stderr[-2000:]
+    assert forged() == before  # no row, no table
+    with pytest.raises(ApiFailure, match="400 refused: one statement"):  # the API says the same
+        fin.sql(attack)
+    assert forged() == before
+
+
+def _post_sql(pool, body: bytes) -> tuple[int, str]:
+    """POST /api/sql as fin with this raw body: (status, error)."""
+    c = pool.client("fin")
+    auth = base64.b64encode(f"{c.name}:{c.creds.token}".encode()).decode()
+    req = urllib.request.Request(c._url("/api/sql"), method="POST", data=body,
+                                 headers={"Authorization": f"Basic {auth}", "Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return resp.status, ""
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read()).get("error", "")
+
+
+def test_an_sql_text_over_the_limit_answers_413(pool):
+    from infra.sql_guard import MAX_SQL_BYTES
+    from streams.api import MAX_BODY_BYTES
+
+    text = "SELECT 1 -- " + "x" * MAX_SQL_BYTES  # over the SQL limit, under the body limit
+    status, error = _post_sql(pool, json.dumps({"sql": text}).encode())
+    assert status == 413 and f"at most {MAX_SQL_BYTES}" in error
+    status, error = _post_sql(pool, json.dumps({"sql": "SELECT 1", "pad": "y" * MAX_BODY_BYTES}).encode())
+    assert status == 413 and "request body" in error
+    assert _post_sql(pool, json.dumps({"sql": "SELECT 1"}).encode()) == (200, "")  # the control
+
+
+def test_a_4_mb_sql_text_answers_413(pool):
+    """It answered 500: aiohttp's own read of the whole body raised past 1 MiB (the worker reads bodies with
+    streams.api.read_body now, 413 at MAX_BODY_BYTES)."""
+    try:
+        status, _ = _post_sql(pool, json.dumps({"sql": "SELECT 1 -- " + "x" * (4 << 20)}).encode())
+    except (urllib.error.URLError, OSError) as exc:  # the server closed while the body was being sent
+        status = repr(exc)
+    assert status == 413
 
 
 def test_a_slow_query_is_stopped_and_folding_goes_on(pool):
