@@ -344,10 +344,12 @@ class Worker:
                 # here: the scheduler's readiness is the view's (streams/core/liveness.py)
                 await self.scheduler_input.send(key=env.source.encode(), value=event.value)
             if alive_again(before, after, env):
-                # alive again (an inventory from a node that was silent): a later position than the silence; its
-                # silence counts from this record now, not from its last heartbeat before it went silent
+                # alive again: an inventory from a node that was silent (a later position than the silence; its
+                # silence counts from this record now, not from its last heartbeat before it went silent), or a
+                # "silent" the view disproves, answered (streams/core/liveness.py)
                 log_ms = round(event.message.timestamp * 1000)
-                self.liveness.revived(after.node, partition_of(after.node.encode(), TELEMETRY.partitions), log_ms)
+                if env.kind != "node.liveness":
+                    self.liveness.revived(after.node, partition_of(after.node.encode(), TELEMETRY.partitions), log_ms)
                 source = liveness_source(after.node)
                 await self.send(envelope(NodeLiveness(node=after.node, alive=True,
                                                       last_heartbeat_ms=after.last_heartbeat_ms),

@@ -118,13 +118,14 @@ def test_the_scheduler_holds_a_node_ready_exactly_when_its_view_does_after_a_fal
 
     # 2. a silence the view takes, numbered above the telemetry that will answer it
     hb = _view(stack, "na")["last_heartbeat_ms"]
-    _silence(stack, "na", hb + 15_000, seq=(time.time_ns() // 1_000_000 + 600_000) * 1000)
+    seq = (time.time_ns() // 1_000_000 + 600_000) * 1000
+    _silence(stack, "na", hb + 15_000, seq=seq)
     wait_for(lambda: [e for e in _facts(stack, DECISIONS.name, "job.interrupted")
                       if e.payload.job_id == "acme/j1"], 60, "j1 interrupted by the node's loss", stack)
     # the node's next heartbeats answer it: the view is alive again, and the scheduler with it, by itself
     wait_for(lambda: _readiness(stack) == ([], []), 60, "the scheduler's readiness back to the view's", stack)
     wait_for(lambda: _running(stack, "alice", {"acme/j1"}), 90, "j1 running again on na", stack)
-    alive_again = [e for e in _facts(stack, NODE_CONTROL.name, "node.liveness") if e.payload.alive]
+    alive_again = [e for e in _facts(stack, NODE_CONTROL.name, "node.liveness") if e.payload.alive and e.seq > seq]
     assert alive_again and all(e.payload.last_heartbeat_ms > hb + 15_000 for e in alive_again)
 
 

@@ -31,12 +31,14 @@ view's own last liveness fact too, so one written by an earlier run of the worke
 node facts it is sent (inventory, cordon, health, liveness, removal) but no heartbeat, so it knows a node is alive
 again only from an inventory or an "alive again". The worker's folds therefore (1) send an "alive again" whenever a
 node's view goes from silent to alive, whatever brought it back (a heartbeat, telemetry, an inventory), with the
-view's latest heartbeat, and (2) keep from the scheduler a "silent" that the view already disproves (a heartbeat
-newer than the one the silence was judged after was folded before the silence was read back): forwarded, it made the
+view's latest heartbeat; (2) keep from the scheduler a "silent" that the view already disproves (a heartbeat newer
+than the one the silence was judged after was folded before the silence was read back): forwarded, it made the
 scheduler drop the node and interrupt its jobs while the view -- and `gpupool node list` -- had it alive, and no
 "alive again" ever followed because the view never went silent (issue #31's nodes refused for five minutes until
-their agent was restarted). With both, a node is ready to the scheduler exactly when its view is alive, once the
-facts in flight are read (tests/test_liveness.py::test_the_schedulers_readiness_is_the_node_views).
+their agent was restarted); and (3) answer such a disproved "silent" with an "alive again" all the same: it may have
+taken the sequence number of an "alive again" in flight (a restarted worker's, numbered without knowing of it),
+which is then dropped as not newer. With these, a node is ready to the scheduler exactly when its view is alive,
+once the facts in flight are read (tests/test_liveness.py::test_the_schedulers_readiness_is_the_node_views).
 """
 from __future__ import annotations
 
@@ -158,7 +160,12 @@ def forward_to_scheduler(env: Envelope, after) -> bool:
 
 
 def alive_again(before, after, env: Envelope) -> bool:
-    """Whether folding `env` brought a silent node's view back to life, so that an "alive again" must be sent (an
-    "alive again" itself needs none)."""
-    return before is not None and not before.alive and after.alive and not (
-        isinstance(env.payload, NodeLiveness) and env.payload.alive)
+    """Whether an "alive again" must be sent after folding `env` into the node view (`before` -> `after`): when it
+    brought a silent node's view back to life (an "alive again" itself needs none), and when it is a "silent" the
+    view disproves -- kept from the scheduler (`forward_to_scheduler`), it may also have taken the place of an
+    "alive again" in flight: numbered by a restarted worker that did not know of it, that one is then dropped as
+    not newer, and the scheduler, told of an earlier silence, would wait for an answer that never comes."""
+    p = env.payload
+    if isinstance(p, NodeLiveness):
+        return not p.alive and after.alive
+    return before is not None and not before.alive and after.alive
