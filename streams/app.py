@@ -25,7 +25,7 @@ from schemas.topics import (
 )
 from streams import api, codec, metrics, ui
 from streams.core import cluster_metrics, gateway, job_view, node_relay, node_view, telemetry_history
-from streams.core.liveness import Liveness
+from streams.core.liveness import Liveness, alive_again, forward_to_scheduler, liveness_source
 from streams.telemetry import TelemetryFold
 
 log = logging.getLogger("gpupool.worker")
@@ -529,17 +529,22 @@ class Worker:
         if folded is None:
             return
         env, before, after = folded
-        if env.kind in NODE_FACTS_FOR_SCHEDULER:
+        if env.kind in NODE_FACTS_FOR_SCHEDULER and forward_to_scheduler(env, after):
+            # a "silent" the view already disproves (a newer heartbeat was folded before it was read back) stays
+            # here: the scheduler's readiness is the view's (streams/core/liveness.py)
             await self.scheduler_input.send(key=env.source.encode(), value=event.value)
-        if before is not None and not before.alive and after.alive and env.kind != "node.liveness":
-            # alive again (an inventory from a node that was silent): a later position than the silence; its
-            # silence counts from this record now, not from its last heartbeat before it went silent
-            self.liveness.revived(after.node, partition_of(after.node.encode(), TELEMETRY.partitions),
-                                  round(event.message.timestamp * 1000))
+        if alive_again(before, after, env):
+            # alive again: an inventory from a node that was silent (a later position than the silence; its
+            # silence counts from this record now, not from its last heartbeat before it went silent), or a
+            # "silent" the view disproves, answered (streams/core/liveness.py)
+            log_ms = round(event.message.timestamp * 1000)
+            if env.kind != "node.liveness":
+                self.liveness.revived(after.node, partition_of(after.node.encode(), TELEMETRY.partitions), log_ms)
+            source = liveness_source(after.node)
             await self.send(envelope(NodeLiveness(node=after.node, alive=True,
                                                   last_heartbeat_ms=after.last_heartbeat_ms),
-                                     source=f"{after.node}/liveness",
-                                     seq=self.liveness.next_seq(after.node, round(event.message.timestamp * 1000)),
+                                     source=source,
+                                     seq=self.liveness.next_seq(after.node, log_ms, after.applied.get(source, -1)),
                                      time_ms=env.event_time_ms, causation_id=env.event_id))
 
     async def fold_job(self, event) -> None:
@@ -576,27 +581,35 @@ class Worker:
         fut = await self.clock_topic.send(key=self.app.conf.id.encode(), value=b"")
         return (await fut).timestamp
 
-    def _telemetry_highwaters(self) -> dict[int, int | None]:
-        """How far each telemetry partition this worker owns goes (from the telemetry task's last fetch)."""
+    async def _telemetry_ends(self) -> dict[int, int | None]:
+        """How far each telemetry partition this worker owns goes, asked of the broker now (after the probe of the
+        log's clock). Not the highwater of the telemetry task's last fetch: a worker that is busy or was paused
+        fetched that seconds before the probe, and what came since is not silence (streams/core/liveness.py)."""
         consumer = self.telemetry.consumer
         assigned = consumer.assignment() if consumer is not None else set()
-        return {p: consumer.highwater(tp) for p in self.telemetry.partitions
-                if (tp := _tp(TELEMETRY.name, p)) in assigned}
+        tps = [tp for p in sorted(self.telemetry.partitions) if (tp := _tp(TELEMETRY.name, p)) in assigned]
+        if not tps:
+            return {}
+        ends = await consumer.end_offsets(tps)
+        return {tp.partition: ends.get(tp) for tp in tps}
 
     async def check_liveness(self):
         """Judge silence on log time (streams/core/liveness.py): no stall of this worker, of the broker or of a query
         makes a live node look dead. Each worker judges the nodes of the telemetry partitions it owns."""
         try:
             log_now = await self._log_now()
+            ends = await self._telemetry_ends()  # asked after the probe: records appended before it lie below
         except Exception as exc:  # noqa: BLE001 - the broker is away: no log time passes, nobody is judged
             log.warning("liveness not judged: %s", exc)
             return
-        highwaters = self._telemetry_highwaters()
-        clocks = {p: self.liveness.clock(p, log_now, hw) for p, hw in highwaters.items()}
+        for p, end in ends.items():
+            if end is not None:
+                self.liveness.probed(p, end, log_now)
+        clocks = {p: self.liveness.clock(p) for p in ends}
 
         def clock_of(node: str) -> int | None:  # how far the node's telemetry partition is read (its own if not ours)
             p = partition_of(node.encode(), TELEMETRY.partitions)
-            return clocks[p] if p in clocks else log_now
+            return clocks.get(p) if p in clocks else log_now
 
         await self._emit_minutes(self.minutes.close_before(log_now, clock_of))  # minutes of nodes gone silent
         if self.app.is_leader():  # one pool minute for the whole pool, from the leader among several workers
@@ -605,13 +618,15 @@ class Worker:
             return
         alive = {key: view for key, view in self.own_views(self.node_table, TELEMETRY.partitions)
                  if view.alive and view.inventory is not None and self.telemetry.owns(key)}
-        for key in self.liveness.silent(sorted(alive), log_now, highwaters):
+        for key in self.liveness.silent(sorted(alive), log_now, ends):
             view = alive[key]
             if self._declared_silent.get(key) == view.last_heartbeat_ms:
                 continue  # said already; the view turns silent when fold-nodes reads it back
             self._declared_silent[key] = view.last_heartbeat_ms
+            source = liveness_source(key)
             await self.send(envelope(NodeLiveness(node=key, alive=False, last_heartbeat_ms=view.last_heartbeat_ms),
-                                     source=f"{key}/liveness", seq=self.liveness.next_seq(key, log_now),
+                                     source=source,
+                                     seq=self.liveness.next_seq(key, log_now, view.applied.get(source, -1)),
                                      time_ms=log_now))
 
     # ---------------------------------------------------------------- observability (docs/observability.md)

@@ -132,6 +132,8 @@ class SchedulerAgent:
                 "snapshots": {"written": self.snapshots.count, "last_offset": self.snapshots.last_offset,
                               "last_bytes": self.snapshots.last_bytes} if self.snapshots else None,
                 "nodes": len(self.state.nodes),
+                # the nodes the scheduler holds not alive (placement's NodeNotReady): the node view's "down" ones
+                "not_ready": sorted(n for n, v in self.state.nodes.items() if v.inventory is not None and not v.alive),
                 "bad_input": self.bad_input, "faults": self.faults,
                 "pending": [r.request.job_id for r in self.state.pending_order()][:50]}
 

@@ -45,6 +45,7 @@ from schemas.events import GpuHealth, GpuSample, GpuTelemetry, NodeLiveness
 from schemas.routing import at_home, route
 from schemas.topics import INVENTORY, TELEMETRY
 from streams.core import node_view
+from streams.core.liveness import alive_again, liveness_source
 
 log = logging.getLogger("gpupool.telemetry")
 GROUP = "gpupool-telemetry"
@@ -280,9 +281,12 @@ class TelemetryFold:
                 await w.send(envelope(GpuHealth(node=node, gpu_uuid=gpu, healthy=False, reason=why),
                                       source=health_source(node, gpu), seq=env.seq, time_ms=env.event_time_ms,
                                       causation_id=env.event_id))
-        if before is not None and not before.alive and after.alive:
+        if alive_again(before, after, env):
+            # above the view's last liveness fact (the "silent" it answers, whoever wrote it): never dropped as older,
+            # so the scheduler learns it too (streams/core/liveness.py)
+            source = liveness_source(node)
             await w.send(envelope(NodeLiveness(node=node, alive=True, last_heartbeat_ms=after.last_heartbeat_ms),
-                                  source=f"{node}/liveness", seq=w.liveness.next_seq(node, log_ms),
+                                  source=source, seq=w.liveness.next_seq(node, log_ms, after.applied.get(source, -1)),
                                   time_ms=env.event_time_ms, causation_id=env.event_id))
 
     async def _feed_minutes(self, node: str, envs, log_times: list[int], before, view) -> None:

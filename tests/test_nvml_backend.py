@@ -6,7 +6,6 @@ import json
 import os
 import signal
 import sys
-import time
 from types import SimpleNamespace
 
 import pytest
@@ -346,13 +345,13 @@ def test_preempt_sends_sigterm_then_reports_checkpoint_and_stop():
         ex = Executor("n1", rec, argv_for=lambda p: ["sleep", "30"], clock=lambda: now[0])
         await ex.execute(cmd(place("j", "c1", resume_from="ckpt:j:500")))
         now[0] = 3_000
-        t0 = time.monotonic()
         await ex.execute(cmd(PreemptJob(command_id="c2", job_id="j", node="n1", grace_s=10)))
         await ex.drain()
-        return rec, time.monotonic() - t0
+        return rec
 
-    rec, took = run(go())
-    assert took < 5  # sleep dies on SIGTERM: no grace wait, no SIGKILL
+    rec = run(go())
+    # sleep dies on SIGTERM: no grace wait, no SIGKILL -- shown by the checkpoint, which is reported only when the
+    # job went on SIGTERM (terminate() True; a job killed after its grace reports none), not by a wall-clock bound
     assert rec.kinds() == ["job.started", "job.checkpointed", "job.stopped"]
     ck, stop = rec.events[1][0], rec.events[2][0]
     assert isinstance(ck, JobCheckpointed) and isinstance(stop, JobStopped)
@@ -603,8 +602,9 @@ def test_agent_publishes_inventory_on_change_telemetry_and_health_with_per_sourc
         await agent.publish_inventory()  # changed
         cards[0].ecc_uncorrected = 1
 
-        async def stop_soon():
-            await asyncio.sleep(0.1)
+        async def stop_soon():  # once three telemetry records are out (waited on: no wall-clock window)
+            while sum(decode(value).kind == "gpu.telemetry" for _, _, value in agent.producer.sent) < 3:
+                await asyncio.sleep(0.01)
             agent.stopping.set()
 
         await asyncio.gather(agent.telemetry_loop(), stop_soon())

@@ -16,6 +16,7 @@ from schemas.events import (
 from schemas.topics import INVENTORY, JOB_EVENTS, TELEMETRY
 from streams.core.node_view import evolve
 from tests.builders import Clock
+from tests.virtual_clock import run_virtual
 
 SPEEDUP = 50  # one simulated second = 20 ms
 
@@ -351,18 +352,22 @@ def test_periodic_checkpoints_every_interval():
 # ---------------------------------------------------------------- faults over time
 
 def test_timed_fault_applies_only_after_its_delay(tmp_path):
+    """On the loop's virtual time (tests/virtual_clock.py): the agent's delays are measured on its loop's clock, so
+    "not at 0.05 s, applied by 0.45 s" is a statement about that clock, not a wall-clock window a loaded machine can
+    miss (it did: the 0.05 s sleep woke after the faults' 0.2 s)."""
     async def go():
         ag, rec = agent(speedup=1.0, telemetry_interval_s=0.01, faults=["ecc:n1:0@0.2"])
         ag.inject("slow:n2:4@0.3")
         task = asyncio.create_task(ag.run(consume_commands=False))
         await asyncio.sleep(0.05)
+        assert asyncio.get_running_loop().time() - ag.started_mono < 0.2  # the virtual clock: exactly 0.05 s on
         assert ag.nodes["n2"].slow_factor == 1.0 and not ag.nodes["n1"].ecc_faults
         await asyncio.sleep(0.4)
         ag.stopping.set()
         await task
         return ag, rec
 
-    ag, rec = run(go())
+    ag, rec = run_virtual(go(), 20)
     assert ag.nodes["n2"].slow_factor == 4.0
     t0 = ag.started_mono
     flagged = [(at - t0, any(s.ecc_uncorrected for s in e.payload.samples))
@@ -542,13 +547,14 @@ def test_faults_from_the_control_file_are_applied_while_the_agent_runs(tmp_path)
                 assignments=(Assignment(gpu_uuid=f"GPU-n1-{i}", milli=1000, memory_mib=1000),)),
                 source="scheduler", seq=i + 1, time_ms=1))
         control.write_text("fail:t/j0\nnonsense:x\n")
-        await asyncio.sleep(1.2)
+        while not any(e.kind == "job.failed" for e in agent.producer.sent):  # the control file is read every
+            await asyncio.sleep(0.05)  # 0.5 s: waited on, not on a wall-clock window (go() has a deadline)
         running = sorted(agent.nodes["n1"].running)
         agent.stopping.set()
         await task
         return agent.producer.sent, running
 
-    sent, running = asyncio.run(go())
+    sent, running = asyncio.run(asyncio.wait_for(go(), 60))
     failed = [e.payload for e in sent if e.kind == "job.failed"]
     assert [(f.job_id, f.reason) for f in failed] == [("t/j0", "simulated failure: exit status 1")]
     assert running == ["t/j1"]  # the other job on the node runs on

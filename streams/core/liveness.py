@@ -2,22 +2,50 @@
 timer calls it (streams/app.py).
 
 A node is silent when the telemetry partition it writes to has been read, in log time (the broker's append time),
-`misses` heartbeat intervals past the node's latest heartbeat. A partition's read time is the log's "now" where
-the worker has read everything there is, and the append time of the last record it folded where it is behind: so a
-worker that was stopped, restarted, stalled by a slow query or buried under a burst reads the backlog before it
-judges anyone. Silence is counted only over log time the worker watched: from its start, and again from the end of
-any gap in its own view of the log (a broker outage, a stall of the worker: consecutive probes of the log's clock
-more than `gap_intervals` heartbeat intervals apart). After such a start, nobody is declared silent for
-`recovery_ms` of log time: the nodes' own producers reconnect with backoff and flush what they buffered (Kubernetes'
-node-monitor grace plays the same part). A node not heard from since then is judged once every partition is read up
-to now.
+`misses` heartbeat intervals past the node's latest heartbeat there. How far a partition is read, in log time, is
+known only from the log itself:
 
-Each verdict (silent, or alive again) gets a sequence number above every earlier one for that node, so an "alive
-again" is never taken for older than the "silent" it answers.
+* every record folded says the partition is read up to that record's append time (`folded`);
+* a probe of the log's clock at log time T, with the partition's end offset E **asked of the broker after T** (a
+  record appended before T has an offset below E): once the fold has read up to E, the partition is read up to T
+  (`silent(nodes, T, ends)`; `clock`). Probes not reached yet are kept (`marks`) and count when the fold reaches them.
+
+So a worker that was stopped (SIGSTOP), restarted, stalled by a slow query, or buried under a tenant's burst judges
+by what it has read, never by its own wall clock or by how long it was away: the records it has not read yet are
+not silence. The end offset must be asked after the probe: the highwater of the fold's last fetch is older than the
+probe (a fetch the busy or paused worker made seconds before), and taking it for the end "now" turned every second
+of the worker's delay into a node's silence (issue #31: a 5,000-request burst, or a 5 s SIGSTOP, and all four
+healthy nodes were declared dead).
+
+Silence is counted only over log time the worker watched: from its start, and again from the end of any gap in its
+own view of the log (a broker outage: consecutive probes of the log's clock more than `gap_intervals` heartbeat
+intervals apart). After such a start, nobody is declared silent for `recovery_ms` of log time: the nodes' own
+producers reconnect with backoff and flush what they buffered (Kubernetes' node-monitor grace plays the same part).
+A node not heard from since then is judged once every partition is read up to now.
+
+Each verdict (silent, or alive again) gets a sequence number above every earlier one for that node -- above the
+view's own last liveness fact too, so one written by an earlier run of the worker (or another worker) never makes an
+"alive again" look older than the "silent" it answers.
+
+**The scheduler's readiness is the node view's** (`forward_to_scheduler`, `alive_again`): the scheduler folds the
+node facts it is sent (inventory, cordon, health, liveness, removal) but no heartbeat, so it knows a node is alive
+again only from an inventory or an "alive again". The worker's folds therefore (1) send an "alive again" whenever a
+node's view goes from silent to alive, whatever brought it back (a heartbeat, telemetry, an inventory), with the
+view's latest heartbeat; (2) keep from the scheduler a "silent" that the view already disproves (a heartbeat newer
+than the one the silence was judged after was folded before the silence was read back): forwarded, it made the
+scheduler drop the node and interrupt its jobs while the view -- and `gpupool node list` -- had it alive, and no
+"alive again" ever followed because the view never went silent (issue #31's nodes refused for five minutes until
+their agent was restarted); and (3) answer such a disproved "silent" with an "alive again" all the same: it may have
+taken the sequence number of an "alive again" in flight (a restarted worker's, numbered without knowing of it),
+which is then dropped as not newer. With these, a node is ready to the scheduler exactly when its view is alive,
+once the facts in flight are read (tests/test_liveness.py::test_the_schedulers_readiness_is_the_node_views).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from schemas.envelope import Envelope
+from schemas.events import NodeLiveness
 
 
 @dataclass
@@ -29,6 +57,7 @@ class Liveness:
     heard: dict[str, tuple[int, int]] = field(default_factory=dict)  # node -> (partition, log time of its heartbeat)
     read: dict[int, tuple[int, int]] = field(default_factory=dict)  # partition -> (next offset, log time read to)
     start: dict[int, int] = field(default_factory=dict)  # partition -> the offset this worker began reading at
+    marks: dict[int, list[tuple[int, int]]] = field(default_factory=dict)  # partition -> [(end offset, log time)]
     started_ms: int | None = None  # log time from which silence counts: this worker's start, or the end of a gap
     last_probe_ms: int | None = None
     seq: dict[str, int] = field(default_factory=dict)
@@ -51,24 +80,44 @@ class Liveness:
         nxt, t = self.read.get(partition, (0, 0))
         self.read[partition] = (max(nxt, offset + 1), max(t, log_ms))
 
-    def clock(self, partition: int, log_now: int, highwater: int | None) -> int | None:
-        """How far `partition` is read, in log time; None while that is not known."""
-        nxt = self.read.get(partition, (self.start.get(partition), None))[0]
-        if highwater is None or nxt is None:
-            return None
-        if nxt >= highwater:
-            return log_now
+    def _next(self, partition: int) -> int | None:
+        return self.read[partition][0] if partition in self.read else self.start.get(partition)
+
+    def probed(self, partition: int, end: int, log_ms: int) -> None:
+        """The broker said, after log time `log_ms`, that `partition` ends at `end`: everything appended to it
+        before `log_ms` is below `end`."""
+        marks = self.marks.setdefault(partition, [])
+        if not marks or marks[-1][1] < log_ms:
+            marks.append((end, log_ms))
+        self.clock(partition)
+
+    def clock(self, partition: int) -> int | None:
+        """How far `partition` is read, in log time: the latest probe whose end offset the fold has reached, or the
+        append time of the last record folded, whichever is later; None while neither is known."""
+        nxt = self._next(partition)
+        marks = self.marks.get(partition)
+        if nxt is not None and marks:
+            reached = [t for end, t in marks if end <= nxt]
+            if reached:
+                self.marks[partition] = [(end, t) for end, t in marks if end > nxt]
+                _, t = self.read.get(partition, (nxt, None))
+                self.read[partition] = (nxt, max(reached) if t is None else max(t, max(reached)))
         return self.read[partition][1] if partition in self.read else None
 
-    def silent(self, nodes: list[str], log_now: int, highwaters: dict[int, int | None]) -> list[str]:
-        """Of `nodes` (those the view holds alive), the ones to declare silent now."""
+    def silent(self, nodes: list[str], log_now: int, ends: dict[int, int | None]) -> list[str]:
+        """Of `nodes` (those the view holds alive), the ones to declare silent now. `log_now`: the log's time by a
+        probe of its clock; `ends`: each telemetry partition this worker judges, with its end offset as the broker
+        gave it **after** that probe (None where not known)."""
         gap = self.last_probe_ms is not None and log_now - self.last_probe_ms > self.gap_intervals * self.interval_ms
         if self.started_ms is None or gap:
             self.started_ms = log_now  # the worker did not watch the log meanwhile: nobody's silence counts from it
-        self.last_probe_ms = log_now
+        self.last_probe_ms = max(log_now, self.last_probe_ms or log_now)
+        for p, end in ends.items():
+            if end is not None:
+                self.probed(p, end, log_now)
         limit = self.misses * self.interval_ms
-        clocks = {p: self.clock(p, log_now, hw) for p, hw in highwaters.items()}
-        all_read = bool(clocks) and all(c == log_now for c in clocks.values())
+        clocks = {p: self.clock(p) for p in ends}
+        all_read = bool(clocks) and all(c is not None and c >= log_now for c in clocks.values())
         if log_now - self.started_ms < max(self.recovery_ms, limit):
             return []
         out = []
@@ -82,8 +131,10 @@ class Liveness:
                 out.append(node)
         return out
 
-    def next_seq(self, node: str, log_ms: int) -> int:
-        seq = max(log_ms * 1000, self.seq.get(node, -1) + 1)
+    def next_seq(self, node: str, log_ms: int, applied: int = -1) -> int:
+        """The sequence number of a verdict on `node` at `log_ms`: above every earlier one of this judge and above
+        `applied`, the last liveness fact the node's view holds (whoever wrote it)."""
+        seq = max(log_ms * 1000, self.seq.get(node, -1) + 1, applied + 1)
         self.seq[node] = seq
         return seq
 
@@ -93,3 +144,28 @@ class Liveness:
         for p in partitions:
             self.read.pop(p, None)
             self.start.pop(p, None)
+            self.marks.pop(p, None)
+
+
+def liveness_source(node: str) -> str:
+    return f"{node}/liveness"
+
+
+def forward_to_scheduler(env: Envelope, after) -> bool:
+    """Whether a node fact the scheduler reads goes to it, given the node view `after` folding it: all do, except a
+    "silent" that the view already disproves (`after` is alive: a heartbeat newer than the one the silence was
+    judged after is in the view). See the module's docstring."""
+    p = env.payload
+    return not (isinstance(p, NodeLiveness) and not p.alive and after.alive)
+
+
+def alive_again(before, after, env: Envelope) -> bool:
+    """Whether an "alive again" must be sent after folding `env` into the node view (`before` -> `after`): when it
+    brought a silent node's view back to life (an "alive again" itself needs none), and when it is a "silent" the
+    view disproves -- kept from the scheduler (`forward_to_scheduler`), it may also have taken the place of an
+    "alive again" in flight: numbered by a restarted worker that did not know of it, that one is then dropped as
+    not newer, and the scheduler, told of an earlier silence, would wait for an answer that never comes."""
+    p = env.payload
+    if isinstance(p, NodeLiveness):
+        return not p.alive and after.alive
+    return before is not None and not before.alive and after.alive
