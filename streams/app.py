@@ -141,6 +141,10 @@ class Worker:
         self.dead_letter_topic = self.app.topic(DEAD_LETTERS.name, **raw)
         self.clock_topic = self.app.topic(CLOCK.name, **raw)
         self.liveness = Liveness(interval_ms=int(HEARTBEAT_INTERVAL_S * 1000))
+        # how far, in log time, the node relay has carried the node channels into the node topics: the same reading
+        # clock as the telemetry partitions' (Liveness.probed/folded/clock), kept per channel partition
+        self.relayed = Liveness(interval_ms=int(HEARTBEAT_INTERVAL_S * 1000))
+        self.relay_consumer = None
         self._declared_silent: dict[str, int] = {}  # node -> the last heartbeat its silence was declared after
         self.home_topics = {s.name: self.app.topic(s.name, **raw)
                             for s in (INVENTORY, TELEMETRY, JOB_EVENTS, NODE_CONTROL, JOB_REQUESTS, DECISIONS,
@@ -343,6 +347,7 @@ class Worker:
         commands.assign([_tp(COMMANDS.name, p) for p in range(COMMANDS.partitions)])
         await commands.seek_to_beginning()
         consumer.subscribe(pattern=f"^{NODE_CHANNEL_PREFIX.replace('.', chr(92) + '.')}.+")
+        self.relay_consumer = consumer
         try:
             while True:
                 batches = await consumer.getmany(timeout_ms=500, max_records=2000)
@@ -353,6 +358,7 @@ class Worker:
                         await self._registry_caught_up()
                     for msg in msgs:
                         await self._relay_one(producer, commands, owner, msg)
+                        self.relayed.folded(tp, msg.offset, msg.timestamp)
                     await producer.flush()
                     await commit_or_reread(consumer, {tp: msgs[-1].offset + 1}, log)
         finally:
@@ -593,11 +599,32 @@ class Worker:
         ends = await consumer.end_offsets(tps)
         return {tp.partition: ends.get(tp) for tp in tps}
 
+    async def _relay_clock(self, log_now: int) -> int | None:
+        """How far, in log time, everything the nodes said on the channels this worker relays has reached the node
+        topics: each channel partition read to the end the broker gives now (after the probe at `log_now`), or to
+        its last record relayed. A node's heartbeat reaches the telemetry topic through the relay, so a relay that is
+        paused or behind (a burst on the loop it shares) must not make the nodes look silent: the judge reads the
+        log only up to this clock. None while a partition's position is not known yet (the relay starting)."""
+        consumer = self.relay_consumer
+        tps = sorted(consumer.assignment()) if consumer is not None else []
+        if not tps:
+            return log_now
+        ends = await consumer.end_offsets(tps)
+        clocks = []
+        for tp in tps:
+            if tp not in self.relayed.read and tp not in self.relayed.start:
+                self.relayed.start[tp] = await consumer.position(tp)
+            if ends.get(tp) is not None:
+                self.relayed.probed(tp, ends[tp], log_now)
+            clocks.append(self.relayed.clock(tp))
+        return None if any(c is None for c in clocks) else min(clocks)
+
     async def check_liveness(self):
         """Judge silence on log time (streams/core/liveness.py): no stall of this worker, of the broker or of a query
         makes a live node look dead. Each worker judges the nodes of the telemetry partitions it owns."""
         try:
             log_now = await self._log_now()
+            relayed = await self._relay_clock(log_now)  # asked after the probe, before the telemetry's ends
             ends = await self._telemetry_ends()  # asked after the probe: records appended before it lie below
         except Exception as exc:  # noqa: BLE001 - the broker is away: no log time passes, nobody is judged
             log.warning("liveness not judged: %s", exc)
@@ -618,7 +645,16 @@ class Worker:
             return
         alive = {key: view for key, view in self.own_views(self.node_table, TELEMETRY.partitions)
                  if view.alive and view.inventory is not None and self.telemetry.owns(key)}
+        if relayed is None:
+            return  # the relay is starting: what the nodes said is not all on the log's node topics yet
+        limit = self.liveness.misses * self.liveness.interval_ms
         for key in self.liveness.silent(sorted(alive), log_now, ends):
+            # and silent up to what the relay carried: every channel was relayed up to `relayed`, so a node heard
+            # last at `t` (a relayed record's time, no earlier than the node said it) said nothing in (t, relayed);
+            # a relay paused or behind (a burst on the loop it shares) is then never taken for the nodes' silence
+            heard = self.liveness.heard.get(key)
+            if relayed - (heard[1] if heard is not None else log_now - limit) <= limit:
+                continue
             view = alive[key]
             if self._declared_silent.get(key) == view.last_heartbeat_ms:
                 continue  # said already; the view turns silent when fold-nodes reads it back
