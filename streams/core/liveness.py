@@ -35,9 +35,9 @@ view's latest heartbeat; (2) keep from the scheduler a "silent" that the view al
 than the one the silence was judged after was folded before the silence was read back): forwarded, it made the
 scheduler drop the node and interrupt its jobs while the view -- and `gpupool node list` -- had it alive, and no
 "alive again" ever followed because the view never went silent (issue #31's nodes refused for five minutes until
-their agent was restarted); and (3) answer such a disproved "silent" with an "alive again" all the same: it may have
-taken the sequence number of an "alive again" in flight (a restarted worker's, numbered without knowing of it),
-which is then dropped as not newer. With these, a node is ready to the scheduler exactly when its view is alive,
+their agent was restarted); and (3) answer with an "alive again" every liveness record read back after which the
+view is alive but the scheduler may not know it: a disproved "silent", an "alive again" dropped as not newer (a
+restarted worker numbers without knowing of the verdicts in flight), one whose heartbeat a later silence covers. With these, a node is ready to the scheduler exactly when its view is alive,
 once the facts in flight are read (tests/test_liveness.py::test_the_schedulers_readiness_is_the_node_views).
 """
 from __future__ import annotations
