@@ -533,6 +533,10 @@ class Worker:
         if decoded is not None and m.topic == COMMANDS.name:
             self.metrics.command(decoded, round(m.timestamp * 1000), self._model_of(decoded))
         if folded is None:
+            if decoded is not None and decoded.kind == "node.liveness":  # dropped as not newer: answered?
+                view = self.view_of(decoded.payload.node)
+                if alive_again(view, view, decoded):
+                    await self._alive_again(view, decoded, round(m.timestamp * 1000))
             return
         env, before, after = folded
         if env.kind in NODE_FACTS_FOR_SCHEDULER and forward_to_scheduler(env, after):
@@ -546,12 +550,15 @@ class Worker:
             log_ms = round(event.message.timestamp * 1000)
             if env.kind != "node.liveness":
                 self.liveness.revived(after.node, partition_of(after.node.encode(), TELEMETRY.partitions), log_ms)
-            source = liveness_source(after.node)
-            await self.send(envelope(NodeLiveness(node=after.node, alive=True,
-                                                  last_heartbeat_ms=after.last_heartbeat_ms),
-                                     source=source,
-                                     seq=self.liveness.next_seq(after.node, log_ms, after.applied.get(source, -1)),
-                                     time_ms=env.event_time_ms, causation_id=env.event_id))
+            await self._alive_again(after, env, log_ms)
+
+    async def _alive_again(self, view, cause: Envelope, log_ms: int) -> None:
+        """A `node.liveness` alive for `view`, numbered above the view's last liveness fact."""
+        source = liveness_source(view.node)
+        await self.send(envelope(NodeLiveness(node=view.node, alive=True, last_heartbeat_ms=view.last_heartbeat_ms),
+                                 source=source, seq=self.liveness.next_seq(view.node, log_ms,
+                                                                           view.applied.get(source, -1)),
+                                 time_ms=cause.event_time_ms, causation_id=cause.event_id))
 
     async def fold_job(self, event) -> None:
         env = await self._decode(event)

@@ -35,9 +35,9 @@ view's latest heartbeat; (2) keep from the scheduler a "silent" that the view al
 than the one the silence was judged after was folded before the silence was read back): forwarded, it made the
 scheduler drop the node and interrupt its jobs while the view -- and `gpupool node list` -- had it alive, and no
 "alive again" ever followed because the view never went silent (issue #31's nodes refused for five minutes until
-their agent was restarted); and (3) answer such a disproved "silent" with an "alive again" all the same: it may have
-taken the sequence number of an "alive again" in flight (a restarted worker's, numbered without knowing of it),
-which is then dropped as not newer. With these, a node is ready to the scheduler exactly when its view is alive,
+their agent was restarted); and (3) answer with an "alive again" every liveness record read back after which the
+view is alive but the scheduler may not know it: a disproved "silent", an "alive again" dropped as not newer (a
+restarted worker numbers without knowing of the verdicts in flight), one whose heartbeat a later silence covers. With these, a node is ready to the scheduler exactly when its view is alive,
 once the facts in flight are read (tests/test_liveness.py::test_the_schedulers_readiness_is_the_node_views).
 """
 from __future__ import annotations
@@ -160,12 +160,20 @@ def forward_to_scheduler(env: Envelope, after) -> bool:
 
 
 def alive_again(before, after, env: Envelope) -> bool:
-    """Whether an "alive again" must be sent after folding `env` into the node view (`before` -> `after`): when it
-    brought a silent node's view back to life (an "alive again" itself needs none), and when it is a "silent" the
-    view disproves -- kept from the scheduler (`forward_to_scheduler`), it may also have taken the place of an
-    "alive again" in flight: numbered by a restarted worker that did not know of it, that one is then dropped as
-    not newer, and the scheduler, told of an earlier silence, would wait for an answer that never comes."""
+    """Whether an "alive again" must be sent after fold-nodes read `env` (`before` -> `after`; `after is before`
+    where the view dropped it as not newer), so that the scheduler holds the node alive exactly when the view does:
+
+    * any record that brought a silent node's view back to life (an inventory; the telemetry task asks the same of
+      its batches);
+    * a liveness record after which the view is alive but the scheduler may not know it: a "silent" the view
+      disproves (kept from the scheduler), an "alive again" dropped as not newer (numbered by a restarted worker
+      that did not know of a verdict in flight: the answer it carried is lost), or one whose heartbeat a later
+      silence already covers. Not an "alive again" the view applied and stays alive after: the scheduler gets it
+      and holds the node alive too."""
     p = env.payload
     if isinstance(p, NodeLiveness):
-        return not p.alive and after.alive
+        if after is None or not after.alive:
+            return False
+        told = p.alive and after is not before and p.last_heartbeat_ms > after.silent_since_ms
+        return not told
     return before is not None and not before.alive and after.alive
