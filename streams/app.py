@@ -535,7 +535,7 @@ class Worker:
         if folded is None:
             if decoded is not None and decoded.kind == "node.liveness":  # dropped as not newer: answered?
                 view = self.view_of(decoded.payload.node)
-                if alive_again(view, view, decoded):
+                if view is not None and alive_again(view, view, decoded):
                     await self._alive_again(view, decoded, round(m.timestamp * 1000))
             return
         env, before, after = folded
