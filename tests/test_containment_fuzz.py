@@ -9,8 +9,6 @@ record; nothing but a `DecodeError` leaves the decoder; no fold and no scheduler
 decodes. The live half (tests/test_containment_live.py) shows the worker itself going on."""
 from __future__ import annotations
 
-import unicodedata
-
 import orjson
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -18,7 +16,7 @@ from hypothesis import strategies as st
 
 from agents.scheduler.core import Scheduler, step_contained
 from schemas.envelope import DecodeError, decode, decode_fast, encode, envelope
-from schemas.events import ID_MAX, KINDS, NodeInventory
+from schemas.events import ID_MAX, KINDS, NodeInventory, QuotaSet, SchedulerTick
 from streams.core import gateway, job_view, node_view
 from streams.core.gateway import TENANT_KINDS, Principal
 from streams.core.rows import rows_for
@@ -78,8 +76,9 @@ def requests(draw) -> dict:
 
 
 def _readable(text: str) -> bool:
-    """A reason a person reads in a table: no control or format characters (a bidi override, a NUL, a newline)."""
-    return all(unicodedata.category(ch)[0] != "C" for ch in text)
+    """A reason a person reads in a table: no control or format characters (a bidi override, a NUL, a newline), by
+    the contracts' one rule for an id's characters (its Unicode tables, not this Python's older ones), or a space."""
+    return all(ch == " " or gateway.valid_id(ch) for ch in text)
 
 
 def _answer_text(env) -> str:
@@ -156,7 +155,6 @@ def node_facts(draw) -> bytes:
     return orjson.dumps(doc) if _encodable(doc) else b"{}"
 
 
-@pytest.fixture(scope="module")
 def scheduler_with_a_node():
     s = Scheduler()
     inv = envelope(NodeInventory.model_validate(FACTS["node.inventory"] | {"gpus": [
@@ -166,11 +164,12 @@ def scheduler_with_a_node():
     return s
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=400, deadline=None)
 @given(raw=node_facts(), request=requests())
-def test_no_fold_and_no_scheduler_step_raises_on_a_record_that_decodes(scheduler_with_a_node, raw, request):
+def test_no_fold_and_no_scheduler_step_raises_on_a_record_that_decodes(raw, request):
     """What a node sends, and what the gateway lets in, through every fold: the node view, the job view, the
     telemetry fold, the scheduler, the sink's rows. A record that decodes is one the folds must take."""
+    scheduler = scheduler_with_a_node()  # a fresh one each example: a property over one input, not a history
     envs = []
     try:
         envs.append(decode(raw))
@@ -187,7 +186,7 @@ def test_no_fold_and_no_scheduler_step_raises_on_a_record_that_decodes(scheduler
             node_view.evolve(None, env)
         if hasattr(env.payload, "job_id"):
             job_view.evolve(None, env)
-        _, fault = step_contained(scheduler_with_a_node, env, 10)
+        _, fault = step_contained(scheduler, env, 10)
         assert fault is None, fault
         rows_for(env, "gpupool.job-events", 0, 1)
 
@@ -218,15 +217,36 @@ def test_step_contained_skips_an_input_whose_handling_raises_and_goes_on():
 
 def test_an_over_long_id_is_refused_with_a_valid_answer_not_a_crash():
     """The reproduction of #31: a job id of 201 characters (any of about 196 or more once qualified) made a refusal
-    the contracts refused, and the exception stopped the worker."""
-    longest = gateway.admit(PRINCIPALS[0], "alice", orjson.dumps(BASE["job.requested"] | {"job_id": "x" * 195}), 1, 1)
-    assert longest.accepted.payload.job_id == "acme/" + "x" * 195  # 200 with the tenant: the longest id there is
-    assert decode_fast(encode(longest.accepted)) == longest.accepted  # its source stands for the key, within bounds
-    for n in (196, 201, 5000):
+    the contracts refused, and the exception stopped the worker. A request's id may have REQUEST_ID_MAX characters
+    with the tenant's prefix: the ids the pool derives from it (a hold, its placement, a replica) stay ids."""
+    n_max = gateway.REQUEST_ID_MAX - len("acme/")
+    longest = gateway.admit(PRINCIPALS[0], "alice", orjson.dumps(BASE["job.requested"] | {"job_id": "x" * n_max}), 1, 1)
+    assert longest.accepted.payload.job_id == "acme/" + "x" * n_max
+    assert decode_fast(encode(longest.accepted)) == longest.accepted
+    for n in (n_max + 1, 196, 201, 5000):
         out = gateway.admit(PRINCIPALS[0], "alice", orjson.dumps(BASE["job.requested"] | {"job_id": "x" * n}), 1, 1)
         assert out.accepted is None and out.rejected is not None, n
         assert decode_fast(encode(out.rejected)) == out.rejected
-        assert "at most 200" in out.rejected.payload.message
+        assert f"at most {gateway.REQUEST_ID_MAX}" in _answer_text(out.rejected)
+
+
+def test_the_ids_the_pool_derives_from_the_longest_request_id_are_ids():
+    """Found by the fold property below: a reservation id of 196 characters was admitted, and its hold's placement
+    (`hold-ID#hold-0`) was no id -- the scheduler raised on it. The longest a request may give leaves room for them."""
+    rid = "r" * (gateway.REQUEST_ID_MAX - len("acme/"))
+    doc = BASE["reservation.requested"] | {"reservation_id": rid, "start_ms": 0, "end_ms": 10 ** 12}
+    env = gateway.admit(PRINCIPALS[0], "alice", orjson.dumps(doc), 1, 1).accepted
+    s = Scheduler()
+    outs = []
+    for e in (envelope(NodeInventory.model_validate(FACTS["node.inventory"] | {"gpus": [
+            {"uuid": "GPU-n1-0", "index": 0, "model": "A100-80GB", "memory_mib": 81920}]}), source="n1", seq=1,
+            time_ms=1), envelope(QuotaSet(tenant="acme", gpu_milli=10_000), source="in/admin/acme", seq=1, time_ms=1),
+              env, envelope(SchedulerTick(now_ms=5_000), source="ticker", seq=1, time_ms=5_000)):
+        out, fault = step_contained(s, e, e.event_time_ms + 1)
+        assert fault is None, fault
+        outs += out
+    assert [o.payload.status for o in outs if o.kind == "reservation.decided"][-1] == "active"
+    assert s.jobs[f"acme/{rid}#hold"].placement is not None  # the hold holds its card (placed, not emitted)
 
 
 @pytest.mark.parametrize("bad", ["a\x00b", "a\nb", "a\u202eb", "a b", "a\u200bb", "\ufeffa"])

@@ -16,10 +16,9 @@ PACKAGES = {"streams", "streams.core", "agents", "agents.scheduler", "agents.nod
 # What the core may import, allowed on purpose (a new import fails here until it is added): the standard library's
 # pure modules named, pydantic, numpy (FGD's measure), orjson (the codec), the schemas and other core modules. No
 # Faust, aiokafka, ClickHouse, asyncio, clock, randomness, files or sockets. hashlib: a finished job's request
-# fingerprint (holdings.fingerprint, BLAKE2b: deterministic in every process, unlike hash()); unicodedata: the
-# gateway's check of an id's characters (Unicode's categories, a table).
+# fingerprint (holdings.fingerprint, BLAKE2b: deterministic in every process, unlike hash()).
 ALLOWED_TOPS = {"__future__", "array", "dataclasses", "typing", "collections", "enum", "bisect", "functools", "itertools",
-                "heapq", "math", "abc", "numpy", "pydantic", "orjson", "schemas", "hashlib", "unicodedata"}
+                "heapq", "math", "abc", "numpy", "pydantic", "orjson", "schemas", "hashlib"}
 
 
 def _module(path: Path) -> str:

@@ -59,7 +59,7 @@ def test_records_that_stopped_the_pool_are_refused_and_everyone_goes_on(pool):
     assert worker.poll() is None, pool.log("worker")[-3000:]  # the same process: it never stopped
     answers = _answers(pool)
     long = [a.payload for a in answers if a.kind == "request.rejected" and a.payload.subject.startswith("xxxx")]
-    assert long and "at most 200" in long[0].message and long[0].principal == "alice"
+    assert long and "at most 160" in long[0].message and long[0].principal == "alice"
     bidi = [a.payload for a in answers if a.kind == "request.rejected" and a.payload.subject == "a\\u202eb"]
     assert bidi and "U+202E is not allowed in an id" in bidi[0].message  # quoted escaped: it cannot turn a line
     assert any(a.kind == "request.rejected" and a.payload.subject == "nul\\x00l" for a in answers)

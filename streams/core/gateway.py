@@ -14,7 +14,6 @@ Every refusal is an event the sender can read: `job.rejected` for job requests, 
 from __future__ import annotations
 
 import hashlib
-import unicodedata
 from dataclasses import dataclass
 
 from pydantic import TypeAdapter, ValidationError
@@ -37,6 +36,10 @@ ID_FIELDS = {"job.requested": "job_id", "job.cancelled": "job_id", "job.scale_re
              "service.declared": "service_id", "service.removed": "service_id", "inference.load": "service_id"}
 SOURCE_PREFIX = "in/"
 _IDENT = TypeAdapter(Ident)
+# The longest id a request may give (the tenant's prefix included): the pool derives ids from it -- a reservation's
+# hold (`ID#hold`) and its placement (`hold-ID#hold-0`), a service's replicas (`ID/r12`), a release
+# (`release-ID`) -- each of which must still be an id (ID_MAX). 40 characters are kept for those.
+REQUEST_ID_MAX = ID_MAX - 40
 
 
 @dataclass(frozen=True)
@@ -134,7 +137,7 @@ def admit(principal: Principal | None, owner: str, raw: bytes | None, offset: in
         try:
             meta, payload = _request_doc(raw)
         except DecodeError as exc:
-            answer = _refusal(principal, owner, raw, offset, log_ms, {}, Refused(exc.code, exc.detail))
+            answer = _refusal(principal, owner, offset, log_ms, {}, Refused(exc.code, exc.detail))
             return Outcome(rejected=answer.rejected, dead_letter=(exc.code, exc.detail))
         if window_first is not None and offset - window_first >= limit.per_window:
             raise Refused("rate_limited", f"{owner} sent more than {limit.per_window} requests in "
@@ -167,7 +170,7 @@ def admit(principal: Principal | None, owner: str, raw: bytes | None, offset: in
         except ValidationError as exc:
             raise Refused("invalid", _invalid(exc)) from None
     except Refused as why:
-        return _refusal(principal, owner, raw, offset, log_ms, payload, why)
+        return _refusal(principal, owner, offset, log_ms, payload, why)
     return Outcome(accepted=env)
 
 
@@ -181,7 +184,7 @@ def _invalid(exc: ValidationError) -> str:
     return f"{where}: {first['msg']}"
 
 
-def _refusal(principal: Principal | None, owner: str, raw: bytes | None, offset: int, log_ms: int, payload: dict,
+def _refusal(principal: Principal | None, owner: str, offset: int, log_ms: int, payload: dict,
              why: Refused) -> Outcome:
     """The answer to a refused request; should even that not be built, the raw record as a dead letter, so that no
     record can stop the gateway (every refusal has an outcome: an answer, or a dead letter saying why not)."""
@@ -252,17 +255,18 @@ def printable(text: str, limit: int = 200) -> str:
     """`text` as it may be shown in a table or a log line: cut to `limit` characters, and every character an id may
     not hold (control, format such as a bidi override, white space other than a plain space) written as an escape,
     so a refusal quoting what the sender sent can neither break a line nor turn the text around."""
-    return "".join(ch if ch == " " or unicodedata.category(ch)[0] in "LMNPS"
-                   else ch.encode("unicode_escape").decode("ascii") for ch in text[:limit])
+    return "".join(ch if ch == " " or valid_id(ch) else ch.encode("unicode_escape").decode("ascii")
+                   for ch in text[:limit])
 
 
-def id_problem(field: str, text: str) -> str | None:
-    """Why `text` is not an id the contracts take, in words a sender reads; None when it is one."""
+def id_problem(field: str, text: str, longest: int = REQUEST_ID_MAX) -> str | None:
+    """Why `text` is not an id a request may give, in words a sender reads; None when it is one. The characters
+    are the contracts' rule (`valid_id`, schemas/events.py's Ident), asked of each character to name the one."""
     if not text:
         return f"{field}: empty"
-    if len(text) > ID_MAX:
-        return f"{field}: {len(text)} characters, at most {ID_MAX} (the tenant's prefix included)"
-    bad = next((ch for ch in text if unicodedata.category(ch)[0] not in "LMNPS"), None)
+    if len(text) > longest:
+        return f"{field}: {len(text)} characters, at most {longest} (the tenant's prefix included)"
+    bad = next((ch for ch in text if not valid_id(ch)), None)
     if bad is not None:
         return (f"{field}: U+{ord(bad):04X} is not allowed in an id (letters, digits, punctuation and symbols only: "
                 f"no white space, control or format characters)")
