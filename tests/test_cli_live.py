@@ -234,3 +234,12 @@ def test_submit_reads_back_the_schedulers_answer(pool):
     assert out.returncode == 0 and ": waiting" in out.stderr and "[Quota] NoQuota" in out.stderr, out
     out = cli(pool, "submit", "--compute", "300", "--memory-gib", "4", "--wait", "0", user="bob", check=False)
     assert out.returncode == 0 and out.stdout.startswith("globex/job-") and out.stderr == "", out
+    # refused at the gateway's door (never stored as a request): said too, not "no answer" (#31)
+    out = cli(pool, "submit", "--compute", "300", "--memory-gib", "4", "--job-id", "z" * 170, user="alice",
+              check=False)
+    assert out.returncode == 1 and "rejected at the gateway (invalid)" in out.stderr, out
+    assert "at most 160 (the tenant's prefix included)" in out.stderr, out
+    out = cli(pool, "submit", "--compute", "300", "--memory-gib", "4", "--job-id", "a\u202eb", user="alice",
+              check=False)  # refused by the CLI itself, in words, the id quoted escaped
+    assert out.returncode == 2 and "job_id: not an id (letters, digits" in out.stderr, out
+    assert "\u202e" not in out.stderr and "a\\u202eb" in out.stderr, out

@@ -287,8 +287,14 @@ def main(argv: list[str] | None = None) -> int:
         return _dispatch(args)(cfg, args)
     except ValidationError as exc:
         # a request the schema refuses (a negative --compute, a malformed id): say which field and why, no traceback
-        what = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or exc.title}: {e['msg']} (got {e.get('input')!r})"
-                         for e in exc.errors())
+        from streams.core.gateway import printable
+
+        def said(e) -> str:  # an id's pattern as the rule it keeps; what was given cut and escaped
+            msg = ("not an id (letters, digits, punctuation and symbols only: no white space, control or format "
+                   "characters)") if e["type"] == "string_pattern_mismatch" else e["msg"]
+            return f"{'.'.join(str(p) for p in e['loc']) or exc.title}: {msg} (got {printable(repr(e.get('input')), 80)})"
+
+        what = "; ".join(said(e) for e in exc.errors())
         print(f"gpupool {args.command}: invalid {exc.title}: {what}", file=sys.stderr)
         return 2
     except BrokenPipeError:

@@ -69,10 +69,18 @@ def _submit_answer(c: Client, job: str, req, before: list[dict] | None, wait_s: 
               + (f"; {state}" if state else ""), file=sys.stderr)
         return 0
     mine = sum(1 for e in before if e["kind"] == "job.requested")  # ours is the next one stored
+    refused = sum(1 for e in before if _at_the_door(e))
     deadline = time.monotonic() + wait_s
     while True:
         events = _requests(c, job) or []
         seen = [i for i, e in enumerate(events) if e["kind"] == "job.requested"]
+        door = [e for e in events if _at_the_door(e)][refused:]
+        if len(seen) <= mine and door:
+            # refused by the gateway (rate_limited, an id too long...): never stored as a request, so answered here
+            why = "; ".join(f"{r.get('code', '')}: {r.get('message', '')}" for r in door[0].get("reasons") or ())
+            print(f"gpupool submit: {job}: rejected at the gateway ({door[0]['payload'].get('code')}): {why}",
+                  file=sys.stderr)
+            return 1
         if len(seen) > mine:
             after = events[seen[mine] + 1:]
             answer = next((e for e in after if e["kind"] in ("cmd.place", "job.pending", "job.rejected")), None)
@@ -87,6 +95,11 @@ def _submit_answer(c: Client, job: str, req, before: list[dict] | None, wait_s: 
                   f"`gpupool explain {job}` shows it once there is", file=sys.stderr)
             return 0
         time.sleep(SUBMIT_POLL_S)
+
+
+def _at_the_door(event: dict) -> bool:
+    """A refusal of the gateway's (its reasons name the Gateway plugin), not the scheduler's."""
+    return event["kind"] == "job.rejected" and any(r.get("plugin") == "Gateway" for r in event.get("reasons") or ())
 
 
 def _state_of(events: list[dict]) -> str:
