@@ -298,9 +298,14 @@ class Worker:
             await self._gateway_dead_letter(producer, msg, "gateway_error", f"{type(exc).__name__}: {exc}")
 
     async def _gateway_dead_letter(self, producer, msg, code: str, detail: str) -> None:
+        await self._set_aside(producer, msg, code, detail, self.gateway_counts, "dead_letter")
+
+    async def _set_aside(self, producer, msg, code: str, detail: str, counts: Counter, prefix: str) -> None:
+        """A record of an inbox or a node channel not taken: a dead letter with the reason (the record's topic,
+        partition, offset and first bytes), counted for operators (/stats/, gpupool_dead_letters{reason})."""
         self.dead_letters[code] += 1
         self.metrics.dead_letters.labels(code).inc()
-        self.gateway_counts[f"dead_letter:{code}"] += 1
+        counts[f"{prefix}:{code}"] += 1
         await producer.send(DEAD_LETTERS.name, key=msg.topic.encode(), value=codec.dead_letter(
             code, detail, msg.topic, msg.partition, msg.offset, msg.value))
 
@@ -405,12 +410,8 @@ class Worker:
     async def _refuse(self, producer, owner: str, msg, code: str, detail: str) -> None:
         """A channel record not relayed: a dead letter with the reason, counted for operators (/stats/ relay,
         gpupool_dead_letters{reason}), and a log line naming the principal."""
-        self.dead_letters[code] += 1
-        self.metrics.dead_letters.labels(code).inc()
-        self.relay_counts[f"refused:{code}"] += 1
         log.warning("node relay refused a record of %s (%s:%d): %s %s", owner, msg.topic, msg.offset, code, detail)
-        await producer.send(DEAD_LETTERS.name, key=msg.topic.encode(), value=codec.dead_letter(
-            code, detail, msg.topic, msg.partition, msg.offset, msg.value))
+        await self._set_aside(producer, msg, code, detail, self.relay_counts, "refused")
 
     async def _relay(self, producer, commands, owner: str, msg) -> None:
         principal = self.registry.get(owner)
