@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 
@@ -24,6 +24,7 @@ class Config:
     kafka_brokers: int = 1  # the local cluster's size (`gpupool up --brokers N` records it under the home)
     rate_window_ms: int = 10_000  # the gateway's rate window per principal (streams/core/gateway.py, RateLimit)
     rate_per_window: int = 200  # requests a principal may send per window; the rest are refused `rate_limited`
+    volumes: dict[str, "Volume"] = field(default_factory=dict, hash=False)  # the mountable volumes (load_volumes)
 
     @property
     def bootstrap(self) -> str:
@@ -37,6 +38,47 @@ class Config:
 
 def cluster_file(home: Path) -> Path:
     return home / "kafka" / "cluster.json"
+
+
+@dataclass(frozen=True)
+class Volume:
+    """A named volume of the operator's allow-list: a job asks for it by name (`--volume datasets:/data:ro`); the
+    node agent mounts `host_path` there. `read_only`: a job may mount it read-only only."""
+    name: str
+    host_path: str
+    read_only: bool = True
+
+
+def parse_volumes(text: str) -> dict[str, Volume]:
+    """GPUPOOL_VOLUMES: `NAME=HOST_PATH[:ro|rw],...` (read-only unless `:rw`), or a JSON object
+    {NAME: {"host_path": ..., "read_only": ...}}. A malformed entry raises ValueError: an operator's typo must not
+    silently narrow or widen what jobs may mount."""
+    text = text.strip()
+    if not text:
+        return {}
+    if text.startswith("{"):
+        doc = json.loads(text)
+        return {name: Volume(name, str(v["host_path"]), bool(v.get("read_only", True))) for name, v in doc.items()}
+    out = {}
+    for item in text.split(","):
+        name, eq, rest = item.strip().partition("=")
+        path, _, mode = rest.partition(":")
+        if not eq or not name or not path.startswith("/") or mode not in ("", "ro", "rw"):
+            raise ValueError(f"GPUPOOL_VOLUMES entry {item!r}: want NAME=/HOST/PATH[:ro|rw]")
+        out[name] = Volume(name, path, mode != "rw")
+    return out
+
+
+def load_volumes(home: Path) -> dict[str, Volume]:
+    """The allow-list: GPUPOOL_VOLUMES, else $GPUPOOL_HOME/volumes.json, else none (docs/operators.md). The gateway
+    refuses a request naming another volume; a node agent mounts only these."""
+    text = os.environ.get("GPUPOOL_VOLUMES")
+    if text is None:
+        try:
+            text = (home / "volumes.json").read_text()
+        except OSError:
+            return {}
+    return parse_volumes(text)
 
 
 def local_brokers(home: Path) -> int:
@@ -65,4 +107,5 @@ def load() -> Config:
         kafka_brokers=local_brokers(home),
         rate_window_ms=int(os.environ.get("GPUPOOL_RATE_WINDOW_MS", "10000")),
         rate_per_window=int(os.environ.get("GPUPOOL_RATE_PER_WINDOW", "200")),
+        volumes=load_volumes(home),
     )

@@ -10,6 +10,8 @@ from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, model_validator
 
+from schemas.program import IMAGE_REF, RETRIES_MAX, Mount, program_problem
+
 # Integers are integers: `true`, `1.0` and `"1"` are refused where a number is expected (pydantic's lax mode took
 # `true` as 1), as a quantity in milli-GPU or MiB must be exact.
 Int = Annotated[int, Strict()]
@@ -176,17 +178,33 @@ class JobRequested(Frozen):
     constraints: Constraints = Constraints()
     duration_s: NonNeg | None = None  # simulation: how long the work runs
     checkpoint_interval_s: NonNeg = 0
-    command: tuple[str, ...] = ()  # real hardware: what the node agent runs
     latency_sensitive: bool = False  # inference that wants the newest generation and memory-rich units
     reservation_id: str | None = None  # consume capacity booked by this reservation
     service_id: str | None = None  # a replica of this inference service (set by the autoscaler)
     isolation: Isolation | None = None  # None: the tier's default (DEFAULT_ISOLATION)
+    # The program (schemas/program.py, docs/jobs.md): the argv the node runs (never through a shell), in `image`
+    # when given (an OCI container), else as a plain process; no command: the simulated stand-in run of duration_s.
+    image: Annotated[str, Field(pattern=IMAGE_REF)] | None = None
+    command: tuple[str, ...] = ()
+    env: dict[str, str] = {}
+    workdir: str = ""
+    volumes: tuple[Mount, ...] = ()
+    retries: Annotated[int, Strict(), Field(ge=0, le=RETRIES_MAX)] = 0  # a failed run is requeued this many times
 
     @model_validator(mode="after")
     def _mig_needs_mig(self):
         if self.isolation == "mig" and not self.constraints.mig_allowed:
             raise ValueError("isolation 'mig' with constraints.mig_allowed false: no slice could serve it")
+        why = program_problem(self.command, self.env, self.workdir, self.volumes, self.image)
+        if why:
+            raise ValueError(why)
         return self
+
+    @property
+    def program(self) -> dict:
+        """The program's fields as a placement carries them (PlaceJob)."""
+        return {"image": self.image, "command": self.command, "env": self.env, "workdir": self.workdir,
+                "volumes": self.volumes}
 
     @property
     def isolation_asked(self) -> str:
@@ -230,12 +248,41 @@ class JobCompleted(Frozen):
     command_id: Ident
 
 
+# Why a run ended other than by completing: a closed vocabulary (docs/jobs.md, "Exit reasons"); `reason` says it in
+# words, with the details (the exit code, the signal, the image, the share).
+EXIT_CODES = ("ExitCode", "Signal", "OOMKilled", "ImageNotFound", "CommandNotFound", "ShareExceeded", "StartFailed",
+              "VolumeUnavailable", "Simulated")
+ExitReason = Literal["ExitCode", "Signal", "OOMKilled", "ImageNotFound", "CommandNotFound", "ShareExceeded",
+                     "StartFailed", "VolumeUnavailable", "Simulated"]
+
+
 class JobFailed(Frozen):
     kind: Literal["job.failed"] = "job.failed"
     job_id: Ident
     node: str = ""
     reason: str
     command_id: str | None = None
+    code: ExitReason | None = None  # None: a report from before exit reasons (v1), read as ExitCode
+    exit_code: Int | None = None
+    signal: Int | None = None
+    attempt: NonNeg = 0  # the run that ended (0: not said)
+    part: NonNeg = 0  # the gang part (gang_index) that ended
+
+
+class JobLog(Frozen):
+    """A piece of a run's standard output or error, as the node agent read it (docs/jobs.md, "Logs"). A node writes
+    only its own jobs' logs; `seq` counts a stream's pieces from 0, so a reader puts them in order and sees gaps;
+    `dropped_bytes` says how much the caps cut before this piece (a truncation is marked, never silent)."""
+    kind: Literal["job.log"] = "job.log"
+    job_id: Ident
+    node: Ident
+    attempt: NonNeg = 0
+    part: NonNeg = 0
+    stream: Literal["stdout", "stderr"] = "stdout"
+    seq: NonNeg = 0
+    text: Annotated[str, Field(max_length=16384)] = ""
+    dropped_bytes: NonNeg = 0
+    final: bool = False  # the last piece of this stream of this run
 
 
 class JobStopped(Frozen):
@@ -280,6 +327,13 @@ class PlaceJob(Frozen):
     gang_index: NonNeg = 0
     gang_nodes: tuple[str, ...] = ()
     reasons: tuple[Reason, ...] = ()
+    # the program (schemas/program.py), as the request gave it
+    image: str | None = None
+    command: tuple[str, ...] = ()
+    env: dict[str, str] = {}
+    workdir: str = ""
+    volumes: tuple[Mount, ...] = ()
+    tier: Tier = Tier.OFFLINE  # whose grace period a stop the node starts itself waits out
     # The placement's number among the job's placements (1, 2, ...: each requeue places it anew). Every command
     # about the run names it; a node refuses a placement older than one it knows superseded (agents/node/fencing.py).
     # 0: not numbered (a producer that predates attempts).
@@ -666,7 +720,7 @@ Event = Annotated[
     Union[
         NodeInventory, NodeHeartbeat, GpuTelemetry, NodeCordon, NodeLiveness, GpuHealth,
         JobRequested, JobCancelled, JobScaleRequested, JobStarted, JobCheckpointed, JobCompleted,
-        JobFailed, JobStopped,
+        JobFailed, JobStopped, JobLog,
         PlaceJob, ResizeJob, PreemptJob, MigrateJob, MigReconfigure, ReleaseJob, JobPending, Rejected,
         RequestRejected, SchedulerTick, PrincipalRegistered, PrincipalRemoved,
         ReservationRequested, ReservationCancelled, ReservationDecided,

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from schemas.envelope import Envelope
 from schemas.topics import (
-    COMMANDS, DECISIONS, INVENTORY, JOB_EVENTS, JOB_REQUESTS, LEDGER, NODE_CONTROL, PRINCIPALS, TELEMETRY,
+    COMMANDS, DECISIONS, INVENTORY, JOB_EVENTS, JOB_LOGS, JOB_REQUESTS, LEDGER, NODE_CONTROL, PRINCIPALS, TELEMETRY,
     TELEMETRY_MINUTES, TopicSpec,
 )
 
@@ -11,7 +11,7 @@ _BY_KIND: dict[str, TopicSpec] = {
     # node agents
     "node.inventory": INVENTORY, "node.heartbeat": TELEMETRY, "gpu.telemetry": TELEMETRY,
     "job.started": JOB_EVENTS, "job.checkpointed": JOB_EVENTS, "job.completed": JOB_EVENTS, "job.failed": JOB_EVENTS,
-    "job.stopped": JOB_EVENTS,
+    "job.stopped": JOB_EVENTS, "job.log": JOB_LOGS,
     # what operators decide about nodes (through the gateway) and what the worker derives from telemetry
     "node.cordon": NODE_CONTROL, "gpu.health": NODE_CONTROL, "node.liveness": NODE_CONTROL,
     "node.removed": NODE_CONTROL, "node.admitted": NODE_CONTROL,
@@ -46,7 +46,7 @@ def key_of(env: Envelope, spec: TopicSpec) -> bytes:
     if spec in (INVENTORY, TELEMETRY, COMMANDS, NODE_CONTROL, TELEMETRY_MINUTES):
         # a move (cmd.migrate) goes to the node it leaves: that agent checkpoints and stops the run there
         key = getattr(p, "node", None) or getattr(p, "from_node", None) or getattr(p, "worker", "")
-    elif spec in (JOB_REQUESTS, JOB_EVENTS, DECISIONS):
+    elif spec in (JOB_REQUESTS, JOB_EVENTS, JOB_LOGS, DECISIONS):
         key = (getattr(p, "job_id", None) or getattr(p, "reservation_id", None) or getattr(p, "service_id", None)
                or getattr(p, "subject", None) or getattr(p, "request_id", ""))
     elif spec is PRINCIPALS:

@@ -58,6 +58,9 @@ INVENTORY = TopicSpec("gpupool.inventory", 8, key="node id", cleanup="compact")
 # the broker stamps telemetry: a node's heartbeats are judged on the log's time, not the node's or the worker's
 TELEMETRY = TopicSpec("gpupool.telemetry", 8, key="node id", retention_ms=DAY_MS, log_append_time=True)
 JOB_EVENTS = TopicSpec("gpupool.job-events", 4, key="job id")  # what a node did with a job
+# what a job's program wrote to stdout and stderr (job.log), relayed from its node's channel; kept a week here and for
+# the retention of the ClickHouse table it lands in (docs/jobs.md, "Logs")
+JOB_LOGS = TopicSpec("gpupool.job-logs", 4, key="job id", retention_ms=7 * DAY_MS)
 # Written by the service (worker, scheduler, sink): what was asked (after the gateway), decided and commanded
 JOB_REQUESTS = TopicSpec("gpupool.job-requests", 4, key="job id")
 DECISIONS = TopicSpec("gpupool.decisions", 4, key="job id")  # pending reasons, rejections, reservation/service answers
@@ -91,7 +94,7 @@ JOB_VIEW_CHANGELOG = TopicSpec("gpupool-job-view-changelog", 4, key="job id", cl
 # inventory, telemetry, node-control and commands are co-partitioned (same key, same count): one Faust table folds
 # them; job-requests, decisions and job-events likewise.
 ALL_TOPICS: tuple[TopicSpec, ...] = (
-    INVENTORY, TELEMETRY, JOB_EVENTS, JOB_REQUESTS, DECISIONS, NODE_CONTROL, SCHEDULER_INPUT, COMMANDS, LEDGER,
+    INVENTORY, TELEMETRY, JOB_EVENTS, JOB_LOGS, JOB_REQUESTS, DECISIONS, NODE_CONTROL, SCHEDULER_INPUT, COMMANDS, LEDGER,
     DEAD_LETTERS, CLOCK, PRINCIPALS, NODE_VIEW_CHANGELOG, JOB_VIEW_CHANGELOG, TELEMETRY_MINUTES, SCHEDULER_SNAPSHOTS,
 )
 

@@ -311,7 +311,7 @@ class Worker:
 
     async def _admit_one(self, producer, owner: str, msg, window_first: int | None) -> None:
         out = gateway.admit(self.registry.get(owner), owner, msg.value, msg.offset, msg.timestamp, window_first,
-                            self.rate_limit)
+                            self.rate_limit, self.cfg.volumes)
         if out.dead_letter is not None:
             await self._gateway_dead_letter(producer, msg, *out.dead_letter)
         for env, what in ((out.accepted, "accepted"), (out.rejected, "rejected")):

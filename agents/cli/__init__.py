@@ -98,24 +98,36 @@ def parser() -> argparse.ArgumentParser:
     # ---- requests
     s = add("submit", requests.cmd_submit, help="submit a job request (a tenant principal: for its own tenant)")
     s.add_argument("--tenant", help="the tenant (default: the acting tenant principal's; operators must name one)")
-    s.add_argument("--project", default="default")
-    s.add_argument("--tier", default="offline", choices=["inference", "online-training", "offline"])
-    s.add_argument("--compute", type=int, required=True, help="compute units in milli-CU (1000 = one A100)")
-    s.add_argument("--memory-gib", type=float, required=True, help="GPU memory")
-    s.add_argument("--cpu", type=int, default=1000, help="milli-CPU")
-    s.add_argument("--host-memory-mib", type=int, default=1024)
-    s.add_argument("--duration", type=int, help="simulated run time in seconds")
-    s.add_argument("--checkpoint-every", "--checkpoint-interval", type=int, default=0, metavar="SECONDS",
+    # defaults None: a job file's key fills what the command line leaves out (requests.SUBMIT_DEFAULTS)
+    s.add_argument("-f", "--file", metavar="JOB_FILE", help="a job file (YAML: the options below as keys, and "
+                   "`command:`; '-' for stdin; flags given here win over its keys; docs/jobs.md)")
+    s.add_argument("--project", help="default: default")
+    s.add_argument("--tier", choices=["inference", "online-training", "offline"], help="default: offline")
+    s.add_argument("--compute", type=int, help="compute units in milli-CU (1000 = one A100); required")
+    s.add_argument("--memory-gib", type=float, help="GPU memory; required")
+    s.add_argument("--cpu", type=int, help="milli-CPU (default 1000)")
+    s.add_argument("--host-memory-mib", type=int, help="host memory (default 1024)")
+    s.add_argument("--duration", type=int, help="simulated run time in seconds (a job with no command)")
+    s.add_argument("--checkpoint-every", "--checkpoint-interval", type=int, metavar="SECONDS",
                    help="checkpoint interval (a preempted or interrupted job resumes from its last checkpoint)")
     s.add_argument("--model", action="append", help="allowed card model (repeatable)")
-    s.add_argument("--latency-sensitive", action="store_true", help="inference: prefer the newest generation")
-    s.add_argument("--max-spread", default="datacenter", choices=["node", "nvlink", "rack", "datacenter", "any"],
-                   help="the widest a multi-card gang may spread")
-    s.add_argument("--nvlink", action="store_true", help="a multi-card job must stay in one NVLink domain")
+    s.add_argument("--latency-sensitive", action="store_true", default=None,
+                   help="inference: prefer the newest generation")
+    s.add_argument("--max-spread", choices=["node", "nvlink", "rack", "datacenter", "any"],
+                   help="the widest a multi-card gang may spread (default: datacenter)")
+    s.add_argument("--nvlink", action="store_true", default=None,
+                   help="a multi-card job must stay in one NVLink domain")
     s.add_argument("--reservation", help="take the capacity booked by this reservation")
     s.add_argument("--isolation", choices=["shared", "mig", "exclusive"],
                    help="software share, hardware slice (MIG) only, or whole cards only (default: the tier's, shared)")
     s.add_argument("--job-id")
+    s.add_argument("--image", help="run the command in this OCI image (default: a plain process on the node)")
+    s.add_argument("--env", action="append", metavar="NAME=VALUE", help="an environment variable (repeatable)")
+    s.add_argument("--volume", action="append", metavar="NAME:/PATH[:ro|rw]",
+                   help="mount a volume of the operator's list (read-only unless :rw; repeatable)")
+    s.add_argument("--workdir", help="the working directory (default: the job's own directory)")
+    s.add_argument("--retries", type=int, help="requeue a failed run this many times, with back-off (default 0)")
+    # the program follows `--`: `gpupool submit --compute 500 --memory-gib 8 -- python train.py --lr 3e-4`
     s.add_argument("--wait", type=float, default=10.0, metavar="SECONDS",
                    help="how long to wait to read back the scheduler's answer: placed, waiting or rejected (exit 1 "
                         "when rejected; 0: do not wait)")
@@ -267,7 +279,11 @@ def _dispatch(args):
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    program: list[str] = []
+    if "--" in argv and "submit" in argv[:argv.index("--")]:
+        argv, program = argv[:argv.index("--")], argv[argv.index("--") + 1:]  # the job's own argv, as given
     args, rest = parser().parse_known_args(argv)
+    args.program = program
     if rest and args.command not in ("simulate", "audit", "acceptance"):
         parser().error(f"unrecognized arguments: {' '.join(rest)}")
     cfg = config_mod.load().acting_as(getattr(args, "as_user", None))

@@ -13,28 +13,108 @@ from agents.cli.output import parse_time
 from agents.client import Client
 
 
+# A job file (`gpupool submit -f job.yaml`, docs/jobs.md): the submit options as keys (with - or _), and the program.
+# A flag given on the command line wins over the file's key, as `sbatch` options win over `#SBATCH` lines.
+SUBMIT_DEFAULTS = {
+    "project": "default", "tier": "offline", "compute": None, "memory_gib": None, "cpu": 1000,
+    "host_memory_mib": 1024, "duration": None, "checkpoint_every": 0, "model": None, "latency_sensitive": False,
+    "max_spread": "datacenter", "nvlink": False, "reservation": None, "isolation": None, "job_id": None,
+    "image": None, "env": None, "volume": None, "workdir": None, "retries": 0, "command": None,
+}
+JOB_FILE_ALIASES = {"volumes": "volume", "models": "model", "memory": "memory_gib", "checkpoint_interval":
+                    "checkpoint_every", "id": "job_id", "name": "job_id"}
+
+
+def load_job_file(path: str) -> dict:
+    """The keys of a job file, checked: a key the file may not hold is an error that names it (a typo must not be
+    dropped silently, as a misspelt `#SBATCH` line would be)."""
+    text = sys.stdin.read() if path == "-" else Path(path).read_text()
+    doc = yaml.safe_load(text) or {}
+    if not isinstance(doc, dict):
+        raise SystemExit(f"gpupool submit: {path}: a job file is a mapping of keys (docs/jobs.md)")
+    out = {}
+    for key, value in doc.items():
+        name = JOB_FILE_ALIASES.get(str(key).replace("-", "_"), str(key).replace("-", "_"))
+        if name not in SUBMIT_DEFAULTS:
+            raise SystemExit(f"gpupool submit: {path}: unknown key {key!r} (keys: "
+                             f"{', '.join(sorted(k.replace('_', '-') for k in SUBMIT_DEFAULTS))})")
+        out[name] = value
+    return out
+
+
+def _env_pairs(items) -> dict[str, str]:
+    if isinstance(items, dict):
+        return {str(k): str(v) for k, v in items.items()}
+    env = {}
+    for item in items or ():
+        name, eq, value = str(item).partition("=")
+        if not eq:
+            raise SystemExit(f"gpupool submit: --env {item!r}: want NAME=VALUE")
+        env[name] = value
+    return env
+
+
+def submit_options(args) -> dict:
+    """The submit options: the command line's, else the job file's, else the defaults."""
+    doc = load_job_file(args.file) if getattr(args, "file", None) else {}
+    opts = {}
+    for name, default in SUBMIT_DEFAULTS.items():
+        given = getattr(args, name, None)
+        if name == "command":
+            given = list(getattr(args, "program", None) or ()) or None
+        opts[name] = given if given is not None else doc.get(name, default)
+    if isinstance(opts["command"], str):
+        raise SystemExit("gpupool submit: command: a list of arguments ([python, train.py, --lr, '3e-4']), not one "
+                         "string: the node never runs it through a shell")
+    for name in ("compute", "memory_gib"):
+        if opts[name] is None:
+            raise SystemExit(f"gpupool submit: --{name.replace('_', '-')} is required (on the command line or as "
+                             f"`{name.replace('_', '-')}:` in the job file)")
+    return opts
+
+
 def job_request(args, job_id: str, tenant: str):
     from schemas.events import Constraints, JobRequested, Tier
 
+    o = submit_options(args)
+    models = o["model"]
     return JobRequested(
-        job_id=job_id, tenant=tenant, project=args.project, tier=Tier(args.tier),
-        compute_milli=args.compute, gpu_memory_mib=int(args.memory_gib * 1024), cpu_milli=args.cpu,
-        memory_mib=args.host_memory_mib, duration_s=args.duration, latency_sensitive=args.latency_sensitive,
-        reservation_id=args.reservation, checkpoint_interval_s=args.checkpoint_every,
-        isolation=getattr(args, "isolation", None),
-        constraints=Constraints(models=tuple(args.model or ()), max_spread=args.max_spread,
-                                interconnect="nvlink" if args.nvlink else "any"))
+        job_id=job_id, tenant=tenant, project=o["project"], tier=Tier(o["tier"]),
+        compute_milli=o["compute"], gpu_memory_mib=int(float(o["memory_gib"]) * 1024), cpu_milli=o["cpu"],
+        memory_mib=o["host_memory_mib"], duration_s=o["duration"], latency_sensitive=o["latency_sensitive"],
+        reservation_id=o["reservation"], checkpoint_interval_s=o["checkpoint_every"], isolation=o["isolation"],
+        constraints=Constraints(models=tuple([models] if isinstance(models, str) else models or ()),
+                                max_spread=o["max_spread"], interconnect="nvlink" if o["nvlink"] else "any"),
+        image=o["image"], command=tuple(str(a) for a in o["command"] or ()), env=_env_pairs(o["env"]),
+        workdir=o["workdir"] or "", retries=o["retries"],
+        volumes=_mounts(o["volume"]))
+
+
+def _mounts(items) -> tuple:
+    from pydantic import ValidationError
+
+    from schemas.program import Mount
+
+    out = []
+    for v in items or ():
+        try:
+            out.append(Mount.parse(v) if isinstance(v, str) else Mount(**v))
+        except ValidationError:
+            raise
+        except (ValueError, TypeError) as exc:
+            raise SystemExit(f"gpupool submit: {exc}") from None
+    return tuple(out)
 
 
 def cmd_submit(cfg, args) -> int:
     c = Client(cfg)
     tenant = c.own_tenant(args.tenant)
-    job_id = args.job_id or f"job-{uuid.uuid4().hex[:10]}"
+    job_id = submit_options(args)["job_id"] or f"job-{uuid.uuid4().hex[:10]}"
     req = job_request(args, job_id, tenant)
     ref = c.qualify(tenant, job_id)
     wait = getattr(args, "wait", 0.0)
     # a chosen id may name a job on record already: its requests so far tell ours apart (a fresh id has none)
-    before = _requests(c, ref) if wait and args.job_id else []
+    before = _requests(c, ref) if wait and job_id == submit_options(args)["job_id"] else []
     c.send([req])
     print(ref)
     return _submit_answer(c, ref, req, before, wait) if wait else 0

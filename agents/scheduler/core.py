@@ -1072,7 +1072,7 @@ class Scheduler:
                 duration_s=r.duration_s, checkpoint_interval_s=r.checkpoint_interval_s, resume_from=rec.checkpoint,
                 borrowed=quota.borrowed, gang_size=gang, gang_index=i, gang_nodes=nodes,
                 reasons=result.reasons + quota.reasons + (Reason(code="Cycle", data={"cycle": self.cycle}),),
-                attempt=rec.attempt)
+                attempt=rec.attempt, tier=r.tier, **r.program)
             self._command(out, cmd, cause)
             cmds.append(cmd)
         for ev in self.ledger.hold(r, quota.borrowed, reserved=rec.hold is not None or rec.reserved,

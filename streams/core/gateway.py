@@ -14,6 +14,7 @@ Every refusal is an event the sender can read: `job.rejected` for job requests, 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from pydantic import TypeAdapter, ValidationError
@@ -128,10 +129,12 @@ def _request_doc(raw: bytes | None) -> tuple[dict, dict]:
 
 
 def admit(principal: Principal | None, owner: str, raw: bytes | None, offset: int, log_ms: int,
-          window_first: int | None = None, limit: RateLimit = RateLimit()) -> Outcome:
+          window_first: int | None = None, limit: RateLimit = RateLimit(),
+          volumes: Mapping[str, object] | None = None) -> Outcome:
     """Decide one inbox record. `owner`: the inbox's principal name; `log_ms`: the broker's append time;
     `window_first`: the offset of the inbox's first record in this record's rate window (RateLimit; None: not
-    counted). Every record gets an outcome the sender can read; one that is not even JSON is also dead-lettered."""
+    counted); `volumes`: the operator's allow-list of mountable volumes (infra/config.py, Volume; None: none). Every
+    record gets an outcome the sender can read; one that is not even JSON is also dead-lettered."""
     payload: dict = {}
     try:
         try:
@@ -156,6 +159,8 @@ def admit(principal: Principal | None, owner: str, raw: bytes | None, offset: in
             event = KINDS[kind].model_validate(payload)
         except ValidationError as exc:
             raise Refused("invalid", _invalid(exc)) from None
+        if kind == "job.requested":
+            _check_volumes(event.volumes, volumes or {})
         claimed = meta.get("event_time_ms")
         # One source per (principal, routing key): every record of a source lands in one partition of its home
         # topic, so the per-source order the folds and the scheduler rely on survives Kafka (docs/architecture.md).
@@ -174,6 +179,18 @@ def admit(principal: Principal | None, owner: str, raw: bytes | None, offset: in
     return Outcome(accepted=env)
 
 
+def _check_volumes(mounts, allowed: Mapping[str, object]) -> None:
+    """A job mounts only volumes of the operator's list, and a read-only one only read-only (docs/jobs.md)."""
+    for m in mounts:
+        vol = allowed.get(m.volume)
+        if vol is None:
+            raise Refused("unknown_volume", f"volume {m.volume!r} is not on the operator's list of volumes"
+                                            f"{' (' + ', '.join(sorted(allowed)) + ')' if allowed else ' (none)'}; "
+                                            f"a job names a volume, never a host path")
+        if getattr(vol, "read_only", True) and not m.read_only:
+            raise Refused("read_only_volume", f"volume {m.volume!r} may be mounted read-only only (:ro)")
+
+
 def _invalid(exc: ValidationError) -> str:
     """The first problem pydantic found, in words a sender reads (an id's pattern said as the rule it keeps)."""
     first = exc.errors()[0]
@@ -181,7 +198,8 @@ def _invalid(exc: ValidationError) -> str:
     if first["type"] == "string_pattern_mismatch":
         return (f"{where}: not an id (letters, digits, punctuation and symbols only: no white space, control or "
                 f"format characters)")
-    return f"{where}: {first['msg']}"
+    msg = first["msg"].removeprefix("Value error, ")
+    return f"{where}: {msg}" if where else msg
 
 
 def _refusal(principal: Principal | None, owner: str, offset: int, log_ms: int, payload: dict,
