@@ -3,6 +3,10 @@
 Error classes, constants and ctypes structures are the real ones from pynvml (importing pynvml does not load the
 driver library), so the backend's `except` clauses are tested against what NVML really raises. Each card can be
 told to raise any error from any function: `card.errors["nvmlDeviceGetTemperature"] = pynvml.NVMLError_NotSupported`.
+
+Processes: a card's `processes` are listed by the process list of their `kind` (compute, graphics, or MPS clients),
+each with its GPU memory (`used_mib`; None is NVML's "not available"). `card.grow(pid, mib)` makes a process (a job's,
+when the test's pid lookup says so) hold more, as a program allocating past its share would.
 """
 from __future__ import annotations
 
@@ -36,9 +40,10 @@ A100_80GB_PROFILES = {
 @dataclass
 class FakeProcess:
     pid: int
-    used_mib: int = 100
+    used_mib: int | None = 100  # None: NVML_VALUE_NOT_AVAILABLE (pynvml reports usedGpuMemory=None)
     gi_id: int = 0xFFFFFFFF
     ci_id: int = 0xFFFFFFFF
+    kind: str = "compute"  # which list names it: "compute", "graphics" or "mps"
 
 
 @dataclass
@@ -76,6 +81,21 @@ class FakeCard:
     nvlinks: list[str | None] = field(default_factory=list)  # remote bus id per link, None = inactive
     processes: list[FakeProcess] = field(default_factory=list)
     errors: dict[str, type[NVMLError] | NVMLError] = field(default_factory=dict)
+
+    def process(self, pid: int) -> FakeProcess:
+        return next(p for p in self.processes if p.pid == pid)
+
+    def grow(self, pid: int, mib: int) -> FakeProcess:
+        """The process `pid` allocates `mib` more (a new process when the card lists none with that pid); the card's
+        used memory grows with it."""
+        try:
+            p = self.process(pid)
+        except StopIteration:
+            p = FakeProcess(pid, 0)
+            self.processes.append(p)
+        p.used_mib = (p.used_mib or 0) + mib
+        self.mem_used_mib = min(self.memory_mib, self.mem_used_mib + mib)
+        return p
 
 
 @dataclass(frozen=True)
@@ -315,14 +335,23 @@ class FakeNvml:
             raise NVMLError_NotSupported()
         return c.remapped_rows
 
-    def nvmlDeviceGetComputeRunningProcesses(self, h):
-        c = self._card("nvmlDeviceGetComputeRunningProcesses", h)
-        procs = c.processes
+    def _processes(self, fn: str, h, kind: str):
+        c = self._card(fn, h)
+        procs = [p for p in c.processes if p.kind == kind]
         if h.mig is not None:
             m = c.migs[h.mig]
             procs = [p for p in procs if (p.gi_id, p.ci_id) == (m.gi_id, m.ci_id)]
-        return [SimpleNamespace(pid=p.pid, usedGpuMemory=p.used_mib * MIB, gpuInstanceId=p.gi_id,
-                                computeInstanceId=p.ci_id) for p in procs]
+        return [SimpleNamespace(pid=p.pid, usedGpuMemory=None if p.used_mib is None else p.used_mib * MIB,
+                                gpuInstanceId=p.gi_id, computeInstanceId=p.ci_id) for p in procs]
+
+    def nvmlDeviceGetComputeRunningProcesses(self, h):
+        return self._processes("nvmlDeviceGetComputeRunningProcesses", h, "compute")
+
+    def nvmlDeviceGetGraphicsRunningProcesses(self, h):
+        return self._processes("nvmlDeviceGetGraphicsRunningProcesses", h, "graphics")
+
+    def nvmlDeviceGetMPSComputeRunningProcesses(self, h):
+        return self._processes("nvmlDeviceGetMPSComputeRunningProcesses", h, "mps")
 
     # ------------------------------------------------------------ events
 

@@ -8,10 +8,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 SCHEMAS = sorted((REPO / "schemas").glob("*.py"))
 # The pure core lives in packages that hold nothing else; every module of them is core, found from the tree (a new
-# module is core by where it is put, not by being listed). Two pure modules live with their edges on purpose: the
-# node agents' fencing rule and the simulator's packing policies (offline only: no core module imports them).
+# module is core by where it is put, not by being listed). Three pure modules live with their edges on purpose: the
+# node agents' fencing rule and share limits/watch, and the simulator's packing policies (offline only: no core
+# module imports them).
 CORE_PACKAGES = ("agents/scheduler", "streams/core")
-CORE_BESIDE_EDGES = ("agents/node/fencing.py", "agents/sim/packing.py")
+CORE_BESIDE_EDGES = ("agents/node/fencing.py", "agents/node/shares.py", "agents/sim/packing.py")
 PACKAGES = {"streams", "streams.core", "agents", "agents.scheduler", "agents.node", "agents.sim", "schemas", "infra"}
 # What the core may import, allowed on purpose (a new import fails here until it is added): the standard library's
 # pure modules named, pydantic, numpy (FGD's measure), orjson (the codec), the schemas and other core modules. No

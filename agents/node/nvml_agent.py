@@ -32,6 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from agents.node.fencing import Fence
+from agents.node.share_enforcer import ShareEnforcer, share_problems, stop_job_for_share
+from agents.node.shares import ShareConfig
 from agents.node.sim_agent import parse_checkpoint, wall_ms
 from infra.kafka_client import consume_commands
 from infra.security import kafka_conn, node_principal
@@ -397,6 +399,12 @@ class NvmlAgent:
         from agents.node.metrics import AgentMetrics
 
         self.metrics = AgentMetrics(lambda: {self.node: len(self.executor.running)})
+        # software shares (docs/operators.md, "Share enforcement"): GPUPOOL_SHARE_ENFORCEMENT and the watch
+        self.shares = ShareEnforcer(
+            ShareConfig.from_env(os.environ),
+            running=lambda: {j.job_id: j.assignments for j in self.executor.running.values() if not j.stopping},
+            stop=lambda breach, grace_s: stop_job_for_share(self.executor, breach, grace_s),
+            spawn=self.executor._background, cards=lambda: self.inventory.gpus if self.inventory else ())
 
     async def publish(self, payload, source: str, cause: str | None = None) -> None:
         env = envelope(payload, source=source, seq=self.seq.next(source), time_ms=wall_ms(), causation_id=cause)
@@ -421,6 +429,11 @@ class NvmlAgent:
             log.error("MIG reconfigure of %s failed: %s", p.gpu_uuid, exc)
         await self.publish_inventory(force=True, cause=p.command_id)
 
+    async def enforce_shares(self, usage) -> list:
+        """One round of the share watch over this round's per-job GPU memory (the backend's `last_usage`): a job over
+        its share K rounds in a row is stopped, JobFailed ShareExceeded; its neighbours go on."""
+        return await self.shares.enforce(usage)
+
     async def telemetry_loop(self) -> None:
         last_inventory = time.monotonic()
         while not self.stopping.is_set():
@@ -428,6 +441,7 @@ class NvmlAgent:
             for h in health:
                 log.warning("card %s unhealthy: %s", h.gpu_uuid, h.reason)
             await self.publish(with_faults(tel, health), f"{self.node}/telemetry")
+            await self.enforce_shares(getattr(self.backend, "last_usage", None))
             if time.monotonic() - last_inventory >= INVENTORY_EVERY_S:
                 last_inventory = time.monotonic()
                 await self.publish_inventory()
@@ -472,6 +486,13 @@ def run_nvml_agent(cfg, args) -> int:
     from agents.node.nvml_backend import NvmlBackend
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        problems = share_problems(ShareConfig.from_env(os.environ))
+    except ValueError as exc:
+        problems = [str(exc)]
+    if problems:
+        print(f"gpupool agent: share enforcement: {'; '.join(problems)}", file=sys.stderr)
+        return 2
     try:
         backend = NvmlBackend().open()
     except Exception as exc:  # noqa: BLE001 - NVMLError_LibraryNotFound, DriverNotLoaded, ...

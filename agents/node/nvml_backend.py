@@ -10,6 +10,13 @@ card, and turning them into health events would take healthy cards out of servic
 reading a card (GpuIsLost, Unknown, ResetRequired, ...) means the card cannot be trusted: it is left out of the
 samples and reported once as a GpuHealth(healthy=False) event. telemetry() never raises.
 
+Per-process GPU memory. Each telemetry pass also reads, per card, the memory NVML counts for each process (compute,
+graphics and MPS-client process lists, usedGpuMemory), maps the pids to jobs with the same lookup as the samples'
+job_ids, and keeps the result as `last_usage` (agents/node/shares.py GpuMemoryUsage: job -> card -> MiB, and the
+cards whose lists were read completely): what the node agent's share watch compares with each job's share. A card
+whose compute list cannot be read (NoPermission: an unprivileged agent) or that names a process without a count
+(NVML's "not available") is left out of `last_usage.cards`: that round says nothing about its jobs.
+
 MIG instances are enumerated through MIG device handles (nvmlDeviceGetMigDeviceHandleByIndex) rather than through
 nvmlDeviceGetGpuInstances: a MIG device handle is one compute instance and carries the UUID that CUDA_VISIBLE_DEVICES
 needs, and its GPU instance (nvmlDeviceGetGpuInstanceById / nvmlGpuInstanceGetInfo) gives the placement.
@@ -23,6 +30,7 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+from agents.node.shares import GpuMemoryUsage, usage_by_job
 from schemas.events import GpuCard, GpuHealth, GpuSample, GpuTelemetry, MigInstance, NodeInventory
 from schemas.gpu_models import MIG_MEMORY_SLICES, MODELS
 from streams.core.node_view import FATAL_XIDS
@@ -120,6 +128,7 @@ class _CardRead:
     uuid: str
     samples: list[GpuSample] = field(default_factory=list)
     faults: list[str] = field(default_factory=list)
+    pid_mib: dict[int, int] | None = None  # GPU memory per process on the card; None: not read completely
 
 
 class NvmlBackend:
@@ -137,6 +146,7 @@ class NvmlBackend:
         self._profiles: dict[str, dict[int, tuple[str, int]]] = {}  # card -> GI profile id -> (NVML name, slices)
         self._skip_fields = (nvml.NVMLError_NotSupported, nvml.NVMLError_NoPermission,
                              nvml.NVMLError_FunctionNotFound)
+        self.last_usage = GpuMemoryUsage()  # per job and card, from the last telemetry pass
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -372,6 +382,12 @@ class NvmlBackend:
             health.extend(self._report(node, r.uuid, r.faults))
         for uuid in xids:
             log.warning("XIDs %s for card %s which was not read this tick", xids[uuid], uuid)
+        per_pid: dict[int, dict[str, int]] = {}
+        for r in reads:
+            for pid, mib in (r.pid_mib or {}).items():
+                per_pid.setdefault(pid, {})[r.uuid] = mib
+        self.last_usage = GpuMemoryUsage(by_job=usage_by_job(per_pid, jobs),
+                                         cards=frozenset(r.uuid for r in reads if r.pid_mib is not None))
         return GpuTelemetry(node=node, samples=tuple(samples)), health
 
     def _report(self, node: str, uuid: str, faults: list[str]) -> list[GpuHealth]:
@@ -405,7 +421,7 @@ class NvmlBackend:
         remap = self._opt(None, "nvmlDeviceGetRemappedRows", h)
         if remap is not None and remap[3]:
             read.faults.append(f"row remapping failed (corrected {remap[0]}, uncorrected {remap[1]})")
-        procs = self._opt([], "nvmlDeviceGetComputeRunningProcesses", h)
+        procs, read.pid_mib = self._processes(h)
         mig_mode = self._opt(None, "nvmlDeviceGetMigMode", h)
         migs = self._migs(uuid, h, "") if mig_mode and mig_mode[0] == nv.NVML_DEVICE_MIG_ENABLE else []
         card_jobs = _jobs_of(procs, jobs)
@@ -426,6 +442,30 @@ class NvmlBackend:
                 mem_used_mib=int(mmem.used // MIB), mem_total_mib=int(mmem.total // MIB),
                 job_ids=_jobs_of(own, jobs)))
         return read
+
+    def _processes(self, h) -> tuple[list, dict[int, int] | None]:
+        """The card's processes (compute, graphics and MPS clients; one record per pid) and the GPU memory of each in
+        MiB -- None when the compute list could not be read or a count was not available (a round that tells
+        nothing, rather than one that says zero)."""
+        complete = True
+        try:
+            procs = list(self.nv.nvmlDeviceGetComputeRunningProcesses(h) or ())
+        except self._skip_fields:
+            procs, complete = [], False
+        for fn in ("nvmlDeviceGetGraphicsRunningProcesses", "nvmlDeviceGetMPSComputeRunningProcesses"):
+            procs += self._opt([], fn, h) or []  # NotSupported (no graphics, no MPS) is an empty list
+        by_pid: dict[int, object] = {}
+        mib: dict[int, int] = {}
+        for p in procs:
+            pid = int(p.pid)
+            by_pid.setdefault(pid, p)
+            used = getattr(p, "usedGpuMemory", None)
+            if used is None:
+                complete = False  # NVML_VALUE_NOT_AVAILABLE: pynvml gives None
+                continue
+            # A process on two lists is one process: its count, not twice its count.
+            mib[pid] = max(mib.get(pid, 0), int(used) // MIB)
+        return list(by_pid.values()), (mib if complete else None)
 
     # ---------------------------------------------------------------- MIG reconfiguration
 
