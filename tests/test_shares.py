@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
+import shutil
+import tempfile
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -78,6 +82,7 @@ def test_slices_of_one_card_add_up_and_memory_stays_within_the_card():
 def test_unknown_mode_is_refused():
     with pytest.raises(ValueError, match="one of hami, mps, none"):
         share_env((SHARE,), mode="vgpu")
+    assert share_env((SHARE,), mode="") == {}  # not configured: the default, none
 
 
 def test_node_configuration_from_the_environment():
@@ -315,6 +320,36 @@ def test_with_the_fake_nvml_the_watch_stops_the_job_that_grows_past_its_share_on
     assert round_() == [] and found[-1][0].job_id == "b"
 
 
+def test_the_share_stop_also_drives_a_runner_shaped_job():
+    """The runner branch's executor keeps a Run per job (`job.run`: running, stop(grace) -> how it ended): the same
+    stop ends it through that and reports the signal it ended on."""
+    from agents.node.share_enforcer import stop_job_for_share
+    from agents.node.shares import ShareBreach
+
+    class FakeRun:
+        running, stopped_with = True, None
+
+        async def stop(self, grace_s):
+            self.stopped_with, self.running = grace_s, False
+            return SimpleNamespace(signal=15, exit_code=None)
+
+    sent = []
+
+    async def publish(payload, source, cause=None):
+        sent.append((payload, source, cause))
+
+    job = SimpleNamespace(job_id="b", command_id="c9", attempt=2, stopping=False, run=FakeRun())
+    neighbour = SimpleNamespace(job_id="a", command_id="c8", attempt=0, stopping=False, run=FakeRun())
+    executor = SimpleNamespace(node="n1", running={"b": job, "a": neighbour}, publish=publish)
+    breach = ShareBreach("b", "GPU-aaaa", 9000, 8192, 3)
+    asyncio.run(stop_job_for_share(executor, breach, 2.0))
+    asyncio.run(stop_job_for_share(executor, breach, 2.0))  # again: nothing more
+    assert job.run.stopped_with == 2.0 and neighbour.run.running and list(executor.running) == ["a"]
+    ((failed, source, cause),) = sent
+    assert (failed.job_id, failed.code, failed.signal, failed.attempt, failed.command_id, source, cause) == \
+        ("b", "ShareExceeded", 15, 2, "c9", "n1/job/b", "c9")
+
+
 # ---------------------------------------------------------------- the real agent, a real process, the fake NVML
 
 class FakeProducer:
@@ -338,6 +373,20 @@ def cmd(payload):
 def share_place(job: str, command_id: str) -> PlaceJob:
     return PlaceJob(command_id=command_id, job_id=job, tenant="acme", node="n1", duration_s=60, attempt=1,
                     assignments=(Assignment(gpu_uuid="GPU-aaaa", milli=500, memory_mib=8192),))
+
+
+@pytest.fixture
+def passable_jobs_root(monkeypatch):
+    """Job directories the unprivileged job user can reach when the tests run as root (pytest's tmp dirs are 0700):
+    GPUPOOL_JOBS_ROOT / GPUPOOL_CHECKPOINT_ROOT, which the runner's node context reads (main's agent ignores them)."""
+    root = Path(tempfile.mkdtemp(prefix="gpupool-shares-"))
+    os.chmod(root, 0o711)
+    monkeypatch.setenv("GPUPOOL_JOBS_ROOT", str(root / "jobs"))
+    monkeypatch.setenv("GPUPOOL_CHECKPOINT_ROOT", str(root / "checkpoints"))
+    try:
+        yield root
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def make_agent(tmp_path, monkeypatch):
@@ -380,7 +429,8 @@ def failures(agent) -> list[JobFailed]:
     return [e.payload for e in agent.producer.sent if isinstance(e.payload, JobFailed)]
 
 
-def test_the_agent_stops_the_real_process_over_its_share_and_its_neighbour_runs_on(tmp_path, monkeypatch):
+def test_the_agent_stops_the_real_process_over_its_share_and_its_neighbour_runs_on(tmp_path, monkeypatch,
+                                                                                    passable_jobs_root):
     agent, card, b = make_agent(tmp_path, monkeypatch)
 
     async def go():
@@ -411,7 +461,7 @@ def test_the_agent_stops_the_real_process_over_its_share_and_its_neighbour_runs_
     assert "greedy" not in agent.executor.running
 
 
-def test_the_telemetry_loop_enforces_shares_after_k_telemetry_rounds(tmp_path, monkeypatch):
+def test_the_telemetry_loop_enforces_shares_after_k_telemetry_rounds(tmp_path, monkeypatch, passable_jobs_root):
     agent, card, b = make_agent(tmp_path, monkeypatch)
 
     async def go():

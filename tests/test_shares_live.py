@@ -13,6 +13,7 @@ import pytest
 from schemas.events import JobRequested
 from tests.fake_pynvml import FakeNvml, FakeProcess, two_card_node
 from tests.live import cli, job_states, quotas, wait_for
+from tests.test_shares import passable_jobs_root  # noqa: F401 - a fixture
 
 pytestmark = pytest.mark.broker
 
@@ -50,9 +51,13 @@ class AgentThread:
         self.thread.join(60)
 
 
-def test_the_share_watch_stops_the_job_over_its_share_and_not_its_neighbour(stack, monkeypatch):
+def test_the_share_watch_stops_the_job_over_its_share_and_not_its_neighbour(stack, monkeypatch, passable_jobs_root):
     monkeypatch.setenv("GPUPOOL_SHARE_WATCH_SAMPLES", "3")
     monkeypatch.delenv("GPUPOOL_SHARE_ENFORCEMENT", raising=False)
+    # job directories the unprivileged job user can reach when tests run as root (the runner's node context reads
+    # these; main's agent ignores them)
+    monkeypatch.setenv("GPUPOOL_JOBS_ROOT", str(passable_jobs_root / "jobs"))
+    monkeypatch.setenv("GPUPOOL_CHECKPOINT_ROOT", str(passable_jobs_root / "checkpoints"))
     stack.start_worker()
     stack.add_user("alice", "tenant", "acme")
     quotas(stack, "acme")

@@ -86,20 +86,31 @@ def share_problems(config: ShareConfig) -> list[str]:
 async def stop_job_for_share(executor, breach: ShareBreach, grace_s: float) -> None:
     """End a job of agents/node/nvml_agent.py's Executor for its share: SIGTERM to its process group, SIGKILL after
     `grace_s`, then JobFailed(code="ShareExceeded") under its placement's command id (the scheduler frees its share
-    and, when the job has retries left, places it again). A job already stopping or ended is left to that."""
-    from agents.node.nvml_agent import terminate  # the agent imports this module
-
+    and, when the job has retries left, places it again). A job already stopping or ended is left to that.
+    Either shape of the executor's job: main's (`job.proc`, an asyncio process) or the runner's (`job.run`,
+    agents/node/runner.py Run, whose stop(grace) returns how it ended)."""
     job = executor.running.get(breach.job_id)
-    if job is None or job.stopping or job.proc.returncode is not None:
+    if job is None or job.stopping:
         return
-    job.stopping = True  # its waiter stays silent: this reports
-    await terminate(job.proc, grace_s)
+    run = getattr(job, "run", None)
+    if run is not None:
+        if not run.running:
+            return
+        job.stopping = True  # its waiter stays silent: this reports
+        ended = await run.stop(grace_s)
+        sig, rc = ended.signal, ended.exit_code
+    else:
+        from agents.node.nvml_agent import terminate  # the agent imports this module
+
+        if job.proc.returncode is not None:
+            return
+        job.stopping = True
+        await terminate(job.proc, grace_s)
+        status = job.proc.returncode
+        sig, rc = (-status, None) if status is not None and status < 0 else (None, status)
     if executor.running.get(job.job_id) is job:
         del executor.running[job.job_id]
-    rc = job.proc.returncode
     src = f"{executor.node}/job/{job.job_id}"
     await executor.publish(JobFailed(job_id=job.job_id, node=executor.node, reason=breach.message,
-                                     command_id=job.command_id, code=breach.code,
-                                     signal=-rc if rc is not None and rc < 0 else None,
-                                     exit_code=rc if rc is not None and rc >= 0 else None,
+                                     command_id=job.command_id, code=breach.code, signal=sig, exit_code=rc,
                                      attempt=job.attempt), src, job.command_id)

@@ -162,7 +162,9 @@ def share_limits(assignments: Iterable[Assignment],
 
 def share_env(assignments: Iterable[Assignment], cards: Mapping[str, GpuCard] | Iterable[GpuCard] | None = None,
               mode: str = DEFAULT_MODE) -> dict[str, str]:
-    """The share limits as the node's enforcement reads them; {} for a job with no share, or in mode "none"."""
+    """The share limits as the node's enforcement reads them; {} for a job with no share, or in mode "none" ("" is
+    the default mode)."""
+    mode = mode or DEFAULT_MODE
     if mode not in MODES:
         raise ValueError(f"share enforcement {mode!r}: one of {', '.join(MODES)}")
     shares = device_shares(assignments, cards)
