@@ -13,7 +13,7 @@ import pytest
 from schemas.events import JobRequested
 from tests.fake_pynvml import FakeNvml, FakeProcess, two_card_node
 from tests.live import cli, job_states, quotas, wait_for
-from tests.test_shares import passable_jobs_root  # noqa: F401 - a fixture
+from tests.test_shares import alive, passable_jobs_root, pid_of  # noqa: F401 - passable_jobs_root: a fixture
 
 pytestmark = pytest.mark.broker
 
@@ -83,14 +83,14 @@ def test_the_share_watch_stops_the_job_over_its_share_and_not_its_neighbour(stac
         assert [a.gpu_uuid for a in small.assignments] == [a.gpu_uuid for a in greedy.assignments] == ["GPU-aaaa"]
         assert all(a.milli < 1000 and a.memory_mib == 8192 for a in small.assignments + greedy.assignments)
         shared = cards[0]
-        shared.processes = [FakeProcess(small.proc.pid, 3000), FakeProcess(greedy.proc.pid, 3000)]
-        shared.grow(greedy.proc.pid, 7000)  # 10000 MiB of its 8192
+        shared.processes = [FakeProcess(pid_of(small), 3000), FakeProcess(pid_of(greedy), 3000)]
+        shared.grow(pid_of(greedy), 7000)  # 10000 MiB of its 8192
 
         wait_for(lambda: job_states(stack, "alice").get("acme/greedy", {}).get("state") == "failed", 120,
                  "the greedy job failed", stack)
         states = job_states(stack, "alice")
         assert states["acme/small"]["state"] == "running"
-        assert small.proc.returncode is None and "acme/small" in node.running()
+        assert alive(small) and "acme/small" in node.running()
         # the owner reads why in the job's history: the node's job.failed, its code and its numbers
         (failed,) = [e["payload"] for e in alice.api("/api/history", {"job": "acme/greedy"})["events"]
                      if e["kind"] == "job.failed"]
