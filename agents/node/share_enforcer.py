@@ -1,13 +1,13 @@
 """The node agent's side of software shares: each telemetry round, the share watch (agents/node/shares.py) over the
 jobs running on a share, and the stop of a job that held more than its share for K rounds -- JobFailed with code
-ShareExceeded, the numbers in its reason, told to the job's owner through `jobs`/`explain`/`history`. Its neighbours
+ShareExceeded, the numbers in its reason, which the job's owner reads in `jobs` and `history`. Its neighbours
 on the card are not touched. docs/operators.md, "Share enforcement".
 
 The enforcer knows the executor only through three callables, so that the real agent and any other executor can use
 it: `running()` (job id -> its assignments, for the jobs running and not already being stopped), `stop(breach,
 grace_s)` (end that job and report it), and `spawn(coro)` (run a stop in the background: the telemetry loop is the
 node's heartbeat and must not wait out a grace period). `stop_job_for_share` is the stop for agents/node/nvml_agent.py's
-Executor.
+Executor (main's job shape and the runner's alike).
 """
 from __future__ import annotations
 
