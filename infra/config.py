@@ -25,6 +25,9 @@ class Config:
     rate_window_ms: int = 10_000  # the gateway's rate window per principal (streams/core/gateway.py, RateLimit)
     rate_per_window: int = 200  # requests a principal may send per window; the rest are refused `rate_limited`
     volumes: dict[str, "Volume"] = field(default_factory=dict, hash=False)  # the mountable volumes (load_volumes)
+    # seconds a stopped job gets between SIGTERM and SIGKILL, per tier (GPUPOOL_GRACE_S, parse_grace); the ticker puts
+    # them on the scheduler's input log (SchedulerTick.grace_s), so every replay decides with the same ones
+    grace_s: dict[str, int] = field(default_factory=dict, hash=False)
 
     @property
     def bootstrap(self) -> str:
@@ -81,6 +84,31 @@ def load_volumes(home: Path) -> dict[str, Volume]:
     return parse_volumes(text)
 
 
+def parse_grace(text: str) -> dict[str, int]:
+    """GPUPOOL_GRACE_S: `TIER=SECONDS,...` (e.g. `inference=10,online-training=30,offline=60`), or one number for
+    every tier; tiers not named keep the default (30 s). A malformed entry raises ValueError: an operator's typo must
+    not silently give a job less time to checkpoint than meant."""
+    from schemas.events import GRACE_MAX_S, Tier
+
+    text = text.strip()
+    if not text:
+        return {}
+    if "=" not in text:
+        items = [f"{t.value}={text}" for t in Tier]
+    else:
+        items = [x for x in text.split(",") if x.strip()]
+    out: dict[str, int] = {}
+    tiers = {t.value for t in Tier}
+    for item in items:
+        name, eq, value = item.strip().partition("=")
+        name, value = name.strip(), value.strip()
+        if not eq or name not in tiers or not value.isdigit() or int(value) > GRACE_MAX_S:
+            raise ValueError(f"GPUPOOL_GRACE_S entry {item.strip()!r}: want TIER=SECONDS with TIER one of "
+                             f"{', '.join(sorted(tiers))} and 0 <= SECONDS <= {GRACE_MAX_S}")
+        out[name] = int(value)
+    return out
+
+
 def local_brokers(home: Path) -> int:
     """How many local brokers this home runs: what `gpupool up --brokers N` recorded, else one."""
     try:
@@ -108,4 +136,5 @@ def load() -> Config:
         rate_window_ms=int(os.environ.get("GPUPOOL_RATE_WINDOW_MS", "10000")),
         rate_per_window=int(os.environ.get("GPUPOOL_RATE_PER_WINDOW", "200")),
         volumes=load_volumes(home),
+        grace_s=parse_grace(os.environ.get("GPUPOOL_GRACE_S", "")),
     )

@@ -16,6 +16,7 @@ from schemas.program import IMAGE_REF, RETRIES_MAX, Mount, program_problem
 # `true` as 1), as a quantity in milli-GPU or MiB must be exact.
 Int = Annotated[int, Strict()]
 NonNeg = Annotated[int, Strict(), Field(ge=0)]
+GRACE_MAX_S = 3600  # the longest grace period an operator may give a tier (GPUPOOL_GRACE_S)
 Pos = Annotated[int, Strict(), Field(gt=0)]
 # An id (a job, node, card, reservation, service, principal, reason code...): 1 to 200 characters, each a letter, mark,
 # digit, punctuation or symbol (Unicode categories L, M, N, P, S). No white space, no control characters, no format
@@ -355,7 +356,7 @@ class PreemptJob(Frozen):
     command_id: Ident
     job_id: Ident
     node: Ident
-    grace_s: NonNeg = 30
+    grace_s: NonNeg = 30  # the stopped job's tier's grace (docs/jobs.md, "Stops and grace periods")
     reasons: tuple[Reason, ...] = ()
     attempt: NonNeg = 0  # the run it stops, or an older one (0: whichever runs)
 
@@ -369,6 +370,7 @@ class MigrateJob(Frozen):
     assignments: tuple[Assignment, ...]
     reasons: tuple[Reason, ...] = ()
     attempt: NonNeg = 0
+    grace_s: NonNeg = 30  # the moved job's tier's grace: SIGTERM, this long to checkpoint and exit, then SIGKILL
 
 
 class MigReconfigure(Frozen):
@@ -416,9 +418,12 @@ class RequestRejected(Frozen):
 
 
 class SchedulerTick(Frozen):
-    """A cycle tick: time enters the scheduler only through its input log."""
+    """A cycle tick: time enters the scheduler only through its input log. `grace_s`: the operator's grace period per
+    tier (GPUPOOL_GRACE_S, docs/jobs.md "Stops and grace periods") as the ticker read it, so the grace a stop waits
+    is on the log the scheduler and every replay read; empty (a ticker that predates it): the grace stays as it was."""
     kind: Literal["scheduler.tick"] = "scheduler.tick"
     now_ms: NonNeg
+    grace_s: dict[Tier, Annotated[int, Strict(), Field(ge=0, le=GRACE_MAX_S)]] = {}
 
 
 # ---------------------------------------------------------------- reservations

@@ -11,6 +11,7 @@ from collections import Counter
 import faust
 from faust.web import View
 
+from agents.scheduler.core import grace_map
 from infra.config import Config
 from infra.kafka_client import commit_or_reread, partition_of, stop_consumer
 from infra.security import SERVICE, KafkaConn, kafka_conn
@@ -106,6 +107,7 @@ class Worker:
                  app_id: str = "gpupool", name: str = "worker", brokers: int = 1):
         self.cfg = cfg
         self.name = name
+        self._grace = grace_map(cfg.grace_s)  # every tier's grace period, as each tick carries it
         self.conn = kafka_conn(cfg, SERVICE)
         self.dead_letters: Counter[str] = Counter()
         self.folded: Counter[str] = Counter()
@@ -756,9 +758,11 @@ class Worker:
     async def tick(self):
         # The scheduler's clock is the broker's append time of this record, not `t`: the payload only says when
         # the ticker meant it.
+        # Each tick carries the operator's grace periods (GPUPOOL_GRACE_S, every tier's: the default filled in), so
+        # the scheduler and every replay of its input take them from the log (docs/jobs.md, "Stops and grace periods").
         t = now_ms()
         await self.scheduler_input.send(key=b"ticker", value=encode(
-            envelope(SchedulerTick(now_ms=t), source="ticker", seq=t, time_ms=t)))
+            envelope(SchedulerTick(now_ms=t, grace_s=self._grace), source="ticker", seq=t, time_ms=t)))
 
     # ---------------------------------------------------------------- HTTP API (streams/api.py)
 

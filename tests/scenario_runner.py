@@ -9,7 +9,8 @@ ElasticScheduler and enables the steps `declare` (ServiceDeclared fields; tenant
 A scenario describes an open pool unless it says otherwise: tenants without a quota are unlimited
 (`default_quota: null`); `default_quota: N` gives them N milli-CU (0: the product's default, nothing runs without a
 quota). `usage_tick_ms` sets the scheduler's usage tick (default: the product's, 60 s); `preemption:` sets
-PreemptionConfig fields (e.g. `migrations_per_hour`, the defragmentation budget).
+PreemptionConfig fields (e.g. `migrations_per_hour`, the defragmentation budget); `grace_s:` the grace period of each
+tier's stops (tier -> seconds).
 
 Lifecycle steps: `node_down: NODE` or `{node, heartbeat_ago_ms}` (node.liveness alive=false, last heartbeat that long
 ago), `node_up: NODE` (the node reports its inventory again), `drain`, `uncordon`, `remove`, `readd` (node.removed),
@@ -70,6 +71,8 @@ def run(path: Path) -> None:
               usage_tick_ms=doc.get("usage_tick_ms", Scheduler.usage_tick_ms))
     if "preemption" in doc:  # PreemptionConfig fields (e.g. migrations_per_hour)
         kw["preemption"] = PreemptionConfig(**doc["preemption"])
+    if "grace_s" in doc:  # tier -> the grace period its stops wait (docs/jobs.md, "Stops and grace periods")
+        kw["grace_s"] = doc["grace_s"]
     s = ElasticScheduler(ElasticConfig(**doc.get("elastic", {})), **kw) if doc.get("scheduler") == "elastic" \
         else Scheduler(**kw)
     placed: dict[str, object] = {}

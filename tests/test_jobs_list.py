@@ -206,3 +206,81 @@ def test_elapsed_is_the_time_its_runs_ran_and_the_rest_is_waiting(store):
     assert row["state"] == "completed", row
     assert row["elapsed_s"] == round(((lost - started) + (ended - restarted)) / 1000, 1) == 5.0, row
     assert row["wait_s"] == round((ended - submitted) / 1000 - row["elapsed_s"], 1), row
+
+
+def _retried_run(job_id: str, retries: int, ends: list):
+    """A job asking for `retries`, on one 1-card node: each placement starts, runs 3 s and ends as `ends` says, in
+    turn -- a JobFailed's fields (code, exit_code, signal), or "completed"; after a failure, ticks every second
+    until it is placed again. Returns the scheduler and everything logged, as the sink would store it."""
+    from schemas.events import JobCompleted, JobFailed, SchedulerTick
+
+    c = Clock()
+    s = Scheduler(ledger=open_ledger())
+    logged = [c.env(inventory("n0", "A100-80GB", gpus=1), "n0/inventory"),
+              c.env(job(job_id, "t", 1000, 40, retries=retries), "cli/j")]
+    for e in list(logged):
+        logged += s.step(e)
+    src = f"n0/job/{job_id}"
+    for end in ends:
+        p = next(o.payload for o in reversed(logged) if o.kind == "cmd.place")
+        e = c.env(JobStarted(job_id=job_id, node="n0", command_id=p.command_id), src, dt=100)
+        logged += [e] + s.step(e)
+        if end == "completed":
+            e = c.env(JobCompleted(job_id=job_id, node="n0", command_id=p.command_id), src, dt=3000)
+        else:
+            e = c.env(JobFailed(job_id=job_id, node="n0", command_id=p.command_id, attempt=p.attempt,
+                                reason="the program's own words", **end), src, dt=3000)
+        logged += [e] + s.step(e)
+        if end is not ends[-1]:
+            for _ in range(600):
+                e = c.env(SchedulerTick(now_ms=c.now + 1000), "ticker", dt=1000)
+                got = s.step(e)  # the scheduler's own input, stored nowhere
+                logged += got
+                if any(o.kind == "cmd.place" for o in got):
+                    break
+            else:
+                raise AssertionError("not placed again within 10 minutes of log time")
+    return s, logged
+
+
+def _row(client, job_id: str) -> dict:
+    sql, params = jobs_sql(None)
+    res = client.query(sql, parameters=params)
+    [row] = [dict(zip(res.column_names, r)) for r in res.result_rows if r[0] == job_id]
+    return row
+
+
+def test_a_failed_run_with_a_retry_left_is_listed_waiting_with_its_exit_and_when_it_is_retried(store):
+    client, sink = store
+    s, logged = _retried_run("t/r-wait", 2, [{"code": "ExitCode", "exit_code": 3}])
+    assert s.state_of("t/r-wait") == "pending"
+    _store(sink, logged, part=11)
+    row = _row(client, "t/r-wait")
+    backoff = next(o.payload.reasons[0] for o in logged if o.kind == "job.pending")
+    assert (row["state"], row["last_exit"], row["failures"], row["retries"]) == ("pending", "ExitCode 3", 1, 2), row
+    assert row["retry_at_ms"] == backoff.data["retry_at_ms"] > 0
+    assert row["elapsed_s"] == 3.0 and row["cards"] == 0, row  # its one run ran 3 s; the wait since is waiting
+
+
+def test_a_job_whose_retries_are_spent_is_listed_failed_with_the_last_exit_and_every_run_counted(store):
+    client, sink = store
+    s, logged = _retried_run("t/r-fail", 2, [{"code": "ExitCode", "exit_code": 1}, {"code": "Signal", "signal": 9},
+                                             {"code": "OOMKilled"}])
+    assert s.state_of("t/r-fail") == "done"
+    _store(sink, logged, part=12)
+    row = _row(client, "t/r-fail")
+    assert (row["state"], row["last_exit"], row["failures"], row["retry_at_ms"]) == ("failed", "OOMKilled", 3, 0), row
+    assert row["elapsed_s"] == 9.0, row  # three runs of 3 s; the back-offs are waiting
+
+
+def test_a_job_a_retry_made_is_listed_completed_and_one_without_retries_fails_at_once(store):
+    client, sink = store
+    _, logged = _retried_run("t/r-ok", 1, [{"code": "Signal", "signal": 11}, "completed"])
+    _, once = _retried_run("t/r-once", 0, [{"code": "ExitCode", "exit_code": 2}])
+    _store(sink, logged + once, part=13)
+    ok, failed = _row(client, "t/r-ok"), _row(client, "t/r-once")
+    assert (ok["state"], ok["failures"], ok["last_exit"], ok["elapsed_s"]) == ("completed", 1, "Signal 11", 6.0), ok
+    assert (failed["state"], failed["failures"], failed["last_exit"]) == ("failed", 1, "ExitCode 2"), failed
+    # and as the jobs table says it (agents/cli/views.py)
+    from agents.cli.views import exit_cell
+    assert exit_cell(failed) == "ExitCode 2" and exit_cell(ok).startswith("Signal 11 (run 1 of 2 failed)")

@@ -4,8 +4,10 @@ asked for, and the cost so far. Pure: documents in, lines out (tests/test_explai
 from __future__ import annotations
 
 import re
+import shlex
 
 from agents.cli.output import duration, mib, when
+from streams.core.exits import BACKOFF_BASE_MS, BACKOFF_CAP_MS, exit_label, failure_text
 
 # an epoch-milliseconds instant in a message ("last at 1796128512698 ms"), said as a time instead
 _EPOCH_MS = re.compile(r"\b(1\d{12})(?: ?ms)?\b")
@@ -36,6 +38,7 @@ MEANING = {
     "Preempting": "lower-priority work is being checkpointed and stopped to make room",
     "PreemptedFor": "stopped (after a checkpoint) to make room for more important work",
     "NodeLost": "its node went silent for two heartbeats: billed to the last one, requeued",
+    "BackOff": "a run failed and the job has a retry left: it is placed again after a back-off",
     "GpuFault": "a card it held failed: billed to the fault, requeued",
     "Placed": "placed",
     "MinReplicas": "the service runs fewer replicas than its minimum",
@@ -108,13 +111,82 @@ def _isolation(req: dict) -> str:
         return "not stated"
 
 
+def program_lines(p: dict, indent: str) -> list[str]:
+    """What program a job asked for (job.requested, else its placement: cmd.place carries the same): the argv (as
+    a shell would quote it, though none runs it), the image or a plain process, every environment variable with its
+    value (the tenant's own), the volumes and the working directory; its retries. None of it: the simulated stand-in
+    run."""
+    lines = []
+    if p.get("command"):
+        where = f"in image {p['image']}" if p.get("image") else "as a plain process (no image)"
+        lines.append(f"{indent}program: {shlex.join(p['command'])}  ({where})")
+    elif p.get("image"):
+        lines.append(f"{indent}program: the image's own command, in image {p['image']}")
+    env = p.get("env") or {}
+    if env:
+        lines.append(f"{indent}env: " + ", ".join(f"{k}={shlex.quote(str(v))}" for k, v in sorted(env.items())))
+    vols = p.get("volumes") or ()
+    if vols:
+        lines.append(f"{indent}volumes: " + ", ".join(
+            f"{v['volume']}:{v['path']}:{'ro' if v.get('read_only', True) else 'rw'}" for v in vols))
+    if p.get("workdir"):
+        lines.append(f"{indent}workdir: {p['workdir']}")
+    if p.get("retries"):
+        lines.append(f"{indent}retries: {p['retries']} (a failed run is placed again after {BACKOFF_BASE_MS // 1000} s,"
+                     f" doubling per failure, at most {BACKOFF_CAP_MS // 60_000} min)")
+    return lines
+
+
+def _program(events: list[dict]) -> dict | None:
+    return next((e["payload"] for e in events if e["kind"] == "job.requested"), None) or next(
+        (e["payload"] for e in events if e["kind"] == "cmd.place"), None)
+
+
 def header(job: str, events: list[dict]) -> list[str]:
     req = next((e["payload"] for e in events if e["kind"] == "job.requested"), None)
     if req is None:
-        return [job]
+        place = _program(events)
+        return [job] + (program_lines(place, "  ") if place else [])
     isolation = _isolation(req)
     return [f"{job}  tier {req.get('tier')}, {req['compute_milli']} milli-CU, {mib(req['gpu_memory_mib'])} GPU memory, "
-            f"project {req.get('project', 'default')}, isolation {isolation}"]
+            f"project {req.get('project', 'default')}, isolation {isolation}"] + program_lines(req, "  ")
+
+
+def failure(p: dict) -> str:
+    """A failed run's end in words: its exit code, signal or other code and the node's reason (a report from before
+    exit reasons: its reason alone, as it always read)."""
+    return failure_text(p.get("code"), p.get("reason", ""), p.get("exit_code"), p.get("signal"))
+
+
+def _failed_runs(events: list[dict]) -> list[dict]:
+    """The failed runs' reports, one per placement (a gang's parts failing in one run are one failed run)."""
+    seen, out = set(), []
+    for e in events:
+        if e["kind"] == "job.failed":
+            p = e["payload"]
+            key = p.get("attempt") or p.get("command_id") or id(e)
+            if key not in seen:
+                seen.add(key)
+                out.append(e)
+    return out
+
+
+def ending_lines(events: list[dict], indent: str = "") -> list[str]:
+    """How a job that asked for retries ended: "failed after N runs" once they are spent, "completed after N failed
+    run(s)" when a retry made it; nothing while a retry is left (the BackOff reason says when) and nothing for a job
+    that asked for none (its one job.failed line says it all, as before)."""
+    failed = _failed_runs(events)
+    req = next((e["payload"] for e in events if e["kind"] == "job.requested"), {}) or {}
+    retries = int(req.get("retries") or 0)
+    if not failed or not retries:
+        return []
+    if any(e["kind"] == "job.completed" for e in events):
+        return [f"{indent}completed after {len(failed)} failed run(s)"]
+    if len(failed) <= retries:
+        return []
+    last = failed[-1]["payload"]
+    label = exit_label(last.get("code"), last.get("exit_code"), last.get("signal")) or "failed"
+    return [f"{indent}failed after {len(failed)} runs ({retries} retries spent); the last: {label}: {failure(last)}"]
 
 
 def _unique_reasons(block: list[dict]) -> list[dict]:
@@ -147,6 +219,9 @@ def event_line(block: list[dict], cards: dict[str, dict]) -> list[str]:
         return [f"{when(e['time_ms'])}  cmd.place  {_part(e, cards)}{attempt}"
                 + (", resuming from " + p["resume_from"] if p.get("resume_from") else "")
                 + (", borrowed" if p.get("borrowed") else "")]
+    if kind == "job.failed":
+        attempt = f" (attempt {p['attempt']})" if p.get("attempt") else ""
+        return [f"{when(e['time_ms'])}  job.failed  {e.get('node') or p.get('node') or '-'}{attempt}: {failure(p)}"]
     return [f"{when(e['time_ms'])}  {kind}  {e.get('node') or '-'}{who}"]
 
 
@@ -159,6 +234,7 @@ def explain_lines(job: str, events: list[dict], cards: dict[str, dict] | None = 
     for block in blocks(shown):
         lines += event_line(block, cards)
         lines += reason_lines(_unique_reasons(block), "    ")
+    lines += ending_lines(events)
     lines.append(cost_line(events, cost))
     return lines
 
@@ -198,7 +274,8 @@ def summary(e: dict) -> str:
         return f"stopped on {p['node']} after {duration(p.get('progress_ms', 0))} of work" + (
             f" ({p['reason']})" if p.get("reason") else "")
     if kind == "job.failed":
-        return f"failed on {p.get('node') or '-'}: {p.get('reason', '')}"
+        attempt = f" (attempt {p['attempt']})" if p.get("attempt") else ""
+        return f"failed on {p.get('node') or '-'}{attempt}: {failure(p)}"
     if kind == "job.cancelled":
         return "cancelled" + (f" by {e['actor']}" if e.get("actor") else "") + (
             f": {p['reason']}" if p.get("reason") else "")
@@ -239,7 +316,10 @@ def history_lines(job: str, events: list[dict], cards: dict[str, dict] | None = 
             lines += ["  " + x for x in rest]
         else:
             lines.append(f"  {when(e['time_ms'])}  {summary(e)}")
+        if e["kind"] == "job.requested":
+            lines += program_lines(e["payload"], "        ")
         if e["kind"] in WITH_REASONS:
             lines += reason_lines(_unique_reasons(block), "        ")
+    lines += ending_lines(events, "  ")
     lines.append("  " + cost_line(events, cost))
     return lines

@@ -27,8 +27,37 @@ def cmd_jobs(cfg, args) -> int:
     cols, rows = Client(cfg).rows("/api/jobs", {
         "tenant": args.tenant, "project": args.project, "state": args.state, "tier": args.tier,
         "since": parse_time(args.since)})
+    if args.format == "table":
+        cols, rows = jobs_table(cols, rows)
     emit(cols, rows, args.format)
     return 0
+
+
+EXIT_COLUMNS = ("last_exit", "failures", "retries", "retry_at_ms")
+
+
+def exit_cell(d: dict) -> str:
+    """A job's runs' end as the jobs table says it: the last failed run's exit ("ExitCode 3", "Signal 9",
+    "OOMKilled"...), and "retrying at TIME (run N of M failed)" while it waits out the back-off, or "failed after N
+    runs" once its retries are spent; "-" when no run failed."""
+    failures, retries, last = int(d.get("failures") or 0), int(d.get("retries") or 0), d.get("last_exit") or ""
+    if not failures:
+        return "-"
+    last = last or "failed"
+    if d.get("state") == "failed":
+        return f"{last}, failed after {failures} runs" if retries else last
+    if d.get("retry_at_ms"):
+        return f"{last}, run {failures} of {retries + 1} failed, retrying at {when(int(d['retry_at_ms']))}"
+    return f"{last} (run {failures} of {retries + 1} failed)"
+
+
+def jobs_table(cols: list[str], rows: list) -> tuple[list[str], list]:
+    """The table a person reads: the exit columns said as one (`exit_cell`); JSON and CSV keep them apart."""
+    if not all(c in cols for c in EXIT_COLUMNS):
+        return cols, rows  # an older worker's answer
+    keep = [i for i, c in enumerate(cols) if c not in EXIT_COLUMNS]
+    out = [[r[i] for i in keep] + [exit_cell(dict(zip(cols, r)))] for r in rows]
+    return [cols[i] for i in keep] + ["exit"], out
 
 
 def cmd_billing(cfg, args) -> int:

@@ -40,6 +40,7 @@ from schemas.events import (
     QuotaRejected, QuotaSet, Reason, Rejected, ReleaseJob, ResizeJob, SchedulerTick, Tier, UsageAccrued,
 )
 from streams.core import node_view
+from streams.core.exits import backoff_ms, failure_text
 from streams.core.gateway import SOURCE_PREFIX as GATEWAY_PREFIX
 
 SOURCE = "scheduler"
@@ -51,6 +52,18 @@ SOURCE = "scheduler"
 RETAIN_MS = 24 * 3600_000
 # The most jobs one tenant may have waiting; a request through the gateway beyond it is refused (`too_many_pending`).
 MAX_PENDING = 500
+# How long a job told to stop (cmd.preempt, cmd.migrate) has between SIGTERM and SIGKILL to checkpoint and exit, per
+# tier, until the operator's configuration (GPUPOOL_GRACE_S, carried by the ticks: SchedulerTick.grace_s) says
+# otherwise (docs/jobs.md, "Stops and grace periods").
+DEFAULT_GRACE_S = 30
+
+
+def grace_map(given: dict | None = None) -> dict[Tier, int]:
+    """Every tier's grace period in seconds: `given`'s (tier or its name -> seconds), DEFAULT_GRACE_S for the rest."""
+    out = {t: DEFAULT_GRACE_S for t in Tier}
+    for k, v in (given or {}).items():
+        out[Tier(k)] = int(v)
+    return out
 
 
 def own_source(source: str, job_id: str) -> bool:
@@ -64,7 +77,10 @@ class Scheduler:
     the holdings (the one write path), so the node views, the indices and the job records follow its decisions.
     Configuration (the same configuration decides the same, so the live agent, the audit and `replay` share it):
     `ledger`, `preemption`, `candidates`, `full_cycle_ms`, `usage_tick_ms`, `elastic` (an ElasticConfig: the
-    autoscaler component, elastic.py). `nodes` and `jobs` adopt a state built elsewhere (tests)."""
+    autoscaler component, elastic.py), `grace_s` (tier -> seconds a stop waits before SIGKILL, until a tick on the
+    log says otherwise: the live agent and the audit leave it at the default and take the operator's from the ticks,
+    so a replay of the log decides the same whatever its own environment says). `nodes` and `jobs` adopt a state
+    built elsewhere (tests)."""
 
     full_cycle_ms: int = 10_000
     usage_tick_ms: int = 60_000
@@ -76,7 +92,7 @@ class Scheduler:
                  candidates: int = DEFAULT_CANDIDATES, full_cycle_ms: int | None = None,
                  usage_tick_ms: int | None = None, elastic=None, nodes: dict | None = None,
                  jobs: dict | None = None, applied: dict | None = None, out_seq: int = 0,
-                 retain_ms: int | None = RETAIN_MS, max_pending: int = MAX_PENDING):
+                 retain_ms: int | None = RETAIN_MS, max_pending: int = MAX_PENDING, grace_s: dict | None = None):
         self.h = Holdings() if nodes is None and jobs is None else rebuilt(nodes or {}, jobs or {})
         self.ledger = ledger if ledger is not None else Ledger()
         self.preemption = preemption or PreemptionConfig()
@@ -92,6 +108,9 @@ class Scheduler:
         if max_pending != MAX_PENDING:
             self.max_pending = max_pending
         self.applied: dict[str, int] = dict(applied or {})
+        self.grace_s = grace_map(grace_s)
+        # failed runs waiting out their back-off (core._retry): (log time it ends, job), a heap
+        self._backoff: list[tuple[int, str]] = []
         self.now_ms = 0
         self.cycle = 0
         self.out_seq = out_seq
@@ -309,6 +328,8 @@ class Scheduler:
         p = env.payload
         if p.kind not in _SAME_EPOCH:
             self.epoch += 1
+        if self._backoff and self._backoff[0][0] <= self.now_ms:
+            self._backoff_over()
         match p:
             case NodeInventory() | NodeCordon() | NodeLiveness() | GpuHealth() | NodeRemoved() | NodeAdmitted():
                 self.node_epoch += 1  # a node's facts changed: waiting jobs are explained afresh
@@ -382,7 +403,10 @@ class Scheduler:
                     if self._ended_report(out, env, p, runs=False) is False:
                         self._cycle(out, env)
                 elif not self._superseded(out, env, rec, p.node, p.command_id, runs=False):
-                    self._finish(out, env, p.job_id, self._fact_ms(env))
+                    if isinstance(p, JobFailed) and rec.hold is None and rec.failures < rec.request.retries:
+                        self._retry(out, env, rec, p)  # a retry left: requeued after a back-off
+                    else:
+                        self._finish(out, env, p.job_id, self._fact_ms(env))
                     self._cycle(out, env)
             case JobStopped():
                 rec = self.jobs.get(p.job_id)
@@ -414,6 +438,8 @@ class Scheduler:
                     self._end_hold(out, env, b, "cancelled", ())
                     self._cycle(out, env)
             case SchedulerTick():
+                if p.grace_s:  # the operator's grace periods, as the ticker read them (docs/jobs.md)
+                    self.grace_s = grace_map(p.grace_s)
                 if self.now_ms - self._usage_ms >= self.usage_tick_ms:
                     self._usage_ms = self.now_ms
                     for j in list(self.running):
@@ -497,10 +523,7 @@ class Scheduler:
             return
         move = rec.migration if rec.state == "migrating" else None
         preempted = rec.state == "stopping" and not rec.stop_cause
-        self._accrue(out, env, rec, self._fact_ms(env))
-        self._release(out, env, rec, "Stopped")
-        rec.checkpoint, rec.stop_cause = p.checkpoint or rec.checkpoint, ""
-        self.h.set_state(rec, "pending")
+        self._end_run(out, env, rec, "Stopped", p.checkpoint)
         if move is not None:
             # moved, not preempted: it resumes from its checkpoint on the planned node, before anything else
             rec.migration = None
@@ -510,6 +533,50 @@ class Scheduler:
             rec.preempted_at = rec.preempted_at + (self.now_ms,)
         else:
             rec.interruptions += 1
+
+    def _end_run(self, out: list[Envelope], env: Envelope, rec: JobRecord, why: str, checkpoint: str) -> None:
+        """A run its node ended while the job goes on (stopped after a checkpoint, or failed with a retry left):
+        billed up to the node's time of the end (never after now), released (`why`: the release's code), and
+        pending again to resume from `checkpoint`, else its last one."""
+        self._accrue(out, env, rec, self._fact_ms(env))
+        self._release(out, env, rec, why)
+        rec.checkpoint, rec.stop_cause = checkpoint or rec.checkpoint, ""
+        self.h.set_state(rec, "pending")
+
+    def _retry(self, out: list[Envelope], env: Envelope, rec: JobRecord, p: JobFailed) -> None:
+        """A run failed and the job has a retry left (Kubernetes' backoffLimit, Slurm's --requeue): the run ends as a
+        stop does (`_end_run`: billed to its failure, released), and the job waits out a back-off in log time
+        (streams/core/exits.backoff_ms: 10 s doubling per failure, at most 5 min) before it is placed again,
+        resuming from its last checkpoint. Its reason says which run failed, why, and when it is tried again; a
+        move under way is called off (the job no longer runs to be moved)."""
+        self._end_run(out, env, rec, "Failed", "")
+        rec.migration = None
+        self._nominate(rec, None)
+        rec.failures += 1
+        wait = backoff_ms(rec.failures)
+        rec.retry_at = self.now_ms + wait
+        heapq.heappush(self._backoff, (rec.retry_at, rec.request.job_id))
+        runs, why = rec.request.retries + 1, failure_text(p.code, p.reason, p.exit_code, p.signal)
+        data: dict[str, int | str] = {"failures": rec.failures, "retries": rec.request.retries, "attempt": rec.attempt,
+                                      "retry_at_ms": rec.retry_at, "backoff_ms": wait, "exit": p.code or ""}
+        if p.exit_code is not None:
+            data["exit_code"] = p.exit_code
+        if p.signal is not None:
+            data["signal"] = p.signal
+        self._pending(out, env, rec, (Reason(
+            code="BackOff", plugin="Retry", nodes=(p.node,) if p.node else (), data=data,
+            message=f"run {rec.failures} of {runs} failed ({why}); retrying from "
+                    f"{rec.checkpoint or 'the start'} at {rec.retry_at} ms"),))
+
+    def _backoff_over(self) -> None:
+        """Failed runs whose back-off has ended by now: their jobs may be placed again, so the whole queue is
+        tried (the epoch moves). An entry of a job that left the queue meanwhile (cancelled, placed) is dropped."""
+        heap = self._backoff
+        while heap and heap[0][0] <= self.now_ms:
+            at, j = heapq.heappop(heap)
+            rec = self.jobs.get(j)
+            if rec is not None and rec.state == "pending" and rec.retry_at == at:
+                self.epoch += 1
 
     def _superseded(self, out: list[Envelope], env: Envelope, rec: JobRecord, node: str, command_id: str | None,
                     runs: bool) -> bool:
@@ -627,7 +694,8 @@ class Scheduler:
                 self._hold_again(out, env, rec, code)
                 continue
             self._command(out, PreemptJob(command_id=self._command_id(), job_id=rec.request.job_id, node=node,
-                                          attempt=rec.attempt, reasons=(Reason(
+                                          attempt=rec.attempt, grace_s=self.grace_s[rec.request.tier],
+                                          reasons=(Reason(
                                               code=code, plugin="Lifecycle", nodes=(node,),
                                               message=f"{why}: checkpoint and move"),)), env)
 
@@ -717,6 +785,8 @@ class Scheduler:
                 break
             last, rec = queue[i]
             i += 1
+            if rec.retry_at > self.now_ms:
+                continue  # a failed run's back-off: not placed again before it ends (_retry); its reason stands
             r = rec.request
             if rec.mig_wait is not None:
                 node, card = rec.mig_wait
@@ -1606,7 +1676,7 @@ class Scheduler:
             o = self.jobs[mv.job_id]
             self._command(out, MigrateJob(
                 command_id=self._command_id(), job_id=mv.job_id, from_node=plan.node, to_node=mv.to_node,
-                assignments=mv.assignments, attempt=o.attempt, reasons=(Reason(
+                assignments=mv.assignments, attempt=o.attempt, grace_s=self.grace_s[o.request.tier], reasons=(Reason(
                     code="Defragment", plugin="Defragmentation", nodes=(plan.node, mv.to_node),
                     message=f"moved to {mv.to_node} to open a block of {plan.model} cards on {plan.node} for "
                             f"{r.job_id} ({r.tier.value}); stranded free cards {plan.frag_before_milli} -> "
@@ -1703,7 +1773,8 @@ class Scheduler:
     def _stop_for(self, out: list[Envelope], cause: Envelope, rec: JobRecord, victims) -> None:
         r = rec.request
         for v in victims:
-            self._command(out, PreemptJob(command_id=self._command_id(), job_id=v.job_id, node=v.node, reasons=(
+            self._command(out, PreemptJob(command_id=self._command_id(), job_id=v.job_id, node=v.node,
+                                          grace_s=self.grace_s[self.jobs[v.job_id].request.tier], reasons=(
                 Reason(code="PreemptedFor", plugin="Preemption", message=f"{v.rule}: {r.job_id} ({r.tier.value})",
                        data={"for_job": r.job_id, "rule": v.rule, "progress_lost_ms": v.progress_lost_ms}),),
                 attempt=self.jobs[v.job_id].attempt), cause)

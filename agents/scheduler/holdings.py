@@ -75,6 +75,8 @@ class JobRecord:
     held_milli: int = 0  # what the quota ledger charged for the current placement (quota.held)
     held_memory_mib: int = 0
     interruptions: int = 0  # runs ended by a node loss, a card fault, a drain, a removal, an agent's own stop
+    failures: int = 0  # runs that ended in job.failed and were retried (at most request.retries: core._retry)
+    retry_at: int = -1  # log time before which it is not placed again (a failed run's back-off); -1: none
     stop_cause: str = ""  # why a "stopping" job was told to stop: "" (preempted for another job), Drain, NodeRemoved
     reserved: bool = False  # placed on its own reservation's capacity: reserved in-quota, never borrowed
     migrations: int = 0  # runs moved by defragmentation (cmd.migrate)

@@ -7,7 +7,13 @@ placement: `Run`) and the job's state, node, run and counts are derived from the
 superseded: a `job.interrupted` (a node lost, a card failed) names the placement commands of the run it ended, and
 every report of that run, read before the interruption or after it, counts for nothing -- a node that comes back
 and reports the old run completed, failed or stopped does not end or move the job's new run, and neither does a
-late start of the old run."""
+late start of the old run.
+
+A failed run ends the job only beyond the retries its request gave (`retries`, docs/jobs.md "Exit reasons and
+retries"): the scheduler requeues a job with a retry left after a back-off, so a failed run within them is like a
+stopped one -- the job waits (the scheduler's BackOff reason, or the view's own words for it until that is read) and
+follows its next run. Failures are counted per placement (a gang's parts failing in one run count once), over the
+runs the scheduler has not superseded, as the scheduler counts them."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -17,6 +23,7 @@ from schemas.events import (
     JobCancelled, JobCheckpointed, JobCompleted, JobFailed, JobInterrupted, JobPending, JobRequested,
     JobScaleRequested, JobStarted, JobStopped, Reason, Rejected,
 )
+from streams.core.exits import failure_text
 
 TERMINAL = frozenset({"completed", "failed", "cancelled", "rejected"})
 CLOSED = frozenset({"cancelled", "rejected"})  # said by a request or a decision, not by a run
@@ -34,6 +41,10 @@ class Run:
     ended_ms: int = 0
     failure: str = ""
     checkpoint: str = ""
+    attempt: int = 0  # the placement's number, where the node's failure report says it (0: not said)
+    code: str = ""  # why it failed (schemas/events.EXIT_CODES); "" for a report from before exit reasons
+    exit_code: int | None = None
+    signal: int | None = None
 
 
 @dataclass(frozen=True)
@@ -56,6 +67,8 @@ class JobView:
     request_event_id: str = ""  # the request that defined the job: the first one; a later one never replaces it
     refused: tuple[str, ...] = ()  # codes of later requests under this id that were rejected (duplicate_job_id)
     runs: tuple[Run, ...] = ()  # the runs its nodes reported, in the order their first reports were read
+    failures: int = 0  # failed runs (placements) that stand, retried or the last
+    backoff: tuple[Reason, ...] = ()  # the scheduler's latest BackOff reasons (read whenever: `_derive` picks them)
 
     def last_seq(self, source: str) -> int:
         for s, seq in self.applied:
@@ -73,27 +86,67 @@ def _live(view: JobView) -> list[Run]:
     return [r for r in view.runs if r.command_id not in view.superseded]
 
 
-def _current(live: list[Run]) -> Run | None:
-    """The run the job's state is of: the first that ended the job (completed, failed), else the last still going,
-    else the last one (stopped: the job waits)."""
-    return (next((r for r in live if r.end in ("completed", "failed")), None)
-            or next((r for r in reversed(live) if not r.end), None)
-            or (live[-1] if live else None))
+def _retries(view: JobView) -> int:
+    return view.request.retries if view.request is not None else 0
+
+
+def _current(live: list[Run], retries: int = 0) -> tuple[Run | None, bool, int]:
+    """(the run the job's state is of, whether that run ended the job, the failed runs that stand): the first that
+    ended the job -- completed, or the failure beyond its `retries` -- else the last still going, else the last one
+    (stopped, or failed with a retry left: the job waits)."""
+    failed: list = []
+    for r in live:
+        if r.end == "completed":
+            return r, True, len(failed)
+        if r.end == "failed":
+            key = r.attempt or r.command_id  # a gang's parts of one placement fail as one run
+            if key not in failed:
+                failed.append(key)
+            if len(failed) > retries:
+                return r, True, len(failed)
+    cur = next((r for r in reversed(live) if not r.end), None) or (live[-1] if live else None)
+    return cur, False, len(failed)
+
+
+def _failure(r: Run) -> str:
+    return failure_text(r.code or None, r.failure, r.exit_code, r.signal)
+
+
+def _backing_off(view: JobView, cur: Run, failures: int) -> tuple[Reason, ...]:
+    """Why a job whose last run failed with a retry left waits: the scheduler's BackOff reason for that failure
+    (when, from what), else the same in the view's words until it is read."""
+    if view.backoff and view.backoff[0].data.get("failures") == failures:
+        return view.backoff
+    retries = _retries(view)
+    return (Reason(code="BackOff", plugin="Retry", nodes=(cur.node,) if cur.node else (),
+                   message=f"run {failures} of {retries + 1} failed ({_failure(cur)}); retrying",
+                   data={"failures": failures, "retries": retries}),)
 
 
 def _derive(view: JobView, waiting: tuple[Reason, ...]) -> JobView:
-    """The job's state, node and run from the runs that stand; `waiting`: its reasons if it waits."""
+    """The job's state, node and run from the runs that stand; `waiting`: its reasons if it waits (none: a failed
+    run with a retry left says its own)."""
     if view.state in CLOSED:
         return view
-    cur = _current(_live(view))
+    cur, ends, failures = _current(_live(view), _retries(view))
     if cur is None:
         state = "pending" if view.request is not None or view.runs or view.interruptions else view.state
-        return replace(view, state=state, node="", command_id="", started_ms=0, ended_ms=0, reasons=waiting)
-    state = {"": "running", "completed": "completed", "failed": "failed"}.get(cur.end, "pending")
-    reasons = {"running": (), "completed": (), "failed": (Reason(code="failed", message=cur.failure),)}.get(
-        state, waiting)
+        return replace(view, state=state, node="", command_id="", started_ms=0, ended_ms=0, reasons=waiting,
+                       failures=0)
+    state = "running" if not cur.end else cur.end if ends else "pending"
+    if state == "failed":
+        runs = f"; failed after {failures} runs" if _retries(view) else ""
+        data: dict[str, int | str] = {"runs": failures} if _retries(view) else {}
+        if cur.code:
+            data["exit"] = cur.code
+        reasons = (Reason(code="failed", message=_failure(cur) + runs, data=data),)
+    elif state == "pending":
+        reasons = waiting or (_backing_off(view, cur, failures) if cur.end == "failed" else ())
+    else:
+        reasons = ()
     return replace(view, state=state, node=cur.node if state != "pending" else "", command_id=cur.command_id,
-                   started_ms=cur.started_ms, ended_ms=cur.ended_ms if state in TERMINAL else 0, reasons=reasons)
+                   started_ms=cur.started_ms, ended_ms=cur.ended_ms if state in TERMINAL else 0, reasons=reasons,
+                   failures=failures)
 
 
 def _runs(view: JobView) -> tuple[Run, ...]:
@@ -139,7 +192,8 @@ def _report(view: JobView, env: Envelope, p) -> JobView:
         case JobCompleted() if not r.end:
             r = replace(r, end="completed", ended_ms=t)
         case JobFailed() if not r.end:
-            r = replace(r, end="failed", ended_ms=t, failure=p.reason)
+            r = replace(r, end="failed", ended_ms=t, failure=p.reason, attempt=p.attempt, code=p.code or "",
+                        exit_code=p.exit_code, signal=p.signal)
         case JobStopped() if not r.end:
             r = replace(r, end="migrated" if p.reason == "migrated" else "stopped",
                         checkpoint=p.checkpoint or r.checkpoint)
@@ -151,7 +205,8 @@ def _report(view: JobView, env: Envelope, p) -> JobView:
     if r.end != before.end and view.state not in CLOSED:
         v = replace(v, preemptions=v.preemptions + (r.end == "stopped"),
                     migrations=v.migrations + (r.end == "migrated"))
-    return _derive(v, view.reasons)
+    # a run that just failed: what the job waited for before it is past (a retry says why it waits now)
+    return _derive(v, () if r.end == "failed" != before.end else view.reasons)
 
 
 def _interrupted(view: JobView, p: JobInterrupted) -> JobView:
@@ -170,7 +225,7 @@ def _interrupted(view: JobView, p: JobInterrupted) -> JobView:
     v = _derive(replace(v, preemptions=v.preemptions - ended.count("stopped"),
                         migrations=v.migrations - ended.count("migrated")), p.reasons)
     live = _live(v)
-    cur = _current(live)
+    cur = _current(live, _retries(v))[0]
     if cur is not None and cur.end in ("", "completed", "failed") and cur.checkpoint:
         return replace(v, checkpoint=cur.checkpoint)
     return replace(v, checkpoint=p.checkpoint or next((r.checkpoint for r in reversed(live) if r.checkpoint), ""))
@@ -186,8 +241,11 @@ def evolve(view: JobView | None, env: Envelope) -> JobView:
     finished = view.state in TERMINAL
     match p:
         case JobRequested() if view.request is None:
-            return _mark(view, env, request=p, request_event_id=env.event_id,
-                         state="pending" if view.state == "unknown" else view.state)
+            v = _mark(view, env, request=p, request_event_id=env.event_id,
+                      state="pending" if view.state == "unknown" else view.state)
+            if p.retries and any(r.end == "failed" for r in v.runs):
+                v = _derive(v, ())  # a failure read before the request: it may have a retry left
+            return v
         case JobScaleRequested() if view.request is not None:
             req = view.request.model_copy(update={"compute_milli": p.compute_milli,
                                                   "gpu_memory_mib": p.gpu_memory_mib})
@@ -198,10 +256,14 @@ def evolve(view: JobView | None, env: Envelope) -> JobView:
             return _mark(_report(view, env, p), env)
         case JobInterrupted():
             return _mark(_interrupted(view, p), env)
-        case JobPending() if view.state in ("unknown", "pending"):
-            # why a waiting job waits; the scheduler's decisions and the node's reports are different topics, so a
-            # pending said before a placement can be read after the run it led to started: stale then, not news
-            return _mark(view, env, reasons=p.reasons)
+        case JobPending():
+            # a failed run's back-off, kept whenever it is read: the failure it answers may be read after it
+            backoff = p.reasons if p.reasons and p.reasons[0].code == "BackOff" else view.backoff
+            if view.state in ("unknown", "pending"):
+                # why a waiting job waits; the scheduler's decisions and the node's reports are different topics, so
+                # a pending said before a placement can be read after the run it led to started: stale then, not news
+                return _mark(view, env, reasons=p.reasons, backoff=backoff)
+            return _mark(view, env, backoff=backoff)
         case Rejected() if view.request is not None and env.causation_id != view.request_event_id:
             return _mark(view, env, refused=view.refused + (p.code,))  # about another request, not this job
         case Rejected() if not finished:
