@@ -41,7 +41,7 @@ from agents.scheduler.core import Scheduler, replay as core_replay
 from schemas.envelope import Envelope, decode, encode, envelope
 from schemas.events import JobCompleted, JobRequested, JobStarted, QuotaSet, SchedulerTick, Tier
 from schemas.routing import route
-from streams.core.rows import COLUMNS, rows_for
+from streams.core.rows import COLUMNS, TABLES, rows_for
 
 MODELS = ("A100-80GB", "H100-80GB")
 GPUS_PER_NODE = 8
@@ -190,11 +190,11 @@ def insert_rows(stream, batch: int, path: Path) -> dict:
     for tb, rows in tables.items():
         cols = list(COLUMNS[tb])
         for i in range(0, len(rows), batch):
-            client.insert(f"gpupool.{tb}", rows[i:i + batch], column_names=cols,
+            client.insert(TABLES[tb], rows[i:i + batch], column_names=cols,
                           settings={"insert_deduplication_token": f"{tb}/bench/0/{i}-{i + batch - 1}"})
             inserts += 1
     t_ins = time.perf_counter() - t
-    counts = {tb: client.query(f"SELECT count() FROM gpupool.{tb}").result_rows[0][0] for tb in COLUMNS}
+    counts = {tb: client.query(f"SELECT count() FROM {TABLES[tb]}").result_rows[0][0] for tb in COLUMNS}
     client.close()
     return {"events": len(stream), "rows": total, "per_table": {tb: len(v) for tb, v in tables.items()},
             "counted": counts, "inserts": inserts, "rows_for_s": t_rows, "insert_s": t_ins}

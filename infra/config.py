@@ -28,6 +28,13 @@ class Config:
     # seconds a stopped job gets between SIGTERM and SIGKILL, per tier (GPUPOOL_GRACE_S, parse_grace); the ticker puts
     # them on the scheduler's input log (SchedulerTick.grace_s), so every replay decides with the same ones
     grace_s: dict[str, int] = field(default_factory=dict, hash=False)
+    # A program's output (docs/jobs.md, "Logs"): the node agent's caps per run (attempt and part) -- a rate with a
+    # burst, a total, and what it may hold unsent -- and how long ClickHouse keeps the logs
+    log_rate_bytes_s: int = 1 << 20  # GPUPOOL_LOG_RATE
+    log_burst_bytes: int = 4 << 20  # GPUPOOL_LOG_BURST
+    log_max_bytes: int = 64 << 20  # GPUPOOL_LOG_MAX_BYTES
+    log_buffer_bytes: int = 4 << 20  # GPUPOOL_LOG_BUFFER
+    log_retention_days: int = 7  # GPUPOOL_LOG_RETENTION_DAYS
 
     @property
     def bootstrap(self) -> str:
@@ -109,6 +116,24 @@ def parse_grace(text: str) -> dict[str, int]:
     return out
 
 
+_UNITS = {"": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30}
+
+
+def parse_bytes(text: str) -> int:
+    """A size as an operator writes it: `1048576`, `512KiB`, `1MiB`, `64M`, `2GiB` (binary units); ValueError
+    otherwise or when negative."""
+    t = text.strip().lower().replace(" ", "")
+    digits = len(t) - len(t.lstrip("0123456789"))
+    if not digits or t[digits:] not in _UNITS:
+        raise ValueError(f"{text!r}: a size in bytes, optionally with KiB, MiB or GiB")
+    return int(t[:digits]) * _UNITS[t[digits:]]
+
+
+def _size(name: str, default: int) -> int:
+    text = os.environ.get(name)
+    return default if not text else parse_bytes(text)
+
+
 def local_brokers(home: Path) -> int:
     """How many local brokers this home runs: what `gpupool up --brokers N` recorded, else one."""
     try:
@@ -137,4 +162,9 @@ def load() -> Config:
         rate_per_window=int(os.environ.get("GPUPOOL_RATE_PER_WINDOW", "200")),
         volumes=load_volumes(home),
         grace_s=parse_grace(os.environ.get("GPUPOOL_GRACE_S", "")),
+        log_rate_bytes_s=_size("GPUPOOL_LOG_RATE", 1 << 20),
+        log_burst_bytes=_size("GPUPOOL_LOG_BURST", 4 << 20),
+        log_max_bytes=_size("GPUPOOL_LOG_MAX_BYTES", 64 << 20),
+        log_buffer_bytes=_size("GPUPOOL_LOG_BUFFER", 4 << 20),
+        log_retention_days=int(os.environ.get("GPUPOOL_LOG_RETENTION_DAYS", "7")),
     )

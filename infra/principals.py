@@ -13,7 +13,9 @@ from infra.security import ADMIN, SERVICE, Credentials, KafkaConn
 from schemas.envelope import encode, envelope
 from schemas.events import PrincipalRegistered, PrincipalRemoved
 from schemas.routing import key_of
-from schemas.topics import ALL_TOPICS, COMMANDS, INBOX_PREFIX, NODE_CHANNEL_PREFIX, PRINCIPALS, inbox, node_channel
+from schemas.topics import (
+    ALL_TOPICS, COMMANDS, INBOX_PREFIX, JOB_LOGS, NODE_CHANNEL_PREFIX, PRINCIPALS, inbox, node_channel,
+)
 
 GROUP_PREFIX_SERVICE = "gpupool"  # gpupool (Faust), gpupool-scheduler, gpupool-sink, gpupool-gateway, ...
 GROUP_PREFIX_NODE = "gpupool-agent"  # gpupool-agent-NODE (NVML), gpupool-agent-sim (simulated fleets)
@@ -56,6 +58,8 @@ def acls_for(name: str, role: str) -> list[Acl]:
             allow("cluster", "kafka-cluster", "alter", "describe")
     elif role == "auditor":
         allow("topic", "gpupool", "read", "describe", pattern="prefixed")  # the whole log, inboxes included
+        # but not what programs printed: a job's output is its tenant's and the operators' (docs/jobs.md, "Logs")
+        out.append(Acl(user, "topic", JOB_LOGS.name, "read", "literal", permission="deny"))
         allow("group", "gpupool-scheduler", "describe")  # the scheduler's committed offset bounds the comparison
         allow("group", "gpupool-sink", "describe")
     # finance: nothing on Kafka; bills are read over the worker's HTTP API
@@ -241,9 +245,10 @@ def access_table() -> str:
     from streams.api import ENDPOINTS
     from streams.core.gateway import KINDS_BY_ROLE
 
-    def ops(acls: list[Acl], *wanted: str) -> str:
+    def ops(acls: list[Acl], *wanted: str, permission: str = "allow") -> str:
         names = sorted({(a.name + ("*" if a.pattern == "prefixed" else ""))
-                        for a in acls if a.resource == "topic" and (a.operation in wanted or a.operation == "all")})
+                        for a in acls if a.resource == "topic" and a.permission == permission
+                        and (a.operation in wanted or a.operation == "all")})
         return ", ".join(f"`{n.replace('NAME', 'NAME')}`" for n in names) or "-"
 
     rows = ["| role | writes (Kafka) | reads (Kafka) | requests the gateway takes | HTTP endpoints |",
@@ -258,6 +263,8 @@ def access_table() -> str:
         groups = sorted({a.name + ("*" if a.pattern == "prefixed" else "") for a in acls if a.resource == "group"})
         if groups:
             extra.append("groups " + ", ".join(f"`{g}`" for g in groups))
-        reads = ops(acls, "read") + ("; " + "; ".join(extra) if extra else "")
+        denied = ops(acls, "read", permission="deny")
+        reads = ops(acls, "read") + (f" but not {denied}" if denied != "-" else "") + (
+            "; " + "; ".join(extra) if extra else "")
         rows.append(f"| `{role}` | {ops(acls, 'write')} | {reads} | {kinds} | {http} |")
     return "\n".join(rows) + "\n"

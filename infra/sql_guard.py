@@ -24,7 +24,11 @@ a byte of the text.
 6. The canonical text runs, on the same read-only session, under ClickHouse's limits: time, rows read, result rows,
    memory, query size. The caller runs it off the event loop (a thread), so no query can stall folding or scheduling.
 
-Reading `system.*` is allowed: it is the engine's own metadata (the roles that may run SQL read every gpupool table
+Programs' output is not the pool's record: the database `gpupool_logs` (infra/ddl.sql) is never named, and no
+table function reaches it by pattern (`merge()` takes a database by its literal name only, never REGEXP() or an
+expression). A job's output is its tenant's and the operators' to read, through `gpupool logs` (/api/logs).
+
+Reading `system.*` is allowed: it is the engine's own metadata (the roles that may run SQL read every pool table
 anyway), and what the engine's default user may not read (`system.users`: SHOW USERS) ClickHouse refuses itself.
 """
 from __future__ import annotations
@@ -56,6 +60,10 @@ OUTSIDE_FUNCTIONS = frozenset({
     "deltaLake", "hudi", "hive", "dictionary", "format", "loop", "fuzzJSON", "fuzzQuery", "ytsaurus", "arrowFlight",
     "mergeTreeIndex", "mergeTreeProjection", "paimon", "filesystem", "prometheusQuery", "timeSeriesData",
 })
+# The database of programs' output (docs/jobs.md, "Logs"): out of ad-hoc SQL's reach (7. above)
+LOGS_DATABASE = "gpupool_logs"
+LOGS_REFUSED = (f"{LOGS_DATABASE} holds programs' output, which is not for ad-hoc SQL: `gpupool logs JOB` shows a "
+                "job's output to its tenant and to operators")
 # Parses the text (a bound parameter: never part of the query text) into one statement's canonical text, and that
 # text once more; `getSetting` shows the session is read-only before anything else runs on it.
 CANONICAL_SQL = ("SELECT formatQuerySingleLine({q:String}) AS canonical, formatQuerySingleLine(canonical) AS again, "
@@ -96,12 +104,26 @@ def check_ast(lines: list[str]) -> None:
             if words[0] == "Literal":
                 raise QueryRefused("INTO OUTFILE is not allowed")
             raise QueryRefused(f"a {words[0]} clause on the statement is not allowed")
+        if LOGS_DATABASE in node.label:  # a table, a name or a literal (canonical: its escapes resolved)
+            raise QueryRefused(LOGS_REFUSED)
         if words[0] == "Function" and len(words) > 1:
             name = words[1]
             parent = next((p for p in reversed(nodes[:k]) if p.depth < node.depth), None)
             is_table = parent is not None and parent.label.startswith("TableExpression")
             if name in OUTSIDE_FUNCTIONS or (is_table and name not in SAFE_TABLE_FUNCTIONS):
                 raise QueryRefused(f"{name}() reaches outside the pool's tables and is not allowed")
+            if name.upper() == "REGEXP":  # databases by pattern (merge's first argument): programs' output too
+                raise QueryRefused("REGEXP() (databases by pattern) is not allowed: " + LOGS_REFUSED)
+            if name == "merge":
+                inside = []
+                for later in nodes[k + 1:]:
+                    if later.depth <= node.depth:
+                        break
+                    inside.append(later)
+                args = [a for a in inside if a.depth == node.depth + 2]
+                if len(args) >= 2 and args[0].label.split(" ")[0] != "Literal":
+                    raise QueryRefused("merge() takes its database by name only (a string literal): "
+                                       + LOGS_REFUSED)
 
 
 def check_size(sql: str) -> None:

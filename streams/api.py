@@ -27,6 +27,9 @@ ENDPOINTS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "/api/jobs": ("GET", ALL_READERS, "jobs with state, nodes, cards, wait and run time (a tenant: its own)"),
     "/api/history": ("GET", ("tenant", "operator", "auditor", "service"),
                      "one job's whole life: requests, placements, checkpoints, preemptions, stops, bills"),
+    "/api/logs": ("GET", ("tenant", "operator"),
+                  "a job's program output, stdout and stderr of each attempt and part, cuts marked (a tenant: its own "
+                  "jobs' only)"),
     "/api/quota": ("GET", ("tenant", "operator", "finance", "auditor"),
                    "quota, used, reserved and borrowed per tenant and project (a tenant: its own)"),
     "/api/nodes": ("GET", ALL_READERS, "nodes with state, cards and holders (a tenant sees only its own job names)"),
@@ -325,6 +328,57 @@ LEFT JOIN (SELECT event_id, reasons FROM gpupool.scheduling FINAL WHERE job_id =
 WHERE e.job_id = {job:String}
 ORDER BY e.event_time_ms, if(e.source = 'scheduler', e.seq, 0), e.topic, e.partition, e.offset
 """
+
+# A job's output (docs/jobs.md, "Logs"): the pieces of gpupool_logs.job_logs in the order the relay forwarded them (one
+# partition holds a job's pieces: the offset is the cursor, `after`), a piece relayed twice once (FINAL keeps the
+# first). {where} adds the attempt and part asked for; a tail is read backwards and turned round by the caller.
+LOGS_SQL = """
+SELECT offset, attempt, part, node, stream, seq, text, dropped_bytes, final, event_time_ms
+FROM gpupool_logs.job_logs FINAL
+WHERE job_id = {job:String} AND offset > {after:Int64} AND {where}
+ORDER BY offset {order} LIMIT {limit:UInt32}
+"""
+LOGS_PAGE = 1000  # pieces an answer holds at most (16 MiB of text at the pieces' limit); `more` says there is more
+LOGS_COLUMNS = ("offset", "attempt", "part", "node", "stream", "seq", "text", "dropped_bytes", "final", "time_ms")
+
+
+def _count(params: dict, name: str, default: int | None = None, low: int = 0) -> int | None:
+    v = params.get(name)
+    if v in (None, ""):
+        return default
+    try:
+        n = int(v)
+    except ValueError:
+        raise ApiError(400, f"{name}: an integer") from None
+    if n < low:
+        raise ApiError(400, f"{name}: at least {low}")
+    return n
+
+
+def logs_query(job: str, params: dict) -> tuple[str, dict, bool]:
+    """(SQL, parameters, whether it reads backwards) of a /api/logs request: `after` (the cursor of the last answer,
+    -1: from the start), `attempt`, `part`, `tail` (the last N pieces), `limit`."""
+    qp = {"job": job, "after": _count(params, "after", -1, low=-1)}
+    where = ["1"]
+    for name in ("attempt", "part"):
+        n = _count(params, name)
+        if n is not None:
+            where.append(f"{name} = {{{name}:UInt32}}")
+            qp[name] = n
+    tail = _count(params, "tail", low=1)
+    qp["limit"] = min(tail or _count(params, "limit", LOGS_PAGE, low=1), LOGS_PAGE)
+    sql = LOGS_SQL.replace("{where}", " AND ".join(where)).replace("{order}", "DESC" if tail else "ASC")
+    return sql, qp, bool(tail)
+
+
+def logs_doc(job: str, rows: list[list], backwards: bool, after: int, limit: int) -> dict:
+    """The answer: the pieces in order, the cursor to ask `after` next, whether a page was cut short."""
+    rows = list(reversed(rows)) if backwards else rows
+    pieces = [dict(zip(LOGS_COLUMNS, [int(r[0]), int(r[1]), int(r[2]), r[3], r[4], int(r[5]), r[6], int(r[7]),
+                                      bool(r[8]), int(r[9])])) for r in rows]
+    return {"job": job, "pieces": pieces, "next": pieces[-1]["offset"] if pieces else after,
+            "more": not backwards and len(pieces) >= limit}
+
 
 # A reservation as booked (its request) and where it stands (the scheduler's latest reservation.decided, in the order
 # it decided them): the request's own fields, the decision's status, node and reason codes.
@@ -707,6 +761,14 @@ async def answer(path: str, principal: Principal, params: dict, body: bytes, run
                    "payload": orjson.loads(payload), "reasons": orjson.loads(reasons) if reasons else []}
             out.append(redact(doc, scope) if scope is not None else doc)
         return {"job": job, "events": out}
+    if path == "/api/logs":
+        # the job's tenant (a member of another tenant is told there is no such job of its own) and operators
+        job, _ = _asked_job(principal, params)
+        if not job:
+            raise ApiError(400, "job: the job whose output to show (TENANT/NAME)")
+        sql, qp, backwards = logs_query(job, params)
+        _, rows = await runner.ours(sql, qp)
+        return logs_doc(job, rows, backwards, qp["after"], qp["limit"])
     if path == "/api/quota":
         t = tenant_scope(principal, params.get("tenant"))
         cols, rows = await runner.ours(QUOTA_SQL.replace("{where}", "tenant = {t:String}" if t else "1"),

@@ -440,6 +440,11 @@ class Worker:
         spec, key = route(env)
         await producer.send(spec.name, key=key, value=verdict.raw)
         self.relay_counts["relayed"] += 1
+        if env.kind == "job.log":  # a program's output: how much the node's caps cut (docs/jobs.md, "Logs")
+            self.metrics.job_log_pieces.inc()
+            if env.payload.dropped_bytes:
+                self.metrics.job_log_dropped.inc(env.payload.dropped_bytes)
+                self.relay_counts["job_log_dropped_bytes"] += env.payload.dropped_bytes
 
     # ---------------------------------------------------------------- ingest
 

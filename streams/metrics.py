@@ -68,6 +68,10 @@ class WorkerMetrics:
                                      registry=r)
         self.gateway = Counter("gpupool_gateway_requests", "People's requests the gateway read, by outcome",
                                ["outcome"], registry=r)
+        self.job_log_pieces = Counter("gpupool_job_log_pieces", "Pieces of programs' output (job.log) the node relay "
+                                      "forwarded to gpupool.job-logs", registry=r)
+        self.job_log_dropped = Counter("gpupool_job_log_dropped_bytes", "Bytes of programs' output the nodes' log caps "
+                                       "cut, as the relayed pieces mark them (dropped_bytes)", registry=r)
         self.telemetry_minutes = Counter("gpupool_telemetry_minutes", "Node-minutes of telemetry history emitted",
                                          registry=r)
         self.decision_latency = Histogram(

@@ -18,14 +18,36 @@ from infra.config import Config
 from schemas.envelope import DecodeError, decode
 from schemas.routing import at_home
 from schemas.topics import (
-    COMMANDS, DECISIONS, INVENTORY, JOB_EVENTS, JOB_REQUESTS, LEDGER, NODE_CONTROL, TELEMETRY_MINUTES,
+    COMMANDS, DECISIONS, INVENTORY, JOB_EVENTS, JOB_LOGS, JOB_REQUESTS, LEDGER, NODE_CONTROL, TELEMETRY_MINUTES,
 )
-from streams.core.rows import COLUMNS, rows_for
+from streams.core.rows import COLUMNS, TABLES, rows_for
 
 log = logging.getLogger("gpupool.sink")
 GROUP = "gpupool-sink"
 SINK_TOPICS = (JOB_REQUESTS.name, JOB_EVENTS.name, DECISIONS.name, COMMANDS.name, LEDGER.name, INVENTORY.name,
-               NODE_CONTROL.name, TELEMETRY_MINUTES.name)
+               NODE_CONTROL.name, TELEMETRY_MINUTES.name, JOB_LOGS.name)
+
+
+def log_retention_days(client) -> int | None:
+    """The days gpupool_logs.job_logs keeps a piece, as its TTL says (None: no TTL)."""
+    import re
+
+    rows = client.query("SELECT engine_full FROM system.tables WHERE database = 'gpupool_logs' AND name = 'job_logs'"
+                        ).result_rows
+    found = re.search(r"TTL .*?(?:INTERVAL (\d+) DAY|toIntervalDay\((\d+)\))", rows[0][0]) if rows else None
+    return int(found.group(1) or found.group(2)) if found else None
+
+
+def log_retention(client, days: int) -> bool:
+    """Keep programs' output `days` days (GPUPOOL_LOG_RETENTION_DAYS, docs/jobs.md "Logs"): the TTL of
+    gpupool_logs.job_logs set to it when it says otherwise (True: changed). ClickHouse drops expired rows as it
+    merges."""
+    if days < 1:
+        raise ValueError(f"GPUPOOL_LOG_RETENTION_DAYS={days}: at least 1")
+    if log_retention_days(client) == days:
+        return False
+    client.command(f"ALTER TABLE gpupool_logs.job_logs MODIFY TTL stored + INTERVAL {int(days)} DAY")
+    return True
 
 
 CHAOS_ENV = "GPUPOOL_CHAOS"  # fault tests only: with it set, a file switches ClickHouse off for the sink
@@ -125,7 +147,7 @@ class Sink:
         n = 0
         for table, rows in batch_rows(topic, partition, msgs).items():
             if rows:
-                self.client.insert(f"gpupool.{table}", rows, column_names=list(COLUMNS[table]),
+                self.client.insert(TABLES[table], rows, column_names=list(COLUMNS[table]),
                                    settings={"insert_deduplication_token": f"{table}/{topic}/{partition}/{first}-{last}",
                                              # a repeated block must not reach the rollups either
                                              "deduplicate_blocks_in_dependent_materialized_views": 1})
@@ -165,7 +187,10 @@ class Sink:
 
         while self.client is None:
             try:
-                self.client = connect(self.cfg.clickhouse)
+                client = connect(self.cfg.clickhouse)
+                if log_retention(client, self.cfg.log_retention_days):
+                    log.info("job logs are kept %d day(s)", self.cfg.log_retention_days)
+                self.client = client
                 if os.environ.get(CHAOS_ENV) == "1":
                     self.client = SwitchedOff(self.client, outage_switch(self.cfg.home))
             except Exception as exc:  # noqa: BLE001 - wait for ClickHouse, never crash

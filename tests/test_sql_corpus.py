@@ -23,6 +23,8 @@ USAGE = [["acme", "p1", "e1", "acme/a", "node-000", "A100-80GB", 0, 1000, 1000, 
 
 def seed(writer) -> None:
     writer.insert("gpupool.usage", USAGE, column_names=USAGE_COLUMNS)
+    writer.insert("gpupool_logs.job_logs", [["acme/a", 1, "stdout", 0, "acme's secret output\n"]],
+                  column_names=["job_id", "attempt", "stream", "seq", "text"])
     writer.command("INSERT INTO gpupool.price_book (gpu_model, datacenter, tod_band, tier, borrowed, "
                    "micro_per_gpu_hour, valid_from) VALUES ('A100-80GB', 'dc1', 'day', 'standard', false, 2000000, 0)")
 
@@ -89,6 +91,7 @@ SETTINGS = r"SETTINGS clause is not allowed|Cannot modify '\w+' setting in reado
 PARSE = "ClickHouse could not parse the query"
 PARAMS = r"parameters are bound by ClickHouse|parameters:"
 DENIED = "Not enough privileges"
+LOGS = "holds programs' output, which is not for ad-hoc SQL"
 WRITE = "INSERT INTO gpupool.usage (tenant, event_id, gpu_milli_ms) VALUES ('globex', 'forged', 3600000)"
 OUT = "{out}"  # replaced by the test's own directory for files
 
@@ -192,6 +195,17 @@ CORPUS: list[tuple[str, dict | None, str]] = [
     ("DESCRIBE TABLE gpupool.usage INTO OUTFILE '{out}/desc'", None, OUTFILE),
     ("SHOW CREATE TABLE gpupool.usage INTO OUTFILE '{out}/create'", None, OUTFILE),
     ("SELECT $$x$$ INTO OUTFILE $$" + "{out}/dollar$$", None, OUTFILE),
+    # -- programs' output: its tenant's and the operators' through `gpupool logs`, never ad-hoc SQL's ---------------
+    ("SELECT text FROM gpupool_logs.job_logs", None, LOGS),
+    ("SELECT l.text FROM `gpupool_logs`.`job_logs` AS l", None, LOGS),
+    ("SELECT * FROM view(SELECT text FROM gpupool_logs.job_logs)", None, LOGS),
+    ("SELECT count() FROM gpupool.usage WHERE job_id IN (SELECT job_id FROM gpupool_logs.job_logs)", None, LOGS),
+    ("SELECT text FROM merge('gpupool_logs', '.*')", None, LOGS),
+    ("SELECT text FROM merge('gpupool\\x5Flogs', '.*')", None, LOGS),  # an escape ClickHouse resolves
+    ("SELECT text FROM merge(REGEXP('^gpupool'), '^job')", None, LOGS),
+    ("SELECT text FROM merge(concat('gpupool', '_logs'), 'job_logs')", None, LOGS),
+    ("SELECT * FROM {t:Identifier}", {"t": "gpupool_logs.job_logs"}, LOGS + r"|UNKNOWN_TABLE|Unknown table"),
+    ("SHOW TABLES FROM gpupool_logs", None, LOGS),
     # -- system tables: read, except what ClickHouse's own grants refuse ----------------------------------------
     ("SELECT count() FROM system.users", None, DENIED),
     # -- parameters --------------------------------------------------------------------------------------------
@@ -230,6 +244,7 @@ CONTROLS: list[tuple[str, dict | None, list[list]]] = [
     ("SELECT p FROM (SELECT project AS p FROM gpupool.usage WHERE tenant = 'acme' UNION ALL SELECT 'x') ORDER BY p",
      None, [["p1"], ["p2"], ["x"]]),
     ("SELECT sum(number) FROM numbers(10)", None, [[45]]),
+    ("SELECT count() FROM merge('gpupool', '^usage$')", None, [[3]]),  # the pool's tables by pattern: still fine
     ("SELECT tenant, gpu_model FROM gpupool.usage WHERE gpu_milli_ms > (SELECT avg(gpu_milli_ms) FROM "
      "gpupool.usage)", None, [["globex", "H100-80GB"]]),
     ("SELECT day, tenant, sum(gpu_milli_ms) FROM gpupool.usage_daily GROUP BY day, tenant ORDER BY tenant", None,

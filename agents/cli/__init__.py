@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from agents.cli import requests, stack, users, views
+from agents.cli import logs, requests, stack, users, views
 from agents.cli.output import emit, parse_time  # noqa: F401 - used by the demo and the audit
 from infra import config as config_mod
 from infra import security
@@ -216,6 +216,16 @@ def parser() -> argparse.ArgumentParser:
     h = add("history", views.cmd_history, help="a job's whole life: placements, checkpoints, preemptions, bills")
     h.add_argument("job")
     fmt(h)
+    lg = add("logs", logs.cmd_logs, help="a job's program output, stdout and stderr of each run (its tenant and "
+                                        "operators)")
+    lg.add_argument("job")
+    lg.add_argument("-f", "--follow", action="store_true", help="keep printing as output comes, until the latest run "
+                                                                 "ends (Ctrl-C stops)")
+    lg.add_argument("--attempt", type=int, metavar="N", help="only this run (attempt) of the job")
+    lg.add_argument("--part", type=int, metavar="K", help="only this part of a gang job")
+    lg.add_argument("--tail", type=int, metavar="N", help="only the last N lines")
+    lg.add_argument("-q", "--quiet", action="store_true", help="no '==> attempt N, part K on NODE <==' headers")
+    lg.add_argument("--format", default="text", choices=["text", "json"], help="json: one piece a line")
     e = add("explain", views.cmd_explain, help="why a job was placed where it is, or why it waits")
     e.add_argument("job")
     fmt(e)

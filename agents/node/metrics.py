@@ -1,7 +1,8 @@
 """A node agent's Prometheus metrics, on a small HTTP endpoint bound to 127.0.0.1 (`gpupool agent --metrics-port N`
 or GPUPOOL_AGENT_METRICS_PORT; 0, the default, serves none). What the agent itself knows: the latest telemetry of each
 card and MIG instance (DCGM-like gauges in base units), the records it published, the commands it received, the jobs
-it runs. docs/observability.md lists them. No token: like node_exporter, it answers on loopback only."""
+it runs, its programs' output taken and cut by the log caps. docs/observability.md lists them. No token: like
+node_exporter, it answers on loopback only."""
 from __future__ import annotations
 
 import logging
@@ -23,6 +24,12 @@ class AgentMetrics:
                                  registry=self.registry)
         self.commands = Counter("gpupool_node_commands", "Commands the agent received, by kind", ["kind"],
                                 registry=self.registry)
+        # programs' output (agents/node/logship.py): what the caps let through, and what they cut
+        self.log_bytes = Counter("gpupool_node_log_bytes", "Bytes of programs' output taken for job.log, by stream",
+                                 ["stream"], registry=self.registry)
+        self.log_dropped = Counter("gpupool_node_log_dropped_bytes", "Bytes of programs' output cut by the log caps, "
+                                   "by cap: rate, size (per run), buffer (unsent), no_node", ["cap"],
+                                   registry=self.registry)
         self.latest: dict[str, GpuTelemetry] = {}  # node -> its last telemetry
         self.running = running  # node -> jobs running there
         self.registry.register(self)

@@ -54,7 +54,10 @@ def kafka_user(name: str, role: str) -> dict:
         resource = {"type": a.resource}
         if a.resource != "cluster":
             resource.update(name=a.name, patternType=_PATTERN[a.pattern])
-        acls.append({"resource": resource, "operations": [_OPS[a.operation]], "host": a.host})
+        acl = {"resource": resource, "operations": [_OPS[a.operation]], "host": a.host}
+        if a.permission == "deny":
+            acl["type"] = "deny"
+        acls.append(acl)
     return {"apiVersion": "kafka.strimzi.io/v1beta2", "kind": "KafkaUser",
             "metadata": {"name": name, "labels": {"strimzi.io/cluster": CLUSTER, "gpupool.io/role": role}},
             "spec": {"authentication": {"type": "scram-sha-512"},
@@ -73,7 +76,7 @@ def users_yaml() -> str:
     return HEADER.format(src="infra/principals.py") + _docs([kafka_user(n, r) for n, r in PRINCIPALS])
 
 
-_CREATE_TABLE = re.compile(r"^CREATE TABLE IF NOT EXISTS (gpupool\.\w+) \(", re.M)
+_CREATE_TABLE = re.compile(r"^CREATE TABLE IF NOT EXISTS (gpupool(?:_logs)?\.\w+) \(", re.M)
 _ENGINE = re.compile(r"ENGINE = (ReplacingMergeTree|SummingMergeTree|MergeTree)(\(([^)]*)\))?")
 
 
@@ -82,8 +85,8 @@ def replicated_ddl(ddl: str) -> str:
     out = []
     for stmt in _statements(ddl):
         s = stmt
-        s = s.replace("CREATE DATABASE IF NOT EXISTS gpupool", "CREATE DATABASE IF NOT EXISTS gpupool ON CLUSTER "
-                                                              "'{cluster}'")
+        s = re.sub(r"^CREATE DATABASE IF NOT EXISTS (gpupool\w*);",
+                   r"CREATE DATABASE IF NOT EXISTS \1 ON CLUSTER '{cluster}';", s, flags=re.M)
         table = _CREATE_TABLE.search(s) or re.search(r"CREATE (?:MATERIALIZED )?VIEW IF NOT EXISTS (gpupool\.\w+)", s)
         if table is not None:
             name = table.group(1)
@@ -94,7 +97,7 @@ def replicated_ddl(ddl: str) -> str:
                 path = f"'/clickhouse/tables/{{shard}}/{name.replace('.', '/')}', '{{replica}}'"
                 return f"ENGINE = Replicated{m.group(1)}({path}{args})"
             s = _ENGINE.sub(engine, s, count=1)
-        s = re.sub(r"^ALTER TABLE (gpupool\.\w+) ", r"ALTER TABLE \1 ON CLUSTER '{cluster}' ", s, flags=re.M)
+        s = re.sub(r"^ALTER TABLE (gpupool(?:_logs)?\.\w+) ", r"ALTER TABLE \1 ON CLUSTER '{cluster}' ", s, flags=re.M)
         s = "\n".join(ln if ln.lstrip().startswith("--") else
                       ln.replace("non_replicated_deduplication_window", "replicated_deduplication_window")
                       for ln in s.splitlines()) + "\n"

@@ -3,12 +3,14 @@
 A node agent writes only to its principal's channel (`gpupool.node.NAME`), which only that principal may write, so
 the topic says who sent a record; the registry (principals topic) says which nodes the principal speaks for
 (`gpupool user add NAME --role node --node NODE`). The relay then
-- takes only what a node states (inventory, heartbeats, telemetry, its jobs' events): any other kind is `forbidden`;
+- takes only what a node states (inventory, heartbeats, telemetry, its jobs' events and their programs' output,
+  `job.log`): any other kind is `forbidden`;
 - refuses a report about a node the principal does not speak for (`not_your_node`): the payload's node must be one of
   the principal's, and the record's source must be that node's (`NODE/...`), so no principal can move another node's
   per-source sequence numbers either;
-- refuses a job event (started, checkpointed, completed, failed, stopped) about a job the scheduler never placed on
-  that node (`not_your_node`), by the placement commands it read (`Placements`);
+- refuses a job event (started, checkpointed, completed, failed, stopped) or a job's log (`job.log`) about a job the
+  scheduler never placed on that node (`not_your_node`), by the placement commands it read (`Placements`): a node
+  writes only its own jobs' logs;
 - stamps an inventory with its principal (`actor`): the node view then holds the node to admission
   (`node.admitted`, docs/security.md), unless the principal is auto-admitted, for which the relay states the
   admission itself (`admission`).
@@ -24,7 +26,8 @@ from schemas.events import MigrateJob, NodeAdmitted, PlaceJob, ResizeJob
 
 NODE_KINDS = frozenset({"node.inventory", "node.heartbeat", "gpu.telemetry"})
 JOB_EVENT_KINDS = frozenset({"job.started", "job.checkpointed", "job.completed", "job.failed", "job.stopped"})
-RELAYED_KINDS = NODE_KINDS | JOB_EVENT_KINDS
+JOB_KINDS = JOB_EVENT_KINDS | {"job.log"}  # about one job: relayed only for a job placed on the node
+RELAYED_KINDS = NODE_KINDS | JOB_KINDS
 ADMISSION_SOURCE = "admission/"
 
 
@@ -37,8 +40,8 @@ class Verdict:
 
     @property
     def job_check(self) -> tuple[str, str] | None:
-        """(job id, node) a relayed job event must be placed on, for the caller to check against Placements."""
-        if self.env is None or self.env.kind not in JOB_EVENT_KINDS:
+        """(job id, node) a relayed job event or log must be placed on, for the caller to check against Placements."""
+        if self.env is None or self.env.kind not in JOB_KINDS:
             return None
         return self.env.payload.job_id, self.env.payload.node
 

@@ -5,7 +5,7 @@ import orjson
 
 from schemas.envelope import Envelope
 from schemas.events import (
-    PoolMinute, PriceSet, QuotaBorrowed, QuotaChanged, QuotaRejected, QuotaReturned, QuotaSet, TelemetryMinute,
+    JobLog, PoolMinute, PriceSet, QuotaBorrowed, QuotaChanged, QuotaRejected, QuotaReturned, QuotaSet, TelemetryMinute,
     UsageAccrued,
 )
 
@@ -28,9 +28,13 @@ COLUMNS: dict[str, tuple[str, ...]] = {
     "pool_minutes": ("minute_ms", "worker", "capacity_milli", "allocated_milli", "free_milli", "fragmentation_milli",
                      "allocated_milli_by_model", "capacity_milli_by_model", "queue_by_tier", "oldest_wait_ms_by_tier",
                      "event_id"),
+    "job_logs": ("topic", "partition", "offset", "event_id", "event_time_ms", "tenant", "job_id", "node", "attempt",
+                 "part", "stream", "seq", "text", "dropped_bytes", "final"),
     "scheduling": ("topic", "partition", "offset", "event_id", "event_time_ms", "kind", "command_id", "job_id", "tenant",
                    "node", "reasons"),
 }
+# Where each table lives: the pool's record in `gpupool`, programs' output in a database of its own (infra/ddl.sql)
+TABLES: dict[str, str] = {t: f"gpupool_logs.{t}" if t == "job_logs" else f"gpupool.{t}" for t in COLUMNS}
 SCHEDULING_KINDS = frozenset({"cmd.place", "cmd.preempt", "cmd.resize", "cmd.migrate", "cmd.release",
                               "cmd.mig_reconfigure", "job.pending", "job.rejected", "job.interrupted"})
 
@@ -52,6 +56,10 @@ def rows_for(env: Envelope, topic: str, partition: int, offset: int) -> dict[str
              list(c.xid_errors), [j.job_id for j in c.jobs], [j.tenant for j in c.jobs], [j.tier for j in c.jobs],
              [j.samples for j in c.jobs], [j.util_permille for j in c.jobs], [j.mem_used_mib for j in c.jobs],
              env.event_id] for c in p.cards]}
+    if isinstance(p, JobLog):  # a program's output: its own table (docs/jobs.md, "Logs"), never the `events` mirror
+        return {"job_logs": [[*at, env.event_time_ms, p.job_id.split("/", 1)[0] if "/" in p.job_id else "",
+                              p.job_id, p.node, p.attempt, p.part, p.stream, p.seq, p.text, p.dropped_bytes,
+                              p.final]]}
     if isinstance(p, PoolMinute):
         return {"pool_minutes": [[p.minute_ms, p.worker, p.capacity_milli, p.allocated_milli, p.free_milli,
                                   p.fragmentation_milli, p.allocated_milli_by_model, p.capacity_milli_by_model,

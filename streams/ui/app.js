@@ -250,6 +250,39 @@ function reasonLines(reasons) {
   });
 }
 
+// a job's output as `gpupool logs` prints it (agents/cli/logs.py): a header where the run changes, the caps' cuts
+// marked where they cut, a piece relayed twice shown once
+const LOG_READERS = ["tenant", "operator"];
+const LOG_TAIL = 500;
+
+function logText(pieces) {
+  let out = "", run = null, where = null, open = false;
+  const seen = new Set();
+  const nl = () => { if (open) { out += "\n"; open = false; } };
+  for (const p of pieces) {
+    const key = `${p.attempt}|${p.part}|${p.stream}|${p.seq}`;
+    if (seen.has(key)) continue;
+    seen.add(key);
+    const r = `${p.attempt}|${p.part}`, w = `${r}|${p.stream}`;
+    if (r !== run) { nl(); out += `==> attempt ${p.attempt}, part ${p.part} on ${p.node} <==\n`; run = r; }
+    if (w !== where && (p.text || p.dropped_bytes)) nl();
+    if (p.dropped_bytes) { nl(); out += `[... ${p.dropped_bytes} bytes dropped by the log cap ...]\n`; }
+    if (p.text) { out += p.text; open = !p.text.endsWith("\n"); where = w; }
+  }
+  return out;
+}
+
+async function jobLogs(id) {
+  if (!LOG_READERS.includes(who.role)) {
+    return [h("h4", { text: "Logs" }), h("p", { class: "muted", id: "job-logs-note", text: "A job's output is shown to its tenant and to operators only." })];
+  }
+  const doc = await api("/api/logs", { job: id, tail: LOG_TAIL });
+  const text = logText(doc.pieces);
+  return [h("h4", { text: "Logs" }),
+    h("p", { class: "muted", text: doc.pieces.length >= LOG_TAIL ? `The last ${LOG_TAIL} pieces of its output; \`gpupool logs ${id}\` prints all of it.` : "Its stdout and stderr, each run under its own header." }),
+    h("pre", { class: "logs", id: "job-logs" }, text || "no output recorded yet")];
+}
+
 async function pageJob(id) {
   const [hist, nodes] = await Promise.all([api("/api/history", { job: id }), api("/api/nodes")]);
   const cards = new Map();
@@ -293,13 +326,14 @@ async function pageJob(id) {
       e.node ? h("span", { class: "tag", text: e.node }) : null, took ? h("span", { class: "tag", text: took }) : null, ...reasonLines(e.reasons));
   });
   const tel = rowsOf(await api("/api/telemetry", { job: id, by: "tier", since: 0 }));
+  const logs = await jobLogs(id);
   page("Job " + id,
     table(["", ""], facts, "job-facts"),
     h("h4", { text: "Resources" }),
     table(["placed", "placement", "node", "model", "generation", "slice share", "GPU memory"], placeRows, "job-placements"),
     h("p", { id: "job-slowdown", text: slowdown ? `Estimated communication slowdown: ~${slowdown}% slower all-reduce (its parts are spread wider than its ideal placement)` : "Estimated communication slowdown: none (placed within its ideal topology)" }),
     chart("The job's utilization of its GPUs (%)", tel.map((r) => r.minute_ms / 1000), [{ label: "util %", values: tel.map((r) => r.util_pct) }], { unit: "%", height: 160 }),
-    h("h4", { text: "Timeline" }), h("ol", { class: "timeline", id: "job-timeline" }, items));
+    h("h4", { text: "Timeline" }), h("ol", { class: "timeline", id: "job-timeline" }, items), ...logs);
 }
 
 // ---------------------------------------------------------------- services

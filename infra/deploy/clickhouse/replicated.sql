@@ -137,3 +137,25 @@ CREATE TABLE IF NOT EXISTS gpupool.pool_minutes ON CLUSTER '{cluster}' (
 ) ENGINE = ReplicatedReplacingMergeTree('/clickhouse/tables/{shard}/gpupool/pool_minutes', '{replica}') ORDER BY (worker, minute_ms)
 TTL minute + INTERVAL 30 DAY
 SETTINGS replicated_deduplication_window = 100000;
+
+-- ---------------------------------------------------------------- programs' output (docs/jobs.md, "Logs")
+-- A database of its own: what programs print is theirs and their tenants', not the pool's record, so ad-hoc SQL
+-- (infra/sql_guard.py) never reaches it; /api/logs serves it to the job's tenant and to operators only.
+CREATE DATABASE IF NOT EXISTS gpupool_logs ON CLUSTER '{cluster}';
+
+-- One row per piece of a run's stdout or stderr (job.log), as the node relay forwarded it to gpupool.job-logs: only
+-- pieces of jobs placed on the node that wrote them. A piece relayed twice (the relay re-run after a crash) has one
+-- key (job, attempt, part, stream, seq) and is collapsed to the copy relayed first (`keep`: the smallest offset),
+-- so a reader's cursor (the offset: one partition holds a job's pieces, in the order they were relayed) never
+-- moves back: query with FINAL. Kept GPUPOOL_LOG_RETENTION_DAYS (default 7; the sink sets the TTL at start) from
+-- when it was stored: a node's clock, far off, neither expires its pieces at once nor keeps them for ever.
+CREATE TABLE IF NOT EXISTS gpupool_logs.job_logs ON CLUSTER '{cluster}' (
+    topic LowCardinality(String), partition UInt16, offset UInt64, event_id String,
+    event_time_ms UInt64,
+    event_time DateTime('UTC') MATERIALIZED toDateTime(intDiv(event_time_ms, 1000), 'UTC'),
+    tenant String, job_id String, node String, attempt UInt32, part UInt32, stream LowCardinality(String),
+    seq UInt64, text String, dropped_bytes UInt64, final Bool,
+    keep UInt64 MATERIALIZED bitNot(offset), stored DateTime('UTC') DEFAULT now()
+) ENGINE = ReplicatedReplacingMergeTree('/clickhouse/tables/{shard}/gpupool_logs/job_logs', '{replica}', keep) ORDER BY (job_id, attempt, part, stream, seq)
+TTL stored + INTERVAL 7 DAY
+SETTINGS replicated_deduplication_window = 100000;
