@@ -234,6 +234,8 @@ def test_a_simulated_fleets_shipper_states_the_node_running_the_job():
         out("acme/sim", 1, 0, "stdout", b"hello from n2\n", True)
         out("acme/sim", 1, 0, "stderr", b"", True)
         out("acme/nowhere", 1, 0, "stdout", b"lost\n", True)  # no node runs it: dropped, counted
+        # a fleet's runner knows each run's node: the callback bound to it needs no lookup
+        shipper_for(ag).for_node("n1")("acme/early", 1, 0, "stdout", b"before it is registered\n", True)
         await ag.log_shipper.close()
         return rec, ag
 
@@ -242,4 +244,7 @@ def test_a_simulated_fleets_shipper_states_the_node_running_the_job():
     assert {t for t, _ in logs} == {"gpupool.job-logs"}  # the tests' producer: home topics (a channel in run())
     (first, *_rest) = [e for _, e in logs]
     assert first.payload.node == "n2" and first.source == "n2/log/acme/sim" and first.payload.text == "hello from n2\n"
+    early = [e for _, e in logs if e.payload.job_id == "acme/early"]
+    assert early[0].payload.node == "n1" and early[0].payload.text == "before it is registered\n"
     assert ag.log_shipper.stats["dropped:no_node"] == 5
+    assert dropped_metric(ag.metrics)["no_node"] == 5  # the agent's own metrics, found when used

@@ -86,8 +86,10 @@ class _Run:
 
 class LogShipper:
     """`output` for a runner, a background publisher for the agent. `node`: the node a run's pieces are stated for,
-    or a function of the job id that finds it (a simulated fleet's many nodes); `publish(payload, source)`: the
-    agent's. `clock`: monotonic seconds (the caps' and the batching's; tests give their own)."""
+    or a function of the job id that finds it (a simulated fleet's many nodes; `for_node` binds one);
+    `publish(payload, source)`: the agent's. `metrics`: an AgentMetrics, or a function that gives it (an agent that
+    makes its metrics after its runner). `clock`: monotonic seconds (the caps' and the batching's; tests give their
+    own)."""
 
     def __init__(self, node: str | Callable[[str], str | None], publish: Callable[..., Awaitable[None]], *,
                  caps: LogCaps = LogCaps(), metrics=None, clock: Callable[[], float] = time.monotonic,
@@ -95,7 +97,7 @@ class LogShipper:
         self.node_of = node if callable(node) else (lambda _job, _n=node: _n)
         self.publish = publish
         self.caps = caps
-        self.metrics = metrics  # agents/node/metrics.py AgentMetrics, or None
+        self._metrics = metrics  # agents/node/metrics.py AgentMetrics, a function giving it, or None
         self.clock = clock
         self.retry_s = retry_s
         self.runs: dict[tuple[str, int, int], _Run] = {}
@@ -106,6 +108,17 @@ class LogShipper:
         self._task: asyncio.Task | None = None
         self._closed = False
         self._finished: OrderedDict[tuple[str, int, int], None] = OrderedDict()  # runs whose streams both ended
+
+    @property
+    def metrics(self):
+        m = self._metrics
+        return m() if callable(m) else m
+
+    def for_node(self, node: str) -> Callable[..., None]:
+        """`output` for the runs of one node (a simulated fleet's runner, which knows the node of each run)."""
+        def output(job_id: str, attempt: int, part: int, stream: str, data: bytes, eof: bool = False) -> None:
+            self.output(job_id, attempt, part, stream, data, eof, node=node)
+        return output
 
     # ---------------------------------------------------------------- the runner's side: never blocks
 
@@ -194,8 +207,9 @@ class LogShipper:
 
     def _dropped(self, cap: str, n: int) -> None:
         self.stats[f"dropped:{cap}"] += n
-        if self.metrics is not None:
-            self.metrics.log_dropped.labels(cap).inc(n)
+        metrics = self.metrics
+        if metrics is not None:
+            metrics.log_dropped.labels(cap).inc(n)
 
     def _cut(self, run: _Run, s: _Stream, stream: str, mode: str, final: bool = False) -> None:
         """Cut pending text into pieces. `mode`: "full" (only full pieces, each at its last line end if it has one),
@@ -317,7 +331,7 @@ class LogShipper:
 
 
 def _sim_node_of(agent) -> Callable[[str], str | None]:
-    """A simulated fleet's node of a job: the one running it."""
+    """A simulated fleet's node of a job: the one running it (a fallback: `for_node` says it outright)."""
     def node_of(job_id: str) -> str | None:
         return next((name for name, n in agent.nodes.items() if job_id in n.running), None)
     return node_of
@@ -325,13 +339,15 @@ def _sim_node_of(agent) -> Callable[[str], str | None]:
 
 def shipper_for(agent) -> LogShipper:
     """The one shipper of a node agent (made on first use and kept on it): its node (the NVML agent's own, or the
-    simulated fleet's node running the job), its `publish`, its metrics and the caps of its configuration.
-    Wire a runner with `output=shipper_for(agent).output`."""
+    simulated fleet's node running the job), its `publish`, its metrics (read when used: they may come later) and
+    the caps of its configuration. Wiring a runner: `output=shipper_for(agent).output` (one node), or
+    `shipper_for(agent).for_node(NODE)` (a fleet); at shutdown, `await shipper_for(agent).close()` sends what is
+    still held."""
     shipper = getattr(agent, "log_shipper", None)
     if shipper is None:
         node = getattr(agent, "node", None) if isinstance(getattr(agent, "node", None), str) else _sim_node_of(agent)
         cfg = getattr(agent, "cfg", None)
         shipper = LogShipper(node, agent.publish, caps=LogCaps.of(cfg) if cfg is not None else LogCaps(),
-                             metrics=getattr(agent, "metrics", None))
+                             metrics=lambda: getattr(agent, "metrics", None))
         agent.log_shipper = shipper
     return shipper
