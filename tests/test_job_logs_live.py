@@ -121,7 +121,8 @@ def _worker_metric(pool, name: str) -> float:
 
     admin = pool.client().creds
     auth = base64.b64encode(f"{admin.name}:{admin.token}".encode()).decode()
-    req = urllib.request.Request(f"http://127.0.0.1:{pool.web_port}/metrics", headers={"Authorization": f"Basic {auth}"})
+    req = urllib.request.Request(f"http://127.0.0.1:{pool.web_port}/metrics",
+                                 headers={"Authorization": f"Basic {auth}"})
     with urllib.request.urlopen(req, timeout=30) as resp:
         text = resp.read().decode()
     return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
