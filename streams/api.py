@@ -662,6 +662,13 @@ class QueryRunner:
     async def ours(self, sql: str, params: dict | None = None) -> tuple[list[str], list[list]]:
         return await asyncio.to_thread(self._ours, sql, params or {})
 
+    def close(self) -> None:
+        """End the reader session (chdb: one data path per process; a session left open holds it)."""
+        with self._lock:
+            if self._reader is not None:
+                self._reader.close()
+                self._reader = None
+
     async def theirs(self, sql: str, params: dict | None = None) -> tuple[list[str], list[list]]:
         self._no_clickhouse()
         return await asyncio.to_thread(sql_guard.run_readonly, self.dsn, sql, params or {},

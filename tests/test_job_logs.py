@@ -43,7 +43,9 @@ class Msg:  # what the sink reads of a Kafka record
 def store(tmp_path_factory):
     dsn = f"chdb://{tmp_path_factory.mktemp('joblogs') / 'clickhouse'}"
     client = connect(dsn)
-    yield dsn, client
+    runner = api.QueryRunner(dsn)
+    yield dsn, client, runner
+    runner.close()  # chdb holds one data path per process: every session on it ends with the module
     client.close()
 
 
@@ -68,7 +70,7 @@ def test_a_piece_is_a_row_of_its_own_table_never_the_events_mirror():
 
 
 def test_the_sink_writes_a_batch_once_and_a_relayed_copy_is_one_row(store):
-    dsn, client = store
+    dsn, client, _ = store
     sink = _sink(client)
     envs = [piece(0, "one\n"), piece(1, "two\n"), piece(0, "err\n", stream="stderr")]
     msgs = [Msg(10 + i, encode(e)) for i, e in enumerate(envs)]
@@ -81,7 +83,7 @@ def test_the_sink_writes_a_batch_once_and_a_relayed_copy_is_one_row(store):
 
 
 def test_retention_is_the_operators_and_set_once(store):
-    _, client = store
+    _, client, _ = store
     assert log_retention_days(client) == 7  # as the DDL makes it
     assert log_retention(client, 7) is False  # nothing to change
     assert log_retention(client, 30) is True and log_retention_days(client) == 30
@@ -95,13 +97,12 @@ def test_retention_is_the_operators_and_set_once(store):
 
 
 def test_api_logs_in_order_from_a_cursor_as_a_tail_by_attempt(store):
-    dsn, client = store
+    dsn, client, runner = store
     sink = _sink(client)
     envs = [piece(i, f"line {i}\n", job="acme/serve") for i in range(5)]
     envs += [piece(0, "", job="acme/serve", stream="stderr", dropped=123, final=True),
              piece(0, "second run\n", job="acme/serve", attempt=2, node="node-001")]
     sink._insert_batch("gpupool.job-logs", 3, [Msg(100 + i, encode(e)) for i, e in enumerate(envs)])
-    runner = api.QueryRunner(dsn)
 
     def ask(principal, **params):
         return asyncio.run(api.answer("/api/logs", principal, {"job": "acme/serve", **params}, b"", runner))
@@ -123,8 +124,7 @@ def test_api_logs_in_order_from_a_cursor_as_a_tail_by_attempt(store):
 
 
 def test_only_the_jobs_tenant_and_operators_read_its_output(store):
-    dsn, _ = store
-    runner = api.QueryRunner(dsn)
+    dsn, _, runner = store
     for principal, status in ((BOB, 404), (Principal("fin", "finance"), 403), (Principal("aud", "auditor"), 403),
                               (Principal("svc", "service"), 403), (Principal("node-x", "node", nodes=("x",)), 403)):
         with pytest.raises(api.ApiError) as refused:
