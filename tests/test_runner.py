@@ -167,7 +167,9 @@ def test_configuration_parsing_and_its_errors():
             parse_user(bad)
     ctx = NodeContext(node="n", jobs_root=Path("/j"), checkpoint_root=Path("/c"), grace={"offline": 60, "*": 20})
     assert (ctx.grace_for(Tier.OFFLINE), ctx.grace_for("inference")) == (60.0, 20.0)
-    assert NodeContext(node="n", jobs_root=Path("/j"), checkpoint_root=Path("/c")).grace_for("offline") == 10.0
+    assert ctx.grace_for("offline", 30.0) == 60.0  # the operator's grace holds for every stop on the node
+    bare = NodeContext(node="n", jobs_root=Path("/j"), checkpoint_root=Path("/c"))
+    assert (bare.grace_for("offline"), bare.grace_for("offline", 30.0)) == (10.0, 30.0)  # else what was asked
 
 
 def test_node_context_from_the_environment(tmp_path):
@@ -178,9 +180,11 @@ def test_node_context_from_the_environment(tmp_path):
         (tmp_path / "jobs", Path("/shared/ck"), None, "host", True)
     assert ctx.cdi_spec_dirs == (Path("/a"), Path("/b")) and ctx.grace_for("offline") == 45.0
     assert ctx.user == ((65534, 65534) if os.geteuid() == 0 else None)
-    with pytest.raises(ValueError, match="GPUPOOL_JOB_USER"):
-        NodeContext.from_env("n7", tmp_path, environ={"GPUPOOL_JOB_USER": "0:0"}) if os.geteuid() == 0 else \
-            (_ for _ in ()).throw(ValueError("GPUPOOL_JOB_USER"))
+    if os.geteuid() == 0:
+        with pytest.raises(ValueError, match="GPUPOOL_JOB_USER"):
+            NodeContext.from_env("n7", tmp_path, environ={"GPUPOOL_JOB_USER": "0:0"})
+    with pytest.raises(ValueError, match="GPUPOOL_GRACE_S"):
+        NodeContext.from_env("n7", tmp_path, environ={"GPUPOOL_GRACE_S": "batch=3"})
 
 
 def test_read_manifest(tmp_path):

@@ -161,8 +161,9 @@ class Executor:
             case PlaceJob():
                 await self._place(env, p)
             case PreemptJob():
-                self._background(self._stop(env, p.job_id, p.command_id, float(p.grace_s), report=True,
-                                            attempt=p.attempt))
+                job = self.running.get(p.job_id)
+                grace = self.ctx.grace_for(job.tier if job else "offline", float(p.grace_s))
+                self._background(self._stop(env, p.job_id, p.command_id, grace, report=True, attempt=p.attempt))
             case MigrateJob():
                 # checkpoint (SIGTERM, the job's own handler) and stop; the scheduler resumes it on the planned node
                 job = self.running.get(p.job_id)
@@ -170,8 +171,9 @@ class Executor:
                 self._background(self._stop(env, p.job_id, p.command_id, grace, report=True, attempt=p.attempt,
                                             reason="migrated"))
             case ReleaseJob():
-                self._background(self._stop(env, p.job_id, p.command_id, RELEASE_GRACE_S, report=False,
-                                            attempt=p.attempt))
+                job = self.running.get(p.job_id)
+                grace = self.ctx.grace_for(job.tier if job else "offline", RELEASE_GRACE_S)
+                self._background(self._stop(env, p.job_id, p.command_id, grace, report=False, attempt=p.attempt))
             case ResizeJob():
                 job = self.running.get(p.job_id)
                 if job and self.fence.applies(p.attempt, job.attempt):

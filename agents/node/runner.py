@@ -186,10 +186,15 @@ class NodeContext:
     def for_node(self, node: str) -> "NodeContext":
         return replace(self, node=node)
 
-    def grace_for(self, tier) -> float:
-        """The grace period of a stop the node starts itself (shutdown, restart, migration) for a job of `tier`."""
+    def grace_for(self, tier, asked: float | None = None) -> float:
+        """The grace period between SIGTERM and SIGKILL for a job of `tier`: GPUPOOL_GRACE_S's for the tier (or `*`)
+        when the operator set one, for every stop on the node; otherwise what the command asked (`asked`: a
+        preemption's or drain's PreemptJob.grace_s), and DEFAULT_GRACE_S for a stop the node starts itself
+        (shutdown, restart, a move)."""
         t = getattr(tier, "value", tier)
-        return float(self.grace.get(t, self.grace.get("*", DEFAULT_GRACE_S)))
+        if t in self.grace or "*" in self.grace:
+            return float(self.grace.get(t, self.grace.get("*")))
+        return float(asked) if asked is not None else DEFAULT_GRACE_S
 
 
 # ---------------------------------------------------------------- names and places
@@ -908,6 +913,14 @@ class Run:
                                          f"podman and runc are needed to run containers (docs/operators.md, "
                                          f"\"Preparing a node\")")
         mounts = check_volumes(p, self.ctx)
+        rc, _, err = await self._podman("image", "exists", p.image)
+        if rc != 0:
+            if not self.ctx.pull:
+                raise _refuse("ImageNotFound", f"image {p.image} is not on node {self.ctx.node} (the node does not "
+                                               f"pull: GPUPOOL_PULL=1 lets it)")
+            rc, _, err = await self._podman("pull", "--quiet", p.image, timeout=1800)
+            if rc != 0:
+                raise _refuse("ImageNotFound", f"image {p.image} could not be pulled: {err.strip()[-300:]}")
         devices = cdi_devices(p.assignments)
         if devices:
             known = cdi_known(self.ctx.cdi_spec_dirs)
@@ -917,14 +930,6 @@ class Run:
                     f"no CDI device {', '.join(missing)} on node {self.ctx.node} (in "
                     f"{', '.join(map(str, self.ctx.cdi_spec_dirs))}): run `nvidia-ctk cdi generate "
                     f"--output=/etc/cdi/nvidia.yaml` (docs/operators.md)"))
-        rc, _, err = await self._podman("image", "exists", p.image)
-        if rc != 0:
-            if not self.ctx.pull:
-                raise _refuse("ImageNotFound", f"image {p.image} is not on node {self.ctx.node} (the node does not "
-                                               f"pull: GPUPOOL_PULL=1 lets it)")
-            rc, _, err = await self._podman("pull", "--quiet", p.image, timeout=1800)
-            if rc != 0:
-                raise _refuse("ImageNotFound", f"image {p.image} could not be pulled: {err.strip()[-300:]}")
         try:
             self._prepare_dirs()
         except OSError as exc:
@@ -1054,8 +1059,14 @@ class Run:
             return await self.wait()
         self.stopping = True
         if self.container:
-            rc, _, err = await self._podman("stop", "--time", str(max(0, int(round(grace_s)))), self.name,
-                                            timeout=grace_s + 60)
+            loop = asyncio.get_running_loop()
+            give_up = loop.time() + 60
+            while True:  # a container podman has not made yet cannot be stopped: try until it exists or ended
+                rc, _, err = await self._podman("stop", "--time", str(max(0, int(round(grace_s)))), self.name,
+                                                timeout=grace_s + 60)
+                if rc == 0 or self.proc.returncode is not None or loop.time() > give_up:
+                    break
+                await asyncio.sleep(0.2)
             if rc != 0 and self.proc.returncode is None:
                 log.warning("podman stop %s: %s", self.name, err.strip()[-300:])
                 await self._podman("kill", "--signal", "KILL", self.name, timeout=30)

@@ -335,7 +335,7 @@ class SimFleetAgent:
                     r.task.cancel()
                 reason = "migrated" if isinstance(p, MigrateJob) else ""
                 if r.run is not None:  # a real program: SIGTERM, its grace, SIGKILL; then its last checkpoint
-                    grace = float(p.grace_s) if isinstance(p, PreemptJob) else self.ctx.grace_for(r.tier)
+                    grace = self.ctx.grace_for(r.tier, float(p.grace_s) if isinstance(p, PreemptJob) else None)
                     self._spawn(self._stop_program(node_name, p.job_id, r, grace, p.command_id, reason))
                     return
                 progress = r.progress(now)
@@ -350,7 +350,7 @@ class SimFleetAgent:
                 r = node.running.get(p.job_id)
                 if node.fence.stops(p.job_id, p.attempt, r.attempt if r else None):
                     node.running.pop(p.job_id)
-                    self._end(r, RELEASE_GRACE_S)
+                    self._end(r, self.ctx.grace_for(r.tier, RELEASE_GRACE_S))
             case ResizeJob():
                 r = node.running.get(p.job_id)
                 if r and node.fence.applies(p.attempt, r.attempt):
