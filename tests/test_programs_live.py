@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 
 from schemas.envelope import decode
-from schemas.events import JobRequested
 from schemas.topics import JOB_EVENTS
 from tests.live import cli, job_states, live_pool, read_topic, wait_for
 from tests.program_helpers import busybox_image, cdi_spec, need_python3, passable_dir, podman

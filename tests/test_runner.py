@@ -9,9 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import signal
 import textwrap
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -198,6 +196,15 @@ def test_read_manifest(tmp_path):
                        ('["x"]', None), ('{"path": "half', None)]:
         m.write_text(text)
         assert read_manifest(m) == want, text
+    # never through a symbolic link (the directory is the job's; the agent reading it may be root)
+    target = tmp_path / "elsewhere.json"
+    target.write_text('{"path": "secret"}')
+    m.unlink()
+    m.symlink_to(target)
+    assert read_manifest(m) is None
+    m.unlink()
+    m.mkdir()
+    assert read_manifest(m) is None
 
 
 def test_exit_classification():
@@ -534,7 +541,7 @@ def test_image_not_found_without_pulling(root, image):
 def test_a_container_gets_its_allow_listed_volume_read_only(root, image):
     data = root / "datasets"
     data.mkdir()
-    (data / "x.txt").write_text("hello")
+    (data / "x.txt").write_text("hello\n")
     os.chmod(data, 0o755)
     os.chmod(data / "x.txt", 0o644)
     ctx = container_ctx(root, volumes={"datasets": Volume("datasets", str(data))})
@@ -543,7 +550,7 @@ def test_a_container_gets_its_allow_listed_volume_read_only(root, image):
               image=image, assignments=(), volumes=(Mount(volume="datasets", path="/data"),), workdir="/data")
     ended, _ = run(start_and_wait(p, ctx, out))
     assert ended.ok and out.data["stdout"].split() == [b"hello", b"read-only"]
-    ended, _ = run(start_and_wait(replace(p, volumes=(Mount(volume="scratch", path="/s"),)), ctx))
+    ended, _ = run(start_and_wait(p.model_copy(update={"volumes": (Mount(volume="scratch", path="/s"),)}), ctx))
     assert ended.code == "VolumeUnavailable"
 
 

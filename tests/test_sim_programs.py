@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from agents.node.fleet import make_node
-from agents.node.runner import NodeContext, checkpoint_dir, work_dir
+from agents.node.runner import NodeContext, work_dir
 from agents.node.sim_agent import SimFleetAgent
 from schemas.events import (
     Assignment, JobCheckpointed, JobCompleted, JobFailed, JobStarted, JobStopped, MigrateJob, PlaceJob, PreemptJob,

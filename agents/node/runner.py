@@ -45,7 +45,7 @@ import resource
 import shutil
 import signal
 import stat
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping  # noqa: F401 - Awaitable: Output's
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -387,11 +387,8 @@ def read_manifest(path: Path) -> tuple[str, int] | None:
     optional and informative). `path` relative to the checkpoint directory (a checkpoint that moves with the job),
     or absolute (e.g. on a volume). None when absent, partial or malformed: the program writes it atomically (a
     temporary file, then rename), and a malformed one is ignored until it is rewritten."""
-    try:
-        raw = path.read_bytes()
-    except OSError:
-        return None
-    if len(raw) > 65536:
+    raw = _read_small(path)
+    if raw is None:
         return None
     try:
         doc = json.loads(raw)
@@ -406,6 +403,24 @@ def read_manifest(path: Path) -> tuple[str, int] | None:
     if not isinstance(ms, int) or isinstance(ms, bool) or ms < 0:
         ms = 0
     return p.strip(), ms
+
+
+def _read_small(path: Path, limit: int = 65536) -> bytes | None:
+    """A regular file of at most `limit` bytes, never through a symbolic link: the manifest lies in a directory the
+    job owns, and the agent reading it may be root."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > limit:
+            return None
+        return os.read(fd, limit + 1)[:limit]
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
 
 
 # ---------------------------------------------------------------- start-up checks
@@ -722,6 +737,7 @@ class Run:
         self._done = asyncio.Event()
         self._stop_graceful: bool | None = None
         self._container_id = ""
+        self._monitor_dir: Path | None = None
 
     # ---- start
 
@@ -754,10 +770,7 @@ class Run:
             if self.ctx.user is not None:
                 os.chown(d, uid, gid)
             os.chmod(d, 0o700)
-        try:
-            self._manifest_seen = (self.ckpt_dir / MANIFEST).read_bytes()
-        except OSError:
-            self._manifest_seen = None
+        self._manifest_seen = _read_small(self.ckpt_dir / MANIFEST)
 
     async def _start_process(self) -> None:
         p = self.place
@@ -936,12 +949,17 @@ class Run:
             raise _refuse("StartFailed", f"cannot prepare the job's directories on {self.ctx.node}: {exc}")
         await self._podman("rm", "--force", "--ignore", self.name)  # a stale one of an agent that died
         argv = self.container_argv(mounts)
+        # podman's monitor (conmon) runs where podman was started; some conmon builds leave their record of an OOM
+        # kill there (a file "oom") where podman does not look: a directory of the agent's own per run catches it
+        self._monitor_dir = self.workdir.with_name(run_label(p) + ".podman")
+        shutil.rmtree(self._monitor_dir, ignore_errors=True)
+        self._monitor_dir.mkdir(mode=0o700)
         try:
             await self._spawn(
                 argv, env={"PATH": os.environ.get("PATH", MINIMAL_PATH), "HOME": os.environ.get("HOME", "/root"),
                            "LANG": "C.UTF-8", **({"XDG_RUNTIME_DIR": os.environ["XDG_RUNTIME_DIR"]}
                                                  if "XDG_RUNTIME_DIR" in os.environ else {})},
-                start_new_session=True)
+                cwd=str(self._monitor_dir), start_new_session=True)
         except OSError as exc:
             raise _refuse("StartFailed", f"cannot run podman: {exc}")
 
@@ -966,11 +984,8 @@ class Run:
 
     async def _check_manifest(self) -> None:
         path = self.ckpt_dir / MANIFEST
-        try:
-            raw = path.read_bytes()
-        except OSError:
-            return
-        if raw == self._manifest_seen:
+        raw = _read_small(path)
+        if raw is None or raw == self._manifest_seen:
             return
         self._manifest_seen = raw
         got = read_manifest(path)
@@ -1028,9 +1043,12 @@ class Run:
         tail = self._stderr_tail.decode(errors="replace")
         if self.container:
             exit = exit_of_container(rc, state, tail)
+            conmon_oom = self._monitor_dir is not None and (self._monitor_dir / "oom").exists()
             if exit.code == "Signal" and exit.signal == 9 and not self.stopping and not self.killed \
-                    and _oom_in_kernel_log(self._container_id):
+                    and (conmon_oom or _oom_in_kernel_log(self._container_id)):
                 exit = Exit("OOMKilled", "out of memory: the container was killed by the kernel", signal=9)
+            if self._monitor_dir is not None:
+                shutil.rmtree(self._monitor_dir, ignore_errors=True)
         else:
             oom = self._cgroup is not None and self._cgroup.oom_kills() > 0
             exit = exit_of_status(rc, oom=oom and rc == -signal.SIGKILL)
