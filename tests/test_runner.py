@@ -583,3 +583,26 @@ def test_a_container_stop_reaches_the_program_then_kills_after_the_grace(root, i
     assert (checkpoint_dir(p, ctx) / "got-term").read_text().strip() == "TERM"
     gone = os.popen(f"{podman()} container exists {r.name}; echo $?").read().strip()
     assert gone == "1"  # removed after it ended
+
+
+def test_a_job_on_a_share_gets_its_limits_and_the_mechanisms_mounts(tmp_path):
+    """The share hook: the runner hands a job on a software share the limits agents/node/shares.py computes for the
+    node's enforcement (HAMi-core here), in its environment and, in a container, the library and lock directory."""
+    from agents.node.fleet import make_node
+    from agents.node.shares import ShareConfig
+
+    cards = make_node("n1", "A100-80GB", 1).gpus
+    share = (Assignment(gpu_uuid=cards[0].uuid, milli=250, memory_mib=8192),)
+    ctx = ctx_at(tmp_path, cards=cards, podman="/usr/bin/podman", user=(65534, 65534),
+                 shares=ShareConfig(mode="hami", hami_library="/usr/local/vgpu/libvgpu.so"))
+    env = pool_environment(place(assignments=share), ctx)
+    assert (env["CUDA_DEVICE_MEMORY_LIMIT_0"], env["CUDA_DEVICE_SM_LIMIT_0"]) == ("8192m", "25")
+    assert env["LD_PRELOAD"] == "/usr/local/vgpu/libvgpu.so"
+    assert env["CUDA_DEVICE_MEMORY_SHARED_CACHE"].startswith(str(work_dir(place(assignments=share), ctx)))
+    whole = pool_environment(place(assignments=(Assignment(gpu_uuid=cards[0].uuid, milli=1000, memory_mib=1),)), ctx)
+    assert not any(k.startswith("CUDA_DEVICE_") or k == "LD_PRELOAD" for k in whole)
+    argv = Run(place(image="localhost/img:1", command=("true",), assignments=share), ctx).container_argv([])
+    pairs = list(zip(argv, argv[1:]))
+    assert ("-v", "/usr/local/vgpu/libvgpu.so:/usr/local/vgpu/libvgpu.so:ro") in pairs
+    assert ("-v", "/tmp/vgpulock:/tmp/vgpulock:rw") in pairs
+    assert ("-e", "LD_PRELOAD=/usr/local/vgpu/libvgpu.so") in pairs

@@ -23,7 +23,9 @@ gang_index) and the node's configuration (`NodeContext`, read from the environme
   the node lacks fails the run with VolumeUnavailable), `-w workdir`, `-e` for the environment, and the job's cards
   as CDI devices (`nvidia.com/gpu=<card or MIG uuid>`, from the spec `nvidia-ctk cdi generate` writes).
 
-Standard output and error are read from pipes and handed to an `Output` callback (`output(job_id, attempt, part,
+A job on a software share of a card also gets its limits and, in a container, the mounts its node's enforcement
+needs (`share_environment`, agents/node/shares.py). Standard output and error are read from pipes and handed to an
+`Output` callback (`output(job_id, attempt, part,
 stream, data, eof)`, awaitable or plain); the default writes the attempt's log file next to its working directory.
 The program tells the pool of a checkpoint by writing `$GPUPOOL_CHECKPOINT_DIR/checkpoint.json` (`read_manifest`),
 which the run polls and hands to `on_checkpoint`. A stop sends SIGTERM, waits the grace period, then SIGKILL.
@@ -49,6 +51,7 @@ from collections.abc import Awaitable, Callable, Mapping  # noqa: F401 - Awaitab
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from agents.node.shares import ShareConfig, share_mounts
 from infra.config import Volume
 from schemas.events import Assignment, JobFailed, PlaceJob
 from schemas.program import program_problem
@@ -149,9 +152,10 @@ class NodeContext:
     manifest_poll_s: float = 0.5
     cgroups: bool = True  # a memory cgroup per plain run, when the agent can make one
     die_with_agent: bool = True  # PR_SET_PDEATHSIG: a plain process dies with the agent that started it
-    # item 4 (agents/node/shares.py): the node's cards and its share enforcement, for share_environment()
+    # the node's cards (its inventory's GpuCards) and its share enforcement (agents/node/shares.py), for the limits
+    # and mounts of a job on a software share of a card
     cards: tuple = ()
-    share_mode: str = ""
+    shares: ShareConfig = field(default_factory=ShareConfig)
 
     @classmethod
     def from_env(cls, node: str, home: Path, *, volumes: Mapping[str, Volume] | None = None,
@@ -179,6 +183,7 @@ class NodeContext:
             grace=parse_grace(environ.get("GPUPOOL_GRACE_S", "")),
             network=environ.get("GPUPOOL_JOB_NETWORK") or "none",
             pull=(environ.get("GPUPOOL_PULL") or "0").lower() in ("1", "true", "yes"),
+            shares=ShareConfig.from_env(environ),
         )
         kw.update(over)
         return cls(**kw)
@@ -273,15 +278,14 @@ def resume_path(place: PlaceJob, ckpt_dir_seen: str) -> str:
 
 
 def share_environment(place: PlaceJob, ctx: NodeContext) -> dict[str, str]:
-    """HOOK (issue #32 item 4): the limits of a software share of a card, in the form the node's enforcement reads
-    (HAMi-core's CUDA_DEVICE_MEMORY_LIMIT_<i> / CUDA_DEVICE_SM_LIMIT_<i>, or MPS's
-    CUDA_MPS_ACTIVE_THREAD_PERCENTAGE / CUDA_MPS_PINNED_DEVICE_MEM_LIMIT). agents/node/shares.py provides
-    `share_env(assignments, cards, mode) -> dict`; until it exists, no share variables are set."""
-    try:
-        from agents.node.shares import share_env  # type: ignore[import-not-found]
-    except ImportError:
-        return {}
-    return dict(share_env(place.assignments, ctx.cards, ctx.share_mode))
+    """The share hook (issue #32 item 4): for a job on a software share of a card, its limits in the form the node's
+    enforcement reads (HAMi-core's CUDA_DEVICE_MEMORY_LIMIT_<i> / CUDA_DEVICE_SM_LIMIT_<i> with LD_PRELOAD and the
+    job's own accounting file, or MPS's CUDA_MPS_ACTIVE_THREAD_PERCENTAGE / CUDA_MPS_PINNED_DEVICE_MEM_LIMIT);
+    agents/node/shares.py, docs/jobs.md "Shares of a card". {} for a job on whole cards or MIG instances."""
+    from agents.node.shares import share_environment as for_shares
+
+    return dict(for_shares(place.assignments, ctx.cards, ctx.shares, job_dir=str(work_dir(place, ctx)),
+                           in_container=bool(place.image)))
 
 
 def pool_environment(place: PlaceJob, node_ctx: NodeContext) -> dict[str, str]:
@@ -906,6 +910,8 @@ class Run:
         argv += ["-v", f"{self.ckpt_dir}:{CONTAINER_CHECKPOINT_DIR}:rw"]
         for v, path, ro in mounts:
             argv += ["-v", f"{v.host_path}:{path}:{'ro' if ro else 'rw'}"]
+        for m in share_mounts(p.assignments, ctx.cards, ctx.shares):  # HAMi-core's library, MPS's pipes
+            argv += ["-v", f"{m.host_path}:{m.container_path}:{'ro' if m.read_only else 'rw'}"]
         for dev in cdi_devices(p.assignments):
             argv += ["--device", dev]
         if p.workdir:
