@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test chaos acceptance install kafka browser up down bench clean
+.PHONY: demo test chaos acceptance install kafka browser podman up down bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -32,7 +32,24 @@ browser:
 	else echo "WARNING: no chromium and no apt-get as root: install Debian's chromium (or set GPUPOOL_CHROMIUM to a"; \
 	  echo "         Chromium/Chrome binary); the dashboard's browser tests fail without one"; fi
 
-test: kafka browser
+# Jobs that name an image run in podman containers (docs/operators.md, "Preparing a node"); the tests build a small
+# image from Debian's busybox. Installed here when missing: with apt-get as root; otherwise this says what to install
+# and the container tests fail saying the same (tests/program_helpers.py).
+podman:
+	@pkgs=""; command -v podman >/dev/null 2>&1 || pkgs="$$pkgs podman"; \
+	command -v runc >/dev/null 2>&1 || pkgs="$$pkgs runc"; \
+	[ -x /usr/libexec/podman/catatonit ] || command -v catatonit >/dev/null 2>&1 || pkgs="$$pkgs catatonit"; \
+	command -v busybox >/dev/null 2>&1 || pkgs="$$pkgs busybox-static"; \
+	if [ -z "$$pkgs" ]; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	  echo "installing$$pkgs for jobs that name an image (apt-get)"; \
+	  (apt-get install -y -qq $$pkgs >/dev/null 2>&1 || \
+	   (apt-get update -qq && apt-get install -y -qq $$pkgs >/dev/null)) || \
+	  echo "WARNING: apt-get could not install$$pkgs; the container tests will fail"; \
+	else echo "WARNING: missing$$pkgs and no apt-get as root: install Debian's podman, runc, catatonit and"; \
+	  echo "         busybox-static; jobs naming an image fail on this node, and the container tests fail"; fi
+
+test: kafka browser podman
 	$(BIN)/python -m pytest -q -p no:cacheprovider --ignore=tests/acceptance --ignore=tests/test_demo.py -m "not chaos" tests
 
 # the fault tests of docs/reliability.md: a local 3-broker KRaft cluster, two workers, kill -9, a broker down,

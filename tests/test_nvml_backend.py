@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from agents.node.nvml_agent import Executor, JobProc, job_argv, visible_devices
+from agents.node.runner import NodeContext
 from agents.node.nvml_backend import NvmlBackend, model_name
 from schemas.envelope import envelope
 from schemas.events import (
@@ -272,6 +273,18 @@ def place(job: str, command_id: str, assignments=None, node: str = "n1", duratio
                     assignments=assignments or (Assignment(gpu_uuid="GPU-aaaa", milli=1000, memory_mib=1024),))
 
 
+def executor(node: str, publish, **kw) -> Executor:
+    """An Executor whose stand-in runs go as the agent's own user (the tests' markers live in pytest's private temporary
+    directories; tests/test_runner.py runs programs as the unprivileged job user)."""
+    import tempfile
+    from pathlib import Path
+
+    root = Path(kw.pop("log_dir", None) or tempfile.mkdtemp(prefix="gpupool-exec-"))
+    kw.setdefault("ctx", NodeContext(node=node, jobs_root=root, checkpoint_root=root / "checkpoints", user=None,
+                                     podman=None))
+    return Executor(node, publish, **kw)
+
+
 def py(code: str) -> list[str]:
     return [sys.executable, "-c", code]
 
@@ -283,7 +296,7 @@ def run(coro):
 def test_cuda_visible_devices_carry_the_card_and_mig_uuids(tmp_path):
     async def go():
         rec = Recorder()
-        ex = Executor("n1", rec, log_dir=tmp_path,
+        ex = executor("n1", rec, log_dir=tmp_path,
                       argv_for=lambda p: py("import os; print(os.environ['CUDA_VISIBLE_DEVICES'])"))
         two = (Assignment(gpu_uuid="GPU-aaaa", milli=1000, memory_mib=1), Assignment(gpu_uuid="GPU-bbbb", milli=1000,
                                                                                       memory_mib=1))
@@ -294,8 +307,8 @@ def test_cuda_visible_devices_carry_the_card_and_mig_uuids(tmp_path):
         return rec
 
     rec = run(go())
-    assert (tmp_path / "j2.log").read_text().strip() == "GPU-aaaa,GPU-bbbb"
-    assert (tmp_path / "jm.log").read_text().strip() == "MIG-1111"
+    assert (tmp_path / "n1" / "j2" / "attempt-0.log").read_text().strip() == "GPU-aaaa,GPU-bbbb"
+    assert (tmp_path / "n1" / "jm" / "attempt-0.log").read_text().strip() == "MIG-1111"
     assert rec.kinds("j2") == ["job.started", "job.completed"] and rec.kinds("jm") == ["job.started", "job.completed"]
     started = [p for p, _, _ in rec.events if isinstance(p, JobStarted)]
     assert {(p.node, p.command_id) for p in started} == {("n1", "c1"), ("n1", "c2")}
@@ -308,7 +321,7 @@ def test_duplicate_place_command_runs_once(tmp_path):
 
     async def go():
         rec = Recorder()
-        ex = Executor("n1", rec, argv_for=lambda p: py(f"open({str(marker)!r}, 'a').write('x')"))
+        ex = executor("n1", rec, argv_for=lambda p: py(f"open({str(marker)!r}, 'a').write('x')"))
         env = cmd(place("j", "c1"))
         for _ in range(3):
             await ex.execute(env)
@@ -326,7 +339,7 @@ def test_duplicate_place_command_runs_once(tmp_path):
 def test_exit_code_decides_completed_or_failed():
     async def go():
         rec = Recorder()
-        ex = Executor("n1", rec, argv_for=lambda p: py("raise SystemExit(3)") if p.job_id == "bad" else py("pass"))
+        ex = executor("n1", rec, argv_for=lambda p: py("raise SystemExit(3)") if p.job_id == "bad" else py("pass"))
         await ex.execute(cmd(place("bad", "c1")))
         await ex.execute(cmd(place("good", "c2")))
         await ex.drain()
@@ -335,6 +348,7 @@ def test_exit_code_decides_completed_or_failed():
     rec = run(go())
     failed = [p for p, _, _ in rec.events if isinstance(p, JobFailed)]
     assert [(p.job_id, p.reason, p.command_id) for p in failed] == [("bad", "exit code 3", "c1")]
+    assert (failed[0].code, failed[0].exit_code, failed[0].signal) == ("ExitCode", 3, None)
     assert [p.job_id for p, _, _ in rec.events if isinstance(p, JobCompleted)] == ["good"]
 
 
@@ -342,7 +356,7 @@ def test_preempt_sends_sigterm_then_reports_checkpoint_and_stop():
     async def go():
         rec = Recorder()
         now = [1_000]
-        ex = Executor("n1", rec, argv_for=lambda p: ["sleep", "30"], clock=lambda: now[0])
+        ex = executor("n1", rec, argv_for=lambda p: ["sleep", "30"], clock=lambda: now[0])
         await ex.execute(cmd(place("j", "c1", resume_from="ckpt:j:500")))
         now[0] = 3_000
         await ex.execute(cmd(PreemptJob(command_id="c2", job_id="j", node="n1", grace_s=10)))
@@ -366,7 +380,7 @@ def test_preempt_kills_a_job_that_ignores_sigterm(tmp_path):
 
     async def go():
         rec = Recorder()
-        ex = Executor("n1", rec, argv_for=lambda p: py(code))
+        ex = executor("n1", rec, argv_for=lambda p: py(code))
         await ex.execute(cmd(place("j", "c1", resume_from="ckpt:j:700")))
         while not ready.exists():
             await asyncio.sleep(0.02)
@@ -385,7 +399,7 @@ def test_preempt_before_place_stops_and_the_late_place_does_not_run(tmp_path):
 
     async def go():
         rec = Recorder()
-        ex = Executor("n1", rec, argv_for=lambda p: py(f"open({str(marker)!r}, 'a').write('{p.command_id}')"))
+        ex = executor("n1", rec, argv_for=lambda p: py(f"open({str(marker)!r}, 'a').write('{p.command_id}')"))
         await ex.execute(cmd(PreemptJob(command_id="c2", job_id="j", node="n1"), seq=20))
         await ex.drain()
         await ex.execute(cmd(place("j", "c1"), seq=19))  # overtaken by the preemption
@@ -403,7 +417,7 @@ def test_preempt_before_place_stops_and_the_late_place_does_not_run(tmp_path):
 def test_release_stops_without_reports():
     async def go():
         rec = Recorder()
-        ex = Executor("n1", rec, argv_for=lambda p: ["sleep", "30"])
+        ex = executor("n1", rec, argv_for=lambda p: ["sleep", "30"])
         await ex.execute(cmd(place("j", "c1")))
         await ex.execute(cmd(ReleaseJob(command_id="c2", job_id="j", node="n1")))
         await ex.drain()
@@ -416,7 +430,7 @@ def test_release_stops_without_reports():
 def test_attempts_fence_superseded_placements_and_stale_stops():
     async def go():
         rec = Recorder()
-        ex = Executor("n1", rec, argv_for=lambda p: ["sleep", "30"])
+        ex = executor("n1", rec, argv_for=lambda p: ["sleep", "30"])
         await ex.execute(cmd(place("j", "c1", attempt=1)))
         await ex.execute(cmd(ReleaseJob(command_id="c2", job_id="j", node="n1", attempt=1)))  # sent when it was lost
         await ex.drain()
@@ -439,7 +453,7 @@ def test_attempts_fence_superseded_placements_and_stale_stops():
 def test_shutdown_reports_stopped_with_the_placement_command():
     async def go():
         rec = Recorder()
-        ex = Executor("n1", rec, argv_for=lambda p: ["sleep", "30"])
+        ex = executor("n1", rec, argv_for=lambda p: ["sleep", "30"])
         await ex.execute(cmd(place("j", "c1", attempt=4)))
         await ex.stop_all(grace_s=5)
         return rec
@@ -452,7 +466,7 @@ def test_shutdown_reports_stopped_with_the_placement_command():
 def test_commands_for_other_nodes_are_ignored_and_missing_commands_fail():
     async def go():
         rec = Recorder()
-        ex = Executor("n1", rec, argv_for=lambda p: None)
+        ex = executor("n1", rec, argv_for=lambda p: None)
         await ex.execute(cmd(place("other", "c1", node="n2")))
         await ex.execute(cmd(place("j", "c2")))
         return rec
@@ -464,20 +478,21 @@ def test_commands_for_other_nodes_are_ignored_and_missing_commands_fail():
 def test_unstartable_command_fails_the_job():
     async def go():
         rec = Recorder()
-        ex = Executor("n1", rec, argv_for=lambda p: ["/nonexistent/trainer"])
+        ex = executor("n1", rec, argv_for=lambda p: ["/nonexistent/trainer"])
         await ex.execute(cmd(place("j", "c1")))
         return rec
 
     rec = run(go())
-    assert rec.kinds() == ["job.failed"] and "cannot start" in rec.events[0][0].reason
+    assert rec.kinds() == ["job.failed"] and "command not found" in rec.events[0][0].reason
+    assert rec.events[0][0].code == "CommandNotFound"
 
 
 def test_job_of_pid_maps_the_job_process_group():
     async def go():
-        ex = Executor("n1", Recorder(), argv_for=lambda p: ["sh", "-c", "sleep 30 & wait"])
+        ex = executor("n1", Recorder(), argv_for=lambda p: ["sh", "-c", "sleep 30 & wait"])
         await ex.execute(cmd(place("j", "c1")))
         job = ex.running["j"]
-        found = ex.job_of_pid(job.proc.pid)
+        found = ex.job_of_pid(job.run.pid)
         await ex.execute(cmd(ReleaseJob(command_id="c2", job_id="j", node="n1")))
         await ex.drain()
         return found, ex.job_of_pid(1)
@@ -492,7 +507,7 @@ def test_mig_reconfigure_is_a_dry_run_unless_allowed():
         calls.append(p.gpu_uuid)
 
     async def go(allow: bool, command_id: str):
-        ex = Executor("n1", Recorder(), allow_mig_reconfigure=allow, reconfigure=reconfigure)
+        ex = executor("n1", Recorder(), allow_mig_reconfigure=allow, reconfigure=reconfigure)
         await ex.execute(cmd(MigReconfigure(command_id=command_id, node="n1", gpu_uuid="GPU-mig0", layout=())))
 
     run(go(False, "c1"))
@@ -515,7 +530,7 @@ def test_mig_reconfigure_refused_only_when_it_would_remove_a_running_jobs_instan
     drop = (MigInstance(uuid="new", profile="7g.80gb", start=0, size=8),)
 
     async def go(layout, command_id):
-        ex = Executor("n1", Recorder(), allow_mig_reconfigure=True, reconfigure=reconfigure, republish=republish)
+        ex = executor("n1", Recorder(), allow_mig_reconfigure=True, reconfigure=reconfigure, republish=republish)
         ex.running["j"] = JobProc("j", "c0", None, 0, 0, "", (
             Assignment(gpu_uuid="GPU-mig0", milli=428, memory_mib=40192, mig_uuid="MIG-1111"),))
         await ex.execute(cmd(MigReconfigure(command_id=command_id, node="n1", gpu_uuid="GPU-mig0", layout=layout)))
@@ -556,7 +571,7 @@ def test_job_of_pid_follows_ancestry_out_of_a_new_session(tmp_path):
             f" open({str(pidfile)!r}, 'w').write(str(c.pid)); time.sleep(30)")
 
     async def go():
-        ex = Executor("n1", Recorder(), argv_for=lambda p: py(code))
+        ex = executor("n1", Recorder(), argv_for=lambda p: py(code))
         await ex.execute(cmd(place("j", "c1")))
         while not pidfile.exists() or not pidfile.read_text():
             await asyncio.sleep(0.02)
@@ -631,7 +646,7 @@ def test_agent_publishes_inventory_on_change_telemetry_and_health_with_per_sourc
 def test_preempt_during_a_release_still_reports_the_stop():
     async def go():
         rec = Recorder()
-        ex = Executor("n1", rec, argv_for=lambda p: ["sleep", "30"])
+        ex = executor("n1", rec, argv_for=lambda p: ["sleep", "30"])
         await ex.execute(cmd(place("j", "c1")))
         await ex.execute(cmd(ReleaseJob(command_id="c2", job_id="j", node="n1")))
         await ex.execute(cmd(PreemptJob(command_id="c3", job_id="j", node="n1", grace_s=5)))
@@ -650,9 +665,9 @@ def test_migrate_checkpoints_and_stops_on_the_node_it_leaves_and_resumes_on_the_
     async def go():
         now = [10_000]
         rec1, rec2 = Recorder(), Recorder()
-        n1 = Executor("n1", rec1, argv_for=lambda p: ["sleep", "30"], clock=lambda: now[0])
-        n2 = Executor("n2", rec2, log_dir=tmp_path, clock=lambda: now[0], argv_for=lambda p: py(
-            "import os; print(os.environ['GPUPOOL_RESUME_FROM'], os.environ['GPUPOOL_PROGRESS_MS'])"))
+        n1 = executor("n1", rec1, argv_for=lambda p: ["sleep", "30"], clock=lambda: now[0])
+        n2 = executor("n2", rec2, log_dir=tmp_path, clock=lambda: now[0], argv_for=lambda p: py(
+            "import os; print(os.environ['GPUPOOL_RESUME_FROM'], os.environ['GPUPOOL_ATTEMPT'])"))
         await n1.execute(cmd(place("j", "c1", attempt=2)))
         now[0] = 12_500
         stale = MigrateJob(command_id="m0", job_id="j", from_node="n1", to_node="n2", assignments=(), attempt=1)
@@ -678,4 +693,44 @@ def test_migrate_checkpoints_and_stops_on_the_node_it_leaves_and_resumes_on_the_
     assert (ck.command_id, st.command_id, st.reason) == ("m1", "m1", "migrated")  # a move, not a preemption
     assert (st.progress_ms, st.checkpoint) == (2_500, "ckpt:j:2500") == (ck.progress_ms, ck.checkpoint)
     assert rec2.kinds() == ["job.started", "job.completed"]  # nothing for the move itself
-    assert (tmp_path / "j.log").read_text().split() == ["ckpt:j:2500", "2500"]
+    assert (tmp_path / "n2" / "j" / "attempt-3.log").read_text().split() == ["ckpt:j:2500", "3"]
+
+
+def test_the_nvml_agent_runs_a_tenant_slash_name_job_in_its_own_directory(tmp_path, monkeypatch):
+    """The real agent used to die on the first placement of `tenant/name` (the log path's subdirectory was never
+    made): placed on the NVML agent over the fake NVML, such a job runs as a program, as the job user, and its log
+    lands under jobs/NODE/tenant/name/."""
+    from agents.node.nvml_agent import NvmlAgent
+    from infra.config import Config
+    from schemas.envelope import decode
+    from tests.program_helpers import need_python3, passable_dir
+
+    _, b = backend(two_card_node())
+    cfg = Config(home=tmp_path, kafka="127.0.0.1:1", clickhouse="", kafka_port=1, web_port=1)
+    args = SimpleNamespace(interval=0.01, group=None, allow_mig_reconfigure=False)
+    with passable_dir() as root:
+        monkeypatch.setenv("GPUPOOL_JOBS_ROOT", str(root / "jobs"))
+        monkeypatch.setenv("GPUPOOL_CHECKPOINT_ROOT", str(root / "checkpoints"))
+
+        async def go():
+            agent = NvmlAgent(cfg, args, b, node="n1")
+            agent.producer = FakeProducer()
+            await agent.publish_inventory(force=True)
+            code = "import os; print(os.environ['GPUPOOL_JOB_ID'], os.environ['CUDA_VISIBLE_DEVICES'], os.getuid())"
+            p = PlaceJob(command_id="c1", job_id="acme/train", tenant="acme", node="n1", attempt=1,
+                         assignments=(Assignment(gpu_uuid="GPU-bbbb", milli=1000, memory_mib=1024),),
+                         command=(need_python3(), "-c", code))
+            await agent.executor.execute(cmd(p))
+            await agent.executor.drain()
+            await agent.log_shipper.close()  # the program's output, as job.log of its own node
+            return agent
+
+        agent = run(go())
+        sent = [decode(v) for _, _, v in agent.producer.sent]
+        kinds = [e.kind for e in sent if e.kind != "job.log"]
+        assert kinds[0] == "node.inventory" and kinds[1:] == ["job.started", "job.completed"], kinds
+        pieces = [e.payload for e in sent if e.kind == "job.log"]
+        assert {(x.job_id, x.node, x.attempt) for x in pieces} == {("acme/train", "n1", 1)}
+        assert "".join(x.text for x in pieces if x.stream == "stdout").startswith("acme/train GPU-bbbb ")
+        log = (root / "jobs" / "n1" / "acme" / "train" / "attempt-1.log").read_text().split()
+        assert log[:2] == ["acme/train", "GPU-bbbb"] and log[2] == ("65534" if os.geteuid() == 0 else str(os.getuid()))

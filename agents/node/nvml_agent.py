@@ -1,19 +1,22 @@
-"""The node agent for one real node: NVML for the cards, subprocesses for the jobs, Kafka for everything else.
+"""The node agent for one real node: NVML for the cards, the user's programs for the jobs, Kafka for everything else.
 
 It publishes the node's inventory at start and whenever NVML's view of it changes, one telemetry batch per interval
 (the batch is also the heartbeat), and GpuHealth events for card faults. It carries out the scheduler's commands
 addressed to this node once per command id, fenced by attempt (agents/node/fencing.py): a placement of a superseded
 attempt is refused, a stop ends only its own run or an older one, a newer placement replaces an older run.
 
-What a placed job runs. A PlaceJob carries no command (the scheduler never needs one), so the agent looks it up:
+What a placed job runs: its own program (the placement's command, in its image when it names one), through the
+runner every node agent shares (agents/node/runner.py; docs/jobs.md "Running a program"): a plain process as the
+unprivileged job user or a podman container, with only its cards, the pool's environment and the user's, its output
+to the attempt's log file (and to an extra `output` sink), its checkpoints from the manifest it writes. A placement
+without a command is a stand-in run, as before the programs came:
   * GPUPOOL_JOB_COMMANDS: inline JSON, or the path of a JSON file, mapping a job id (or "*" for any job) to an argv
     list; `{job_id}`, `{duration_s}` and `{resume_from}` in an argument are replaced. Read at each placement, so an
     operator can add jobs without restarting the agent.
   * otherwise, when the placement has a duration: `sleep <remaining seconds>` (a stand-in job, as in the simulation);
   * otherwise the job fails at once with a reason saying so.
-The job sees CUDA_VISIBLE_DEVICES (the card UUIDs, or the MIG instance UUID), GPUPOOL_JOB_ID, GPUPOOL_RESUME_FROM
-and GPUPOOL_PROGRESS_MS. SIGTERM is the checkpoint signal: a job that exits within the grace time is taken to have
-checkpointed; one that has to be killed resumes from its previous checkpoint.
+A stand-in that exits within the grace time of a stop is taken to have checkpointed where it was; one that has to
+be killed resumes from its previous checkpoint. A program's checkpoints are only those its manifest names.
 
 Node identity comes from GPUPOOL_NODE (default: the host name), GPUPOOL_RACK and GPUPOOL_DATACENTER.
 """
@@ -28,10 +31,12 @@ import socket
 import sys
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from agents.node.fencing import Fence
+from agents.node.logship import shipper_for
+from agents.node.runner import LogFile, NodeContext, Output, Run, log_file, tee, visible_devices  # noqa: F401
 from agents.node.share_enforcer import ShareEnforcer, share_problems, stop_job_for_share
 from agents.node.shares import ShareConfig
 from agents.node.sim_agent import parse_checkpoint, wall_ms
@@ -76,22 +81,13 @@ def job_argv(p: PlaceJob, environ: dict[str, str] | os._Environ = os.environ) ->
     return None
 
 
-def visible_devices(assignments: tuple[Assignment, ...]) -> str:
-    """CUDA enumerates a MIG slice by its own UUID, a whole card by the card's; order kept, duplicates dropped.
-    (CUDA uses only the first MIG device a process is given; the scheduler never places one job on two.)"""
-    seen: dict[str, None] = {}
-    for a in assignments:
-        seen.setdefault(a.mig_uuid or a.gpu_uuid, None)
-    return ",".join(seen)
-
-
 # ---------------------------------------------------------------- command execution
 
 @dataclass
 class JobProc:
     job_id: str
     command_id: str
-    proc: asyncio.subprocess.Process
+    run: Run | None
     started_ms: int
     base_progress_ms: int
     resume_from: str
@@ -99,25 +95,39 @@ class JobProc:
     stopping: bool = False
     waiter: asyncio.Task | None = None
     attempt: int = 0  # the placement's attempt (PlaceJob.attempt)
+    standin: bool = False  # no command of the user's: GPUPOOL_JOB_COMMANDS or a sleep
+    tier: str = "offline"
 
     def progress(self, now: int) -> int:
         return self.base_progress_ms + max(0, now - self.started_ms)
 
+    @property
+    def ended(self) -> bool:
+        return self.run is None or not self.run.running
+
 
 class Executor:
-    """Carries out one node's commands; everything it reports goes through `publish(payload, source, cause)`."""
+    """Carries out one node's commands; everything it reports goes through `publish(payload, source, cause)`.
+    `ctx` says how the node runs programs (agents/node/runner.py; default: from the environment, jobs under
+    `log_dir` when given); `output` gets every run's stdout and stderr besides the attempt's log file."""
 
     def __init__(self, node: str, publish: Publish, *, argv_for: Callable[[PlaceJob], list[str] | None] = job_argv,
                  allow_mig_reconfigure: bool = False, reconfigure: Callable[[MigReconfigure], Awaitable[None]]
                  | None = None, republish: Callable[[str], Awaitable[None]] | None = None,
-                 log_dir: Path | None = None, clock: Callable[[], int] = wall_ms):
+                 log_dir: Path | None = None, clock: Callable[[], int] = wall_ms, ctx: NodeContext | None = None,
+                 output: Output | None = None):
         self.node = node
         self.publish = publish
         self.argv_for = argv_for
         self.allow_mig_reconfigure = allow_mig_reconfigure
         self.reconfigure = reconfigure
         self.republish = republish  # the node's inventory again, as the answer to a refused command
-        self.log_dir = log_dir
+        if ctx is None:
+            ctx = NodeContext.from_env(node, Path(os.environ.get("GPUPOOL_HOME", "./.gpupool")).resolve())
+        if log_dir is not None:
+            ctx = replace(ctx, jobs_root=Path(log_dir))
+        self.ctx = ctx
+        self.output = output
         self.clock = clock
         self.seen: set[str] = set()
         self.running: dict[str, JobProc] = {}
@@ -152,15 +162,19 @@ class Executor:
             case PlaceJob():
                 await self._place(env, p)
             case PreemptJob():
-                self._background(self._stop(env, p.job_id, p.command_id, float(p.grace_s), report=True,
-                                            attempt=p.attempt))
+                job = self.running.get(p.job_id)
+                grace = self.ctx.grace_for(job.tier if job else "offline", float(p.grace_s))
+                self._background(self._stop(env, p.job_id, p.command_id, grace, report=True, attempt=p.attempt))
             case MigrateJob():
                 # checkpoint (SIGTERM, the job's own handler) and stop; the scheduler resumes it on the planned node
-                self._background(self._stop(env, p.job_id, p.command_id, 30.0, report=True, attempt=p.attempt,
+                job = self.running.get(p.job_id)
+                grace = self.ctx.grace_for(job.tier if job else "offline", float(p.grace_s))
+                self._background(self._stop(env, p.job_id, p.command_id, grace, report=True, attempt=p.attempt,
                                             reason="migrated"))
             case ReleaseJob():
-                self._background(self._stop(env, p.job_id, p.command_id, RELEASE_GRACE_S, report=False,
-                                            attempt=p.attempt))
+                job = self.running.get(p.job_id)
+                grace = self.ctx.grace_for(job.tier if job else "offline", RELEASE_GRACE_S)
+                self._background(self._stop(env, p.job_id, p.command_id, grace, report=False, attempt=p.attempt))
             case ResizeJob():
                 job = self.running.get(p.job_id)
                 if job and self.fence.applies(p.attempt, job.attempt):
@@ -190,64 +204,60 @@ class Executor:
                 return
             del self.fences[p.job_id]
         src = self._src(p.job_id)
-        try:
-            argv = self.argv_for(p)
-        except (OSError, ValueError) as exc:
-            argv, why = None, f"cannot read {JOB_COMMANDS_ENV}: {exc}"
-        else:
-            why = f"no command for this job: set {JOB_COMMANDS_ENV} or give the job a duration"
-        if not argv:
-            await self.publish(JobFailed(job_id=p.job_id, node=self.node, reason=why, command_id=p.command_id),
-                               src, p.command_id)
+        standin = not p.command and not p.image
+        argv = None
+        if standin:
+            try:
+                argv = self.argv_for(p)
+            except (OSError, ValueError) as exc:
+                argv, why = None, f"cannot read {JOB_COMMANDS_ENV}: {exc}"
+            else:
+                why = f"no command for this job: give it one, set {JOB_COMMANDS_ENV} or give the job a duration"
+            if not argv:
+                await self.publish(JobFailed(job_id=p.job_id, node=self.node, reason=why, command_id=p.command_id,
+                                             code="StartFailed", attempt=p.attempt, part=p.gang_index),
+                                   src, p.command_id)
+                return
+        job = JobProc(p.job_id, p.command_id, None, self.clock(), parse_checkpoint(p.resume_from), p.resume_from,
+                      p.assignments, attempt=p.attempt, standin=standin, tier=getattr(p.tier, "value", p.tier))
+
+        async def checkpointed(ckpt: str, progress_ms: int) -> None:
+            await self.publish(JobCheckpointed(job_id=p.job_id, node=self.node, progress_ms=progress_ms,
+                                               checkpoint=ckpt, command_id=p.command_id), src, p.command_id)
+
+        run = Run(p, self.ctx, argv=argv, output=tee(LogFile(log_file(p, self.ctx)), self.output),
+                  on_checkpoint=checkpointed)
+        job.run = run
+        failed = await run.start()
+        if failed is not None:
+            await self.publish(failed.failed(p, self.node), src, p.command_id)
             return
-        child_env = {**os.environ, "CUDA_VISIBLE_DEVICES": visible_devices(p.assignments),
-                     "GPUPOOL_JOB_ID": p.job_id, "GPUPOOL_RESUME_FROM": p.resume_from,
-                     "GPUPOOL_PROGRESS_MS": str(parse_checkpoint(p.resume_from))}
-        out = None
-        if self.log_dir is not None:
-            self.log_dir.mkdir(parents=True, exist_ok=True)
-            out = open(self.log_dir / f"{p.job_id}.log", "ab")
-        try:
-            # Its own session, so that a signal reaches the job's whole process tree.
-            proc = await asyncio.create_subprocess_exec(*argv, env=child_env, stdin=asyncio.subprocess.DEVNULL,
-                                                        stdout=out, stderr=out, start_new_session=True)
-        except OSError as exc:
-            await self.publish(JobFailed(job_id=p.job_id, node=self.node, reason=f"cannot start {argv[0]}: {exc}",
-                                         command_id=p.command_id), src, p.command_id)
-            return
-        finally:
-            if out is not None:
-                out.close()
-        job = JobProc(p.job_id, p.command_id, proc, self.clock(), parse_checkpoint(p.resume_from), p.resume_from,
-                      p.assignments, attempt=p.attempt)
         self.running[p.job_id] = job
         await self.publish(JobStarted(job_id=p.job_id, node=self.node, command_id=p.command_id), src, p.command_id)
-        job.waiter = asyncio.create_task(self._wait(job))
+        job.waiter = asyncio.create_task(self._wait(job, p))
 
-    async def _wait(self, job: JobProc) -> None:
-        rc = await job.proc.wait()
-        if job.stopping:
+    async def _wait(self, job: JobProc, p: PlaceJob) -> None:
+        ended = await job.run.wait()
+        if job.stopping or ended.stopped:
             return  # the stop reports
         if self.running.get(job.job_id) is job:
             del self.running[job.job_id]
         src = self._src(job.job_id)
-        if rc == 0:
+        if ended.ok:
             await self.publish(JobCompleted(job_id=job.job_id, node=self.node, command_id=job.command_id), src,
                                job.command_id)
         else:
-            why = f"killed by signal {-rc}" if rc < 0 else f"exit code {rc}"
-            await self.publish(JobFailed(job_id=job.job_id, node=self.node, reason=why, command_id=job.command_id),
-                               src, job.command_id)
+            await self.publish(ended.failed(p, self.node, job.command_id), src, job.command_id)
 
     async def _stop(self, env: Envelope | None, job_id: str, command_id: str, grace_s: float, *, report: bool,
                     attempt: int = 0, reason: str = "") -> None:
         job = self.running.get(job_id)
         src = self._src(job_id)
-        running = job.attempt if job is not None and job.proc.returncode is None else None
+        running = job.attempt if job is not None and not job.ended else None
         if not self.fence.stops(job_id, attempt, running) and running is not None:
             log.info("stop of attempt %d of %s leaves its newer attempt %d running", attempt, job_id, running)
             return
-        if job is None or job.proc.returncode is not None:
+        if job is None or job.ended:
             if job is None and env is not None:
                 self.fences[job_id] = (env.source, env.seq)
             if report and job is None:
@@ -257,34 +267,40 @@ class Executor:
             return
         if job.stopping:
             # Another stop is already under way (a preemption after a release): it signals; this one only reports.
-            await job.proc.wait()
+            await job.run.wait()
             if report:
                 await self.publish(JobStopped(job_id=job_id, node=self.node, command_id=command_id,
-                                              progress_ms=job.base_progress_ms, checkpoint=job.resume_from,
+                                              progress_ms=max(job.base_progress_ms, job.run.progress_ms),
+                                              checkpoint=job.run.checkpoint or job.resume_from,
                                               reason=reason), src, command_id)
             return
         job.stopping = True
-        graceful = await terminate(job.proc, grace_s)
+        ended = await job.run.stop(grace_s)
         if self.running.get(job_id) is job:
             del self.running[job_id]
         if not report:
             return
         now = self.clock()
-        if graceful:
+        if job.run.checkpoint:
+            # the program's own word: the last checkpoint its manifest named (re-read after it exited)
+            progress, ckpt = max(job.base_progress_ms, job.run.progress_ms), job.run.checkpoint
+        elif job.standin and ended.graceful:
             progress, ckpt = job.progress(now), f"ckpt:{job_id}:{job.progress(now)}"
             await self.publish(JobCheckpointed(job_id=job_id, node=self.node, progress_ms=progress, checkpoint=ckpt,
                                                command_id=command_id), src, command_id)
         else:
-            progress, ckpt = job.base_progress_ms, job.resume_from  # killed: its last checkpoint is the old one
+            progress, ckpt = job.base_progress_ms, job.resume_from  # nothing newer: it resumes where it started
         await self.publish(JobStopped(job_id=job_id, node=self.node, command_id=command_id, progress_ms=progress,
                                       checkpoint=ckpt, reason=reason), src, command_id)
 
-    async def stop_all(self, grace_s: float) -> None:
-        """Agent shutdown: jobs are checkpointed and reported stopped (reason "agent shutdown"; the command id is the
+    async def stop_all(self, grace_s: float | None = None) -> None:
+        """Agent shutdown: jobs are stopped (SIGTERM, the grace period of their tier unless `grace_s` says, then
+        SIGKILL) and reported stopped at their last checkpoint (reason "agent shutdown"; the command id is the
         placement's: no command asked for it), so the scheduler places them again rather than waiting for
         completions no one will report."""
         for job_id, job in list(self.running.items()):
-            self._background(self._stop(None, job_id, job.command_id, grace_s, report=True, attempt=job.attempt,
+            grace = self.ctx.grace_for(job.tier) if grace_s is None else grace_s
+            self._background(self._stop(None, job_id, job.command_id, grace, report=True, attempt=job.attempt,
                                         reason="agent shutdown"))
         await self.drain()
 
@@ -307,8 +323,9 @@ class Executor:
         await self.reconfigure(p)
 
     def job_lookup(self) -> Callable[[int], str | None]:
-        """pid -> job id over a snapshot of the running jobs, safe to call from the NVML worker thread."""
-        by_pgid = {j.proc.pid: j.job_id for j in self.running.values()}
+        """pid -> job id over a snapshot of the running jobs, safe to call from the NVML worker thread (a plain
+        run's process group; a container's init process, found by ancestry)."""
+        by_pgid = {j.run.pid: j.job_id for j in self.running.values() if j.run is not None and j.run.pid}
         return lambda pid: job_of_pid(pid, by_pgid)
 
     def job_of_pid(self, pid: int) -> str | None:
@@ -331,21 +348,6 @@ def job_of_pid(pid: int, by_pgid: dict[int, str]) -> str | None:
             return None
         job = by_pgid.get(pid)
     return job
-
-
-async def terminate(proc: asyncio.subprocess.Process, grace_s: float) -> bool:
-    """SIGTERM the process group, SIGKILL it after grace_s; True when it went on SIGTERM."""
-    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, None)):
-        try:
-            os.killpg(proc.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
-        try:
-            await asyncio.wait_for(proc.wait(), wait)
-            return sig == signal.SIGTERM
-        except asyncio.TimeoutError:
-            continue
-    return False
 
 
 # ---------------------------------------------------------------- the Kafka side
@@ -395,7 +397,8 @@ class NvmlAgent:
         self.executor = Executor(self.node, self.publish,
                                  allow_mig_reconfigure=bool(getattr(args, "allow_mig_reconfigure", False)),
                                  reconfigure=self._reconfigure, republish=self._republish,
-                                 log_dir=cfg.home / "jobs" / self.node)
+                                 ctx=NodeContext.from_env(self.node, cfg.home, volumes=cfg.volumes),
+                                 output=shipper_for(self).output)  # stdout/stderr as job.log (docs/jobs.md)
         from agents.node.metrics import AgentMetrics
 
         self.metrics = AgentMetrics(lambda: {self.node: len(self.executor.running)})
@@ -418,6 +421,7 @@ class NvmlAgent:
         if force or inv != self.inventory:
             await self.publish(inv, f"{self.node}/inventory", cause)
             self.inventory = inv
+            self.executor.ctx = replace(self.executor.ctx, cards=inv.gpus)  # what a share's limits are read against
 
     async def _republish(self, cause: str) -> None:
         await self.publish_inventory(force=True, cause=cause)
@@ -471,8 +475,12 @@ class NvmlAgent:
             await asyncio.gather(self.telemetry_loop(), self.command_loop())
         finally:
             try:
-                await asyncio.wait_for(self.executor.stop_all(grace_s=10.0), 30)
+                # each job its tier's grace period (GPUPOOL_GRACE_S), then SIGKILL; the wait is bounded all the same
+                longest = max((self.executor.ctx.grace_for(j.tier) for j in self.executor.running.values()),
+                              default=0.0)
+                await asyncio.wait_for(self.executor.stop_all(), longest + 30)
             finally:
+                await shipper_for(self).close()  # the last pieces of the programs' output
                 await self.producer.stop()
 
 

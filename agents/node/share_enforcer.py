@@ -7,7 +7,7 @@ The enforcer knows the executor only through three callables, so that the real a
 it: `running()` (job id -> its assignments, for the jobs running and not already being stopped), `stop(breach,
 grace_s)` (end that job and report it), and `spawn(coro)` (run a stop in the background: the telemetry loop is the
 node's heartbeat and must not wait out a grace period). `stop_job_for_share` is the stop for agents/node/nvml_agent.py's
-Executor (main's job shape and the runner's alike).
+Executor.
 """
 from __future__ import annotations
 
@@ -87,27 +87,14 @@ async def stop_job_for_share(executor, breach: ShareBreach, grace_s: float) -> N
     """End a job of agents/node/nvml_agent.py's Executor for its share: SIGTERM to its process group, SIGKILL after
     `grace_s`, then JobFailed(code="ShareExceeded") under its placement's command id (the scheduler frees its share
     and, when the job has retries left, places it again). A job already stopping or ended is left to that.
-    Either shape of the executor's job: main's (`job.proc`, an asyncio process) or the runner's (`job.run`,
-    agents/node/runner.py Run, whose stop(grace) returns how it ended)."""
+    The executor's job carries its run (`job.run`, agents/node/runner.py Run, whose stop(grace) returns how it
+    ended)."""
     job = executor.running.get(breach.job_id)
-    if job is None or job.stopping:
+    if job is None or job.stopping or job.run is None or not job.run.running:
         return
-    run = getattr(job, "run", None)
-    if run is not None:
-        if not run.running:
-            return
-        job.stopping = True  # its waiter stays silent: this reports
-        ended = await run.stop(grace_s)
-        sig, rc = ended.signal, ended.exit_code
-    else:
-        from agents.node.nvml_agent import terminate  # the agent imports this module
-
-        if job.proc.returncode is not None:
-            return
-        job.stopping = True
-        await terminate(job.proc, grace_s)
-        status = job.proc.returncode
-        sig, rc = (-status, None) if status is not None and status < 0 else (None, status)
+    job.stopping = True  # its waiter stays silent: this reports
+    ended = await job.run.stop(grace_s)
+    sig, rc = ended.signal, ended.exit_code
     if executor.running.get(job.job_id) is job:
         del executor.running[job.job_id]
     src = f"{executor.node}/job/{job.job_id}"

@@ -25,20 +25,33 @@ Faults (`inject`, the CLI's --fault, a fleet file's `faults:`), each optionally 
 A running agent also applies the faults appended, one a line, to its control file (`--control FILE`; the fleet that
 `gpupool up` supervises reads $GPUPOOL_HOME/run/faults, which `gpupool agent inject FAULT...` appends to).
 
+A placement that carries a command (or an image) runs the user's program for real, through the runner every node agent
+shares (agents/node/runner.py): a plain process as the job user, or a podman container, with the simulated cards'
+UUIDs as its devices, the pool's environment, its output to the attempt's log file (and to `output`), its checkpoints
+from the manifest it writes; started, checkpointed, completed, failed and stopped are reported from the real process.
+The fleet's nodes share one checkpoint root (GPUPOOL_CHECKPOINT_ROOT), so a program resumes on any of them. For such
+a run the faults act on the process: `lose` SIGKILLs it and reports nothing, `restart` stops it (SIGTERM, the tier's
+grace, SIGKILL) and reports it stopped at the last checkpoint its manifest named, `fail` SIGKILLs it and reports the
+failure (code Simulated). A placement without a command keeps the stand-in run above.
+
 Commands are fenced (agents/node/fencing.py): a placement of a superseded attempt is refused, a stop ends only its
 own run or an older one. When the agent stops (run() ends: SIGTERM, `gpupool down`) every running job is
 checkpointed and reported stopped (JobStopped reason "agent shutdown"), so the scheduler bills it to that moment and
-places it again when capacity comes back, rather than waiting for completions no one will report.
+places it again when capacity comes back, rather than waiting for completions no one will report; a real program is
+stopped with its tier's grace period (GPUPOOL_GRACE_S) first.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from pathlib import Path
 from dataclasses import dataclass, field
 
 from agents.node.fencing import Fence
+from agents.node.logship import shipper_for
+from agents.node.runner import LogFile, NodeContext, Output, Run, log_file, tee
 from infra.kafka_client import consume_commands
 from infra.security import NODE, kafka_conn
 
@@ -53,7 +66,8 @@ from schemas.routing import route
 
 log = logging.getLogger("gpupool.agent")
 
-SHUTDOWN_REPORT_S = 10.0  # how long shutdown waits to report the running jobs stopped
+SHUTDOWN_REPORT_S = 10.0  # how long shutdown waits to report the running jobs stopped (beyond programs' grace)
+RELEASE_GRACE_S = 10.0  # a release of a real program: no checkpoint is owed, so the wait is short
 FAULT_KINDS = {"ecc": 2, "clear": 2, "lose": 1, "slow": 2, "recover": 1, "restart": 1, "fail": 1}  # kind -> fields
 
 
@@ -81,6 +95,9 @@ class Running:
     started_mono: float = 0.0  # event-loop time at start (the sleeps aim at absolute targets, so nothing drifts)
     task: asyncio.Task | None = None
     attempt: int = 0  # the placement's attempt (PlaceJob.attempt)
+    run: Run | None = None  # a real program (the placement's command), else the stand-in run
+    place: PlaceJob | None = None
+    tier: str = "offline"
 
     def progress(self, now: int) -> int:
         p = self.base_progress_ms + int(max(0, now - self.started_ms) / self.slow)
@@ -119,10 +136,16 @@ class Fault:
 class SimFleetAgent:
     def __init__(self, cfg: Config, inventories: list[NodeInventory], *, telemetry_interval_s: float = 1.0,
                  group_id: str = "gpupool-agent-sim", faults: list[str] | tuple[str, ...] = (), producer=None,
-                 speedup: float = 1.0, principal: str | None = None, control: Path | None = None):
+                 speedup: float = 1.0, principal: str | None = None, control: Path | None = None,
+                 ctx: NodeContext | None = None, output: Output | None = None):
         if speedup <= 0:
             raise ValueError("speedup must be positive")
         self.cfg = cfg
+        # how the fleet runs programs (one context for every node; each run gets its node's name and cards)
+        self.ctx = ctx or NodeContext.from_env(
+            "", cfg.home if cfg is not None else Path(os.environ.get("GPUPOOL_HOME", "./.gpupool")).resolve(),
+            volumes=cfg.volumes if cfg is not None else {})
+        self.output = output  # every program's stdout and stderr, besides the attempt's log file
         self.speedup = speedup
         self.nodes = {inv.node: SimNode(inv) for inv in inventories}
         self.interval = telemetry_interval_s
@@ -289,8 +312,11 @@ class SimFleetAgent:
                     return  # already running here: a second place for it changes nothing
                 if what == "replace":  # an older run of the job, superseded: the new one replaces it
                     node.running.pop(p.job_id)
-                    if old.task:
-                        old.task.cancel()
+                    self._end(old, RELEASE_GRACE_S)
+                if p.command or p.image:
+                    await self._place_program(node_name, node, p, now)
+                    await self.producer.flush()
+                    return
                 r = Running(p.command_id, p.assignments, now,
                             p.duration_s * 1000 if p.duration_s is not None else None, parse_checkpoint(p.resume_from),
                             checkpoint_ms=p.checkpoint_interval_s * 1000, slow=node.slow_factor,
@@ -308,21 +334,24 @@ class SimFleetAgent:
                 node.running.pop(p.job_id)
                 if r.task:
                     r.task.cancel()
+                reason = "migrated" if isinstance(p, MigrateJob) else ""
+                if r.run is not None:  # a real program: SIGTERM, its grace, SIGKILL; then its last checkpoint
+                    grace = self.ctx.grace_for(r.tier, float(p.grace_s))  # the tier's, as the scheduler set it
+                    self._spawn(self._stop_program(node_name, p.job_id, r, grace, p.command_id, reason))
+                    return
                 progress = r.progress(now)
                 ckpt = f"ckpt:{p.job_id}:{progress}"
                 src = f"{node_name}/job/{p.job_id}"
                 await self.publish(JobCheckpointed(job_id=p.job_id, node=node_name, progress_ms=progress,
                                                    checkpoint=ckpt, command_id=p.command_id), src, now, p.command_id)
                 await self.publish(JobStopped(job_id=p.job_id, node=node_name, command_id=p.command_id,
-                                              progress_ms=progress, checkpoint=ckpt,
-                                              reason="migrated" if isinstance(p, MigrateJob) else ""),
+                                              progress_ms=progress, checkpoint=ckpt, reason=reason),
                                    src, now, p.command_id)
             case ReleaseJob():
                 r = node.running.get(p.job_id)
                 if node.fence.stops(p.job_id, p.attempt, r.attempt if r else None):
                     node.running.pop(p.job_id)
-                    if r.task:
-                        r.task.cancel()
+                    self._end(r, self.ctx.grace_for(r.tier, RELEASE_GRACE_S))
             case ResizeJob():
                 r = node.running.get(p.job_id)
                 if r and node.fence.applies(p.attempt, r.attempt):
@@ -334,6 +363,82 @@ class SimFleetAgent:
                 node.inventory = node.inventory.model_copy(update={"gpus": gpus})
                 await self.publish(node.inventory, f"{node_name}/inventory", now, cause=p.command_id)
         await self.producer.flush()
+
+    # ---------------------------------------------------------------- real programs
+
+    async def _place_program(self, node_name: str, node: SimNode, p: PlaceJob, now: int) -> None:
+        """Start the placement's program for real; report it started, or failed to start and why."""
+        src = f"{node_name}/job/{p.job_id}"
+        ctx = self.ctx.for_node(node_name)
+        if ctx.cards != node.inventory.gpus:
+            from dataclasses import replace
+
+            ctx = replace(ctx, cards=node.inventory.gpus)
+
+        async def checkpointed(ckpt: str, progress_ms: int) -> None:
+            if node.lost:
+                return  # a lost machine tells nothing
+            await self.publish(JobCheckpointed(job_id=p.job_id, node=node_name, progress_ms=progress_ms,
+                                               checkpoint=ckpt, command_id=p.command_id), src, cause=p.command_id)
+            await self.producer.flush()
+
+        run = Run(p, ctx, output=tee(LogFile(log_file(p, ctx)), self.output, shipper_for(self).for_node(node_name)),
+                  on_checkpoint=checkpointed)
+        failed = await run.start()
+        if failed is not None:
+            await self.publish(failed.failed(p, node_name), src, self.now_ms(), cause=p.command_id)
+            return
+        r = Running(p.command_id, p.assignments, now, None, parse_checkpoint(p.resume_from),
+                    started_mono=self._mono_now(), attempt=p.attempt, run=run, place=p,
+                    tier=getattr(p.tier, "value", p.tier))
+        node.running[p.job_id] = r
+        await self.publish(JobStarted(job_id=p.job_id, node=node_name, command_id=p.command_id), src, now,
+                           cause=p.command_id)
+        r.task = self._spawn(self._watch_program(node_name, p.job_id, r))
+
+    async def _watch_program(self, node_name: str, job_id: str, r: Running) -> None:
+        """The program ended of itself: completed, or failed with its reason (a stop reports for itself)."""
+        ended = await r.run.wait()
+        node = self.nodes[node_name]
+        if ended.stopped or node.lost or node.running.get(job_id) is not r:
+            return
+        del node.running[job_id]
+        src = f"{node_name}/job/{job_id}"
+        if ended.ok:
+            await self.publish(JobCompleted(job_id=job_id, node=node_name, command_id=r.command_id), src,
+                               cause=r.command_id)
+        else:
+            await self.publish(ended.failed(r.place, node_name, r.command_id), src, cause=r.command_id)
+        await self.producer.flush()
+
+    async def _stop_program(self, node_name: str, job_id: str, r: Running, grace_s: float, command_id: str,
+                            reason: str) -> None:
+        """Stop a program (SIGTERM, grace, SIGKILL) and report it stopped at the last checkpoint its manifest named
+        (re-read after it exited), else where it started from."""
+        await r.run.stop(grace_s)
+        if self.nodes[node_name].lost:
+            return
+        progress = max(r.base_progress_ms, r.run.progress_ms)
+        ckpt = r.run.checkpoint or (r.place.resume_from if r.place else "")
+        await self.publish(JobStopped(job_id=job_id, node=node_name, command_id=command_id, progress_ms=progress,
+                                      checkpoint=ckpt, reason=reason), f"{node_name}/job/{job_id}", cause=command_id)
+        await self.producer.flush()
+
+    async def _fail_program(self, node_name: str, job_id: str, r: Running) -> None:
+        await r.run.kill()
+        await self.publish(JobFailed(job_id=job_id, node=node_name, reason="simulated failure: killed by SIGKILL",
+                                     command_id=r.command_id, code="Simulated", signal=9, attempt=r.attempt,
+                                     part=r.place.gang_index if r.place else 0),
+                           f"{node_name}/job/{job_id}", cause=r.command_id)
+        await self.producer.flush()
+
+    def _end(self, r: Running, grace_s: float | None) -> None:
+        """End a run without a report: a stand-in's task is cancelled; a program is stopped with `grace_s` (None:
+        SIGKILLed at once), in the background."""
+        if r.task:
+            r.task.cancel()
+        if r.run is not None:
+            self._spawn(r.run.kill() if grace_s is None else r.run.stop(grace_s))
 
     async def command_loop(self) -> None:
         # any of the fleet's principals reads the commands (every node principal may; each node takes its own)
@@ -418,6 +523,9 @@ class SimFleetAgent:
                 if r is not None:
                     if r.task:
                         r.task.cancel()
+                    if r.run is not None:  # a real program: SIGKILL it, then report (in the background)
+                        self._spawn(self._fail_program(name, f.arg, r))
+                        return []
                     return [(JobFailed(job_id=f.arg, node=name, reason="simulated failure: exit status 1",
                                        command_id=r.command_id), f"{name}/job/{f.arg}", self.now_ms(), r.command_id)]
             log.warning("fault %s: no such job running here", f)
@@ -429,7 +537,8 @@ class SimFleetAgent:
             node.ecc_faults.discard(node.inventory.gpus[int(f.arg)].uuid)
         elif f.kind == "lose":
             node.lost = True
-            self._drop_jobs(node)  # the machine is gone: nothing of it reports
+            for r in self._drop_jobs(node).values():  # the machine is gone: nothing of it reports
+                self._end(r, None)  # its real processes die with it (SIGKILL)
         elif f.kind == "slow":
             node.slow_factor = float(f.arg)
         elif f.kind == "recover":
@@ -442,8 +551,12 @@ class SimFleetAgent:
                 return []
             now = self.now_ms()
             lost = sorted(self._drop_jobs(node).items())
+            for job_id, r in lost:
+                if r.run is not None:  # a real program: stopped with its grace, reported at its last checkpoint
+                    self._spawn(self._stop_program(f.node, job_id, r, self.ctx.grace_for(r.tier), r.command_id,
+                                                   "agent restarted"))
             msgs = [self._stopped(f.node, job_id, r, r.last_checkpoint(now), "agent restarted", now)
-                    for job_id, r in lost]
+                    for job_id, r in lost if r.run is None]
             return msgs + [(node.inventory, f"{f.node}/inventory", now, None)]
         return []
 
@@ -456,19 +569,33 @@ class SimFleetAgent:
                            reason=why), f"{node}/job/{job_id}", now, r.command_id)
 
     async def stop_jobs(self) -> None:
-        """Shutdown: every running job checkpoints now and is reported stopped (reason "agent shutdown")."""
+        """Shutdown: every running job checkpoints now and is reported stopped (reason "agent shutdown"); a real
+        program is stopped first (SIGTERM, its tier's grace, SIGKILL), all at once, and reported at its last
+        checkpoint."""
         now = self.now_ms()
         msgs = []
+        programs = []
         for name, node in sorted(self.nodes.items()):
             if node.lost:
                 continue
             for job_id, r in sorted(self._drop_jobs(node).items()):
+                if r.run is not None:
+                    programs.append(self._stop_program(name, job_id, r, self.ctx.grace_for(r.tier), r.command_id,
+                                                       "agent shutdown"))
+                    continue
                 progress = r.progress(now)
                 msgs.append((JobCheckpointed(job_id=job_id, node=name, progress_ms=progress,
                                              checkpoint=f"ckpt:{job_id}:{progress}", command_id=r.command_id),
                              f"{name}/job/{job_id}", now, r.command_id))
                 msgs.append(self._stopped(name, job_id, r, progress, "agent shutdown", now))
         await self._send_all(msgs)
+        await asyncio.gather(*programs)
+
+    def shutdown_budget_s(self) -> float:
+        """How long shutdown may take to stop and report every job: the longest grace of a running program, and
+        the time to send the reports."""
+        graces = [self.ctx.grace_for(r.tier) for n in self.nodes.values() for r in n.running.values() if r.run]
+        return max(graces, default=0.0) + SHUTDOWN_REPORT_S
 
     async def control_loop(self, path: Path) -> None:
         """Faults from a control file, one per line, as they are appended (`gpupool agent inject FAULT`): an
@@ -517,9 +644,11 @@ class SimFleetAgent:
                                  *([self.control_loop(self.control)] if self.control else []))
         finally:
             try:
-                await asyncio.wait_for(self.stop_jobs(), SHUTDOWN_REPORT_S)
+                await asyncio.wait_for(self.stop_jobs(), self.shutdown_budget_s())
             except (asyncio.TimeoutError, Exception) as exc:  # noqa: BLE001 - a broker gone first: nothing to tell
                 log.warning("running jobs not reported stopped at shutdown: %s", exc)
+            if getattr(self, "log_shipper", None) is not None:
+                await self.log_shipper.close()  # the last pieces of the programs' output
             for task in list(self._tasks):
                 task.cancel()
             if own:
