@@ -39,10 +39,11 @@ def pool(tmp_path_factory, broker_mode, libs_home, roots):
     fleet = roots / "fleet.yaml"
     fleet.write_text("nodes:\n" + "".join(f"  - {{name: {n}, model: A100-80GB, gpus: 2}}\n" for n in NODES))
     env = {"GPUPOOL_JOBS_ROOT": str(roots / "jobs"), "GPUPOOL_CHECKPOINT_ROOT": str(roots / "checkpoints"),
-           "GPUPOOL_GRACE_S": "*=2",
+           "GPUPOOL_GRACE_S": "2",
            # allowed at the gateway, missing on every node: VolumeUnavailable
            "GPUPOOL_VOLUMES": f"datasets={roots / 'no-such-volume'}:ro"}
-    with live_pool(tmp_path_factory, broker_mode, libs_home, "programs", [("alice", "tenant", "acme")],
+    with live_pool(tmp_path_factory, broker_mode, libs_home, "programs", [("alice", "tenant", "acme"),
+                                                                          ("bob", "tenant", "globex")],
                    fleet=str(fleet), quota_for=("acme",), extra_env=env) as s:
         wait_for(lambda: s.stats()["scheduler"]["nodes"] == len(NODES), 60, "both nodes in the scheduler", s)
         yield s
@@ -98,6 +99,26 @@ def test_the_command_and_environment_reach_the_program(pool, roots):
     assert node == env["GPUPOOL_NODE"] and text == f"hello from {node}\n"
     kinds = [p.kind for p in job_events(pool, job)]
     assert kinds[0] == "job.started" and kinds[-1] == "job.completed"
+
+
+def test_a_programs_output_is_its_tenants_to_read_and_no_one_elses(pool, roots):
+    """Item 6 end to end: what a real program writes to stdout and stderr reaches `gpupool logs` of its owner, in
+    order, through the node's job.log, the relay, the sink and the API; another tenant gets nothing."""
+    code = "import sys\nfor i in range(3): print('step', i, flush=True)\nprint('a warning', file=sys.stderr)"
+    job = submit(pool, "talks", need_python3(), "-c", code)
+    wait_for(lambda: state(pool, job) == "completed", 90, "the program to complete", pool)
+
+    def shown():
+        out = cli(pool, "logs", "talks", "-q", user="alice", check=False)
+        return out.returncode == 0 and "a warning" in out.stdout and "step 2" in out.stdout and out.stdout
+
+    out = wait_for(shown, 90, "the program's output through `gpupool logs`", pool)
+    lines = out.splitlines()
+    assert [ln for ln in lines if ln.startswith("step")] == ["step 0", "step 1", "step 2"]
+    assert "a warning" in lines
+    for asked in ("talks", "acme/talks"):
+        other = cli(pool, "logs", asked, user="bob", check=False)
+        assert other.returncode == 1 and "step" not in other.stdout + other.stderr, other
 
 
 def test_each_exit_reason_reaches_job_failed(pool, roots):
