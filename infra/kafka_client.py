@@ -18,6 +18,69 @@ async def stop_consumer(consumer) -> None:
             raise
 
 
+class CheckedProducer:
+    """An idempotent producer whose deliveries are checked before the input they came from is committed.
+
+    aiokafka's `flush()` waits for the batches in flight but does not raise when one failed: the delivery's future
+    holds the error. Committing after such a flush loses the records (seen under load after a broker restart:
+    `OutOfOrderSequenceNumber`, from which aiokafka's idempotent producer does not recover). So every send's future
+    is kept; `flush()` says whether all were acknowledged, and if not replaces the producer (a new producer id:
+    sequence numbers start afresh) so that the caller reads its input again from its last commit (`rewind`)."""
+
+    def __init__(self, make, log):
+        self._make = make  # () -> an unstarted AIOKafkaProducer
+        self.log = log
+        self.producer = None
+        self._sent: list = []
+        self.replaced = 0
+
+    async def start(self) -> None:
+        self.producer = self._make()
+        await self.producer.start()
+
+    async def send(self, topic, value=None, key=None, **kw):
+        fut = await self.producer.send(topic, value=value, key=key, **kw)
+        self._sent.append(fut)
+        return fut
+
+    async def flush(self) -> bool:
+        """True when every record sent since the last flush was acknowledged; else the producer is replaced."""
+        import asyncio
+
+        await self.producer.flush()
+        sent, self._sent = self._sent, []
+        if sent:
+            await asyncio.wait(sent)  # flush has waited for them; a batch still retrying is waited out here
+        errors = [f.exception() for f in sent if f.cancelled() or f.exception() is not None]
+        if not errors:
+            return True
+        self.replaced += 1
+        self.log.warning("%d of %d records not acknowledged (%s): replacing the producer and reading again from "
+                         "the last commit", len(errors), len(sent), type(errors[0]).__name__)
+        old, self.producer = self.producer, None
+        try:
+            await old.stop()
+        except Exception as exc:  # noqa: BLE001 - the old one is broken already
+            self.log.warning("stopping the old producer: %s", exc)
+        await self.start()
+        return False
+
+    async def stop(self) -> None:
+        if self.producer is not None:
+            await self.producer.stop()
+
+
+async def rewind(consumer, partitions) -> None:
+    """Read `partitions` again from their last committed offsets (after a batch whose outputs were not all
+    acknowledged: every reader here re-derives the same outputs, which their consumers drop as duplicates)."""
+    for tp in partitions:
+        committed = await consumer.committed(tp)
+        if committed is None:
+            await consumer.seek_to_beginning(tp)
+        else:
+            consumer.seek(tp, committed)
+
+
 async def commit_or_reread(consumer, offsets, log) -> bool:
     """Commit what was carried out; when a rebalance took the partitions away meanwhile (a coordinator lost on a
     loaded machine, another member joining), say so and go on: whoever owns them next re-reads from the last commit,

@@ -13,7 +13,7 @@ from faust.web import View
 
 from agents.scheduler.core import grace_map
 from infra.config import Config
-from infra.kafka_client import commit_or_reread, partition_of, stop_consumer
+from infra.kafka_client import CheckedProducer, commit_or_reread, partition_of, rewind, stop_consumer
 from infra.security import SERVICE, KafkaConn, kafka_conn
 from schemas.envelope import MAX_RECORD_BYTES, DecodeError, Envelope, decode, encode, envelope
 from schemas.events import GpuHealth, NodeLiveness, PoolMinute, SchedulerTick
@@ -244,7 +244,8 @@ class Worker:
         consumer = AIOKafkaConsumer(**self.conn.options(), group_id=GATEWAY_GROUP, enable_auto_commit=False,
                                     auto_offset_reset="earliest", metadata_max_age_ms=2000)
         # linger 0: a request on an idle stack goes on at once; the gateway flushes after each inbox's batch anyway
-        producer = AIOKafkaProducer(**self.conn.options(), acks="all", enable_idempotence=True, linger_ms=0)
+        producer = CheckedProducer(lambda: AIOKafkaProducer(**self.conn.options(), acks="all",
+                                                            enable_idempotence=True, linger_ms=0), log)
         await consumer.start()
         await producer.start()
         consumer.subscribe(pattern=f"^{INBOX_PREFIX.replace('.', chr(92) + '.')}.+")
@@ -263,8 +264,13 @@ class Worker:
                     if i % GATEWAY_YIELD_EVERY == 0:
                         await asyncio.sleep(0)  # the scheduler, the folds and the API share the loop
                 if batches:
-                    await producer.flush()
-                    await commit_or_reread(consumer, {tp: msgs[-1].offset + 1 for tp, msgs in batches.items()}, log)
+                    if await producer.flush():
+                        await commit_or_reread(consumer, {tp: msgs[-1].offset + 1 for tp, msgs in batches.items()},
+                                               log)
+                    else:  # not every answer was acknowledged: the batch again, never a request lost
+                        for tp in batches:
+                            self._windows.pop(tp, None)
+                        await rewind(consumer, list(batches))
         finally:
             await stop_consumer(consumer)
             await producer.stop()
@@ -347,7 +353,8 @@ class Worker:
         consumer = AIOKafkaConsumer(**self.conn.options(), group_id=NODE_RELAY_GROUP, enable_auto_commit=False,
                                     auto_offset_reset="earliest", metadata_max_age_ms=2000)
         commands = AIOKafkaConsumer(**self.conn.options(), group_id=None, enable_auto_commit=False)
-        producer = AIOKafkaProducer(**self.conn.options(), acks="all", enable_idempotence=True, linger_ms=0)
+        producer = CheckedProducer(lambda: AIOKafkaProducer(**self.conn.options(), acks="all",
+                                                            enable_idempotence=True, linger_ms=0), log)
         await consumer.start()
         await commands.start()
         await producer.start()
@@ -365,8 +372,11 @@ class Worker:
                         await self._registry_caught_up()
                     for msg in msgs:
                         await self._relay_one(producer, commands, owner, msg)
+                    if not await producer.flush():  # a report not acknowledged: the channel again from its commit
+                        await rewind(consumer, [tp])
+                        continue
+                    for msg in msgs:  # the relay's clock (liveness) moves only over what was relayed for sure
                         self.relayed.folded(tp, msg.offset, msg.timestamp)
-                    await producer.flush()
                     await commit_or_reread(consumer, {tp: msgs[-1].offset + 1}, log)
         finally:
             await stop_consumer(consumer)
