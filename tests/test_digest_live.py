@@ -20,7 +20,7 @@ acme's, runs on borrowed capacity (beyond acme's quota) on a fleet of two 2-card
 
 The migration comes first: a job reclaimed is barred, for the victims' quiet window, from the node its preemptor
 freed while that one holds it, and defragmentation does not ask that when it plans a move (a move of such a job to
-that node leaves it waiting: seen here, reported on issue #32).
+that node leaves it waiting: seen while writing this test, a finding for the scheduler).
 
 Waits are on conditions; the program's step count leaves room for the phases (a run's work is 40 s, the phases take
 a few seconds of it), and each phase first checks the job has not finished."""
