@@ -25,7 +25,7 @@ from schemas.events import InferenceLoad, JobCancelled, JobRequested, QuotaSet, 
 
 FLEET = """\
 # the demo's fleet: three 4-card A100 nodes (two share a rack), an A100 carved into MIG instances, an A10 node for
-# inference and two T4 nodes
+# inference, two T4 nodes and two L4 nodes (step 6's: the example program's job and what moves it)
 nodes:
   - {name: a100-1, model: A100-80GB, gpus: 4, rack: rack-1, nvlink: true}
   - {name: a100-2, model: A100-80GB, gpus: 4, rack: rack-1, nvlink: true}
@@ -34,6 +34,8 @@ nodes:
   - {name: a10-1, model: A10, gpus: 2, rack: rack-2}
   - {name: t4-1, model: T4, gpus: 2, rack: rack-3}
   - {name: t4-2, model: T4, gpus: 2, rack: rack-3}
+  - {name: l4-1, model: L4, gpus: 2, rack: rack-3}
+  - {name: l4-2, model: L4, gpus: 2, rack: rack-3}
 """
 GIB = 1024
 PRINCIPALS = (("ops", "operator", None), ("alice", "tenant", "acme"), ("bob", "tenant", "globex"),
@@ -306,7 +308,7 @@ class Demo:
         self.note(f"{self.at()}  {orjson.loads(lost['payload'])['code']}: requeued; resumed on {again['node']} "
                   f"from {again['resume_from']} (attempt {again['attempt']})")
         self.inject(f"recover:{node}")
-        self.note("CHECK OK: the lost node's job resumed elsewhere from its checkpoint (billing checked in step 6)")
+        self.note("CHECK OK: the lost node's job resumed elsewhere from its checkpoint (billing checked in step 7)")
 
     def step5(self) -> None:
         alice, bob = self.stack.client("alice"), self.stack.client("bob")
@@ -346,6 +348,134 @@ class Demo:
         self.note(f"CHECK OK: {len(moved)} job(s) moved with their checkpoints, none stopped for good; serve-4 runs "
                   f"on {place[0]['node']}")
 
+    # the example program (infra/programs/digest_train.py) through a drain, a reclaim and a lost node, on the L4s
+    DIGEST_ARGS = ("--steps", "600", "--every", "5", "--step-ms", "100")  # 60 s of work, a checkpoint every 0.5 s
+    DIGEST_STEPS = 600
+    L4 = {"models": ["L4"]}
+
+    def _digest_run(self, attempt: int) -> dict | None:
+        """The digest job's latest placement once its `attempt` runs and has checkpointed past where it began."""
+        job = "acme/digest"
+        if self.states().get(job) == "completed":
+            raise StepFailed("the program ended before its interruptions were through (a very slow machine?)")
+        places = self.placements(job)
+        if not places or places[-1]["attempt"] != attempt or not self.running(job):
+            return None
+        cmds = {p["command_id"] for p in places if p["attempt"] == attempt}
+        ckpts = [r for r in self.events(("job.checkpointed",), job) if r["command_id"] in cmds
+                 and orjson.loads(r["payload"])["progress_ms"] > 0]
+        return places[-1] if ckpts else None
+
+    def step6(self) -> None:
+        from infra.programs import digest_train
+
+        alice, bob = self.stack.client("alice"), self.stack.client("bob")
+        jobs_root = Path(self.stack.env.get("GPUPOOL_JOBS_ROOT") or self.stack.home / "jobs")
+        programs = jobs_root.parent / "programs"
+        programs.mkdir(parents=True, exist_ok=True)
+        os.chmod(programs, 0o755)
+        script = programs / "digest_train.py"
+        shutil.copy(digest_train.__file__, script)
+        os.chmod(script, 0o644)
+        alone = programs / "uninterrupted"
+        shutil.rmtree(alone, ignore_errors=True)
+        # the uninterrupted run: the same program and arguments as a plain subprocess, beside the job
+        reference = subprocess.Popen([sys.executable, str(script), *self.DIGEST_ARGS, "--dir", str(alone)],
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            self._digest_story(alice, bob, script)
+            out, _ = reference.communicate(timeout=300)
+        finally:
+            if reference.poll() is None:
+                reference.kill()
+                reference.wait()
+        alone_digest = re.findall(r"^digest ([0-9a-f]{64})$", out, re.M)
+        logs = self.cli("alice", "logs", "digest", "--format", "json").stdout
+        runs: dict[int, str] = {}
+        for line in logs.splitlines():
+            piece = orjson.loads(line)
+            runs[piece["attempt"]] = runs.get(piece["attempt"], "") + piece["text"]
+        final = re.findall(r"^digest ([0-9a-f]{64})$", runs.get(max(runs, default=0), ""), re.M)
+        resumed = [re.match(r"resumed from step (\d+) \(", runs.get(a, "")) for a in (2, 3, 4)]
+        if sorted(runs) != [1, 2, 3, 4] or not all(m and int(m[1]) > 0 for m in resumed):
+            raise StepFailed(f"the job's four runs should each say where they resumed: "
+                             f"{ {a: t[:80] for a, t in runs.items()} }")
+        if not alone_digest or final != alone_digest or alone_digest[0] != digest_train.expected(self.DIGEST_STEPS):
+            raise StepFailed(f"the final digest {final} should be the uninterrupted run's {alone_digest}")
+        usage = [orjson.loads(r["payload"]) for r in self.events(("usage.accrued",), "acme/digest")]
+        ends = self._digest_ends()
+        billed = {a: sum(u["end_ms"] - u["start_ms"] for u in usage if u["attempt"] == a) for a in (1, 2, 3, 4)}
+        ran = {a: e - s for a, (s, e) in ends.items()}
+        if billed != ran:
+            raise StepFailed(f"each run should be billed once, start to end: billed {billed}, ran {ran}")
+        self.note(f"{self.at()}  `gpupool --as alice logs digest`: " + "; ".join(
+            f"attempt {a} " + ("started at step 0" if a == 1 else f"resumed from step {resumed[a - 2][1]}")
+            for a in (1, 2, 3, 4)))
+        self.note(f"CHECK OK: digest {final[0][:16]}... after a drain, a reclaim and a lost node equals the "
+                  f"uninterrupted run's; each of the 4 runs billed once ({', '.join(f'{v / 1000:.1f}' for v in ran.values())}"
+                  f" s), nothing between them")
+
+    def _digest_ends(self) -> dict[int, tuple[int, int]]:
+        """attempt -> (started, ended) of the digest job's runs: started to stopped (a drain, a reclaim), to the last
+        heartbeat billed (the lost node), to completed."""
+        job = "acme/digest"
+        cmd_attempt = {p["command_id"]: p["attempt"] for p in self.placements(job)}
+        out: dict[int, list[int]] = {}
+        for r in self.events(("job.started", "job.stopped", "job.interrupted", "job.completed"), job):
+            p = orjson.loads(r["payload"])
+            if r["kind"] == "job.started":
+                out[cmd_attempt[r["command_id"]]] = [int(r["event_time_ms"]), 0]
+            elif r["kind"] == "job.interrupted":
+                out[p["attempt"]][1] = p["billed_to_ms"]
+            else:
+                a = max(out)  # a stop names the command that asked for it: it ends the latest run
+                out[a][1] = int(r["event_time_ms"])
+        return {a: (s, e) for a, (s, e) in out.items()}
+
+    def _digest_story(self, alice, bob, script: Path) -> None:
+        gib = GIB
+        alice.send([JobRequested(job_id="digest", tenant="acme", project="research", compute_milli=388,
+                                 gpu_memory_mib=20 * gib, constraints=self.L4, checkpoint_interval_s=1,
+                                 command=("python3", str(script), *self.DIGEST_ARGS))])
+        self.say(6, f"alice runs the example program, `python3 digest_train.py {' '.join(self.DIGEST_ARGS)}`, on an "
+                    f"L4 (borrowed); its node is drained, it is reclaimed, its node is lost")
+        first = self.wait(lambda: self._digest_run(1), 90, "the program running with a checkpoint")
+        if not first["borrowed"]:
+            raise StepFailed(f"the program should run on borrowed capacity: {first}")
+        # a move: the operator drains its node (defragmentation would move it too, but step 5 spent acme's budget of
+        # moves for the hour, `migrations_per_hour`): SIGTERM, a checkpoint, and the run goes on on the other L4
+        self.cli("ops", "node", "drain", first["node"])
+        second = self.wait(lambda: self._digest_run(2), 90, "the program moved off the drained node")
+        self.cli("ops", "node", "uncordon", first["node"])
+        self.note(f"{self.at()}  `gpupool --as ops node drain {first['node']}`: moved to {second['node']}, resumed "
+                  f"from its checkpoint")
+        # a reclaim: globex, within its quota, asks for all four L4 cards
+        fill = [f"l4-fill-{i}" for i in range(4)]
+        bob.send([JobRequested(job_id=j, tenant="globex", project="batch", compute_milli=388, gpu_memory_mib=20 * gib,
+                               constraints=self.L4, duration_s=3600) for j in fill])
+        stop = self.wait(lambda: self.events(("cmd.preempt",), "acme/digest")[1:], 60, "the reclaim")[0]
+        why = orjson.loads(stop["payload"])["reasons"][0]
+        if why.get("data", {}).get("rule") != "reclaim":
+            raise StepFailed(f"the second stop should be a reclaim: {why}")
+        self.wait(lambda: all(self.running(f"globex/{j}") for j in fill), 60, "globex's four L4 jobs running")
+        where = {j: self.placements(f"globex/{j}")[-1]["node"] for j in fill}
+        away = [j for j in fill if where[j] == first["node"]]
+        bob.send([JobCancelled(job_id=j, reason="done") for j in away])
+        third = self.wait(lambda: self._digest_run(3), 90, "the program back after the reclaim")
+        self.note(f"{self.at()}  reclaimed ({why['code']}: {why['message'][:60]}); resumed on {third['node']}")
+        # a lost node: globex's work on the other L4 node ends first, so that the program has room there
+        rest = [j for j in fill if j not in away]
+        bob.send([JobCancelled(job_id=j, reason="done") for j in rest])
+        self.wait(lambda: all(self.states().get(f"globex/{j}") == "cancelled" for j in rest), 60,
+                  "the other L4 node free")
+        self.inject(f"lose:{third['node']}")
+        self.wait(lambda: self.events(("job.interrupted",), "acme/digest"), 60, "the node declared lost")
+        fourth = self.wait(lambda: self._digest_run(4), 90, "the program back after the lost node")
+        self.inject(f"recover:{third['node']}")
+        self.note(f"{self.at()}  {third['node']} lost: resumed on {fourth['node']} from {fourth['resume_from']}; "
+                  f"waiting for the program's end")
+        self.wait(lambda: self.states().get("acme/digest") == "completed", 180, "the program's end")
+
     def stop_all(self) -> None:
         """The tenants cancel what still runs, so the bill is final."""
         states = self.states()
@@ -358,9 +488,9 @@ class Demo:
                   "every job stopped")
         time.sleep(3)  # the last usage records reach ClickHouse on the sink's next batch
 
-    def step6(self) -> None:
+    def step7(self) -> None:
         self.stop_all()
-        self.say(6, "the bill: `gpupool --as fin billing --by project --cost` (borrowed time priced apart)")
+        self.say(7, "the bill: `gpupool --as fin billing --by project --cost` (borrowed time priced apart)")
         out = self.cli("fin", "billing", "--by", "project", "--cost", "--format", "json").stdout
         rows = orjson.loads(out)
         rows = rows["rows"] if isinstance(rows, dict) else rows
@@ -385,8 +515,8 @@ class Demo:
         self.note(f"CHECK OK: both tenants billed, borrowed apart; {len(spans)} usage intervals, none overlapping "
                   f"another of the same job (the lost node's run ends at its last heartbeat)")
 
-    def step7(self, out: Path) -> None:
-        self.say(7, "the auditor re-derives every decision and the bill from the log: `audit replay --verify`")
+    def step8(self, out: Path) -> None:
+        self.say(8, "the auditor re-derives every decision and the bill from the log: `audit replay --verify`")
         res = self.cli("aud", "audit", "replay", "--verify")
         for line in res.stdout.strip().splitlines()[-4:]:
             self.note(line[:150])
@@ -405,8 +535,8 @@ class Demo:
         self.note(f"CHECK OK: replay matches the recorded decisions and the bill, and the state at each of {ends[1]} "
                   f"segment ends equals the snapshot there; signed export verified, no other tenant in it")
 
-    def step8(self, out: Path) -> Path:
-        self.say(8, "the demo's timeline as a picture")
+    def step9(self, out: Path) -> Path:
+        self.say(9, "the demo's timeline as a picture")
         path = timeline_png(self, out / "demo-timeline.png")
         self.note(f"{path}: allocation by tier, the queue and the chat service's load over the demo")
         self.note(f"dashboard: http://127.0.0.1:{self.stack.web_port}/ui/ (sign in as alice, bob, ops or fin with "
@@ -490,7 +620,7 @@ def timeline_png(demo: Demo, path: Path) -> Path:
     return path
 
 
-STEPS = 8
+STEPS = 9
 
 
 def run_demo(cfg, args) -> int:
@@ -501,6 +631,16 @@ def run_demo(cfg, args) -> int:
     # 2 min and one per 50,000 records, would leave a two-minute demo one segment): step 7 verifies in segments
     stack = Stack(home=home, libs_home=cfg.home, bootstrap=cfg.kafka,
                   extra_env={"GPUPOOL_SNAPSHOT_EVERY": "75", "GPUPOOL_SNAPSHOT_AUDIT_EVERY": "1"})
+    # step 6's program runs as the job user (65534 when the demo runs as root): its directories where that user
+    # reaches them (a home under /root, or made under a umask of 077, is not)
+    from agents.node.runner import passable_roots
+
+    roots = passable_roots(home)
+    stack.extra_env.update(roots)
+    if roots:
+        for d in roots.values():  # a fresh demo: the last one's runs and checkpoints are gone
+            shutil.rmtree(d, ignore_errors=True)
+        passable_roots(home)
     demo = Demo(stack, t0)
     failed: list[tuple[int, str]] = []
     try:
@@ -512,12 +652,12 @@ def run_demo(cfg, args) -> int:
         stack.start_agent(str(home / "fleet.yaml"), "--control", str(home / "faults"))
         for name, role, tenant in PRINCIPALS:
             stack.add_user(name, role, tenant)
-        demo.note(f"{demo.at()}  local SASL broker {stack.bootstrap}, worker, 7 simulated nodes (A100, MIG A100, "
-                  f"A10, T4); principals ops, alice (acme), bob (globex), fin, aud")
-        demo.wait(lambda: stack.client().api("/cluster/")["nodes"] == 7, 90, "the fleet")
+        demo.note(f"{demo.at()}  local SASL broker {stack.bootstrap}, worker, 9 simulated nodes (A100, MIG A100, "
+                  f"A10, T4, L4); principals ops, alice (acme), bob (globex), fin, aud")
+        demo.wait(lambda: stack.client().api("/cluster/")["nodes"] == 9, 90, "the fleet")
         out = Path(args.out) if getattr(args, "out", None) else home
         for n, fn in enumerate([demo.step1, demo.step2, demo.step3, demo.step4, demo.step5, demo.step6,
-                                lambda: demo.step7(out), lambda: demo.step8(out)], 1):
+                                demo.step7, lambda: demo.step8(out), lambda: demo.step9(out)], 1):
             try:
                 fn()
             except (StepFailed, SystemExit) as exc:  # SystemExit: the client's WorkerDown, ApiFailure
@@ -525,7 +665,7 @@ def run_demo(cfg, args) -> int:
                     exc = StepFailed(f"the worker died: {stack.log('worker')[-1500:]}")
                 failed.append((n, str(exc)))
                 print(f"[{n}] FAILED: {exc}", flush=True)
-                if n >= 6:
+                if n >= 7:
                     break  # the steps before the bill still tell their story; after it, nothing is left to tell
         if getattr(args, "stay", False) and not failed:
             print(f"the stack stays up: http://127.0.0.1:{stack.web_port}/ui/ (Ctrl-C to stop)", flush=True)
@@ -538,6 +678,8 @@ def run_demo(cfg, args) -> int:
         stack.stop()
         if not args.keep:
             shutil.rmtree(home / "kafka-data", ignore_errors=True)
+            if roots:
+                shutil.rmtree(Path(roots["GPUPOOL_JOBS_ROOT"]).parent, ignore_errors=True)
     took = time.monotonic() - t0
     if failed:
         print(f"\ndemo FAILED after {took:.0f} s at step " + "; step ".join(f"{n} ({why})" for n, why in failed))

@@ -26,16 +26,16 @@ def test_the_demo_tells_its_story_and_every_step_checks(tmp_path):
     out = p.stdout
     assert p.returncode == 0, out[-6000:] + p.stderr[-3000:]
     steps = [int(n) for n in re.findall(r"^\[(\d)\] ", out, re.M)]
-    assert sorted(set(steps)) == list(range(1, 9)), out
+    assert sorted(set(steps)) == list(range(1, 10)), out
     assert "FAILED" not in out
-    # each step that checks something says so (1-7), and the last leaves its picture and the dashboard's address
+    # each step that checks something says so (1-8), and the last leaves its picture and the dashboard's address
     blocks = re.split(r"^\[\d\] ", out, flags=re.M)[1:]
     firsts = {}
     for n, block in zip(steps, blocks):
         firsts.setdefault(n, "")
         firsts[n] += block
-    for n in range(1, 8):
+    for n in range(1, 9):
         assert "CHECK OK" in firsts[n], (n, firsts[n])
     assert (tmp_path / "out" / "demo-timeline.png").stat().st_size > 10_000
-    assert "/ui/" in firsts[8]
+    assert "/ui/" in firsts[9]
     assert (tmp_path / "out" / "evidence-acme").is_dir()

@@ -121,9 +121,17 @@ def _up(cfg, args, say) -> int:
     argv = [sys.executable, "-m", "agents.cli", "supervise", "--home", str(cfg.home), "--workers", str(args.workers)]
     if args.simulate:
         argv += ["--simulate", args.simulate]
+    env = {**os.environ, "GPUPOOL_HOME": str(cfg.home)}
+    if args.simulate:  # the fleet runs programs as the job user: their directories where that user reaches them
+        from agents.node.runner import passable_roots
+
+        try:
+            env.update(passable_roots(cfg.home))
+        except (OSError, ValueError) as exc:
+            raise SystemExit(f"gpupool up: {exc}") from None
     with open(rd / "supervisor.log", "ab") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True, env={**os.environ, "GPUPOOL_HOME": str(cfg.home)})
+                                start_new_session=True, env=env)
     (rd / "supervisor.pid").write_text(str(proc.pid))
     try:
         _wait_up(cfg, proc, args, say)

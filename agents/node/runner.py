@@ -486,6 +486,39 @@ def reachable(path: Path, uid: int, gid: int) -> Path | None:
     return None
 
 
+def passable_roots(home: Path, environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """GPUPOOL_JOBS_ROOT / GPUPOOL_CHECKPOINT_ROOT for a local stack (`gpupool up`, the demo) whose home the job user
+    cannot pass through: a home under /root, or made under a umask of 077, holds jobs that user could never reach. {}
+    when nothing is needed: not root (jobs run as the agent's own user), the roots are set already, or the job user
+    reaches $GPUPOOL_HOME/jobs. Otherwise a directory per home under the system's temporary directory,
+    `gpupool-jobs-<digest of the home>` (0711, passable and not listable), made now with its `jobs` and `checkpoints`
+    (docs/operators.md, "Preparing a node")."""
+    if os.geteuid() != 0 or environ.get("GPUPOOL_JOBS_ROOT") or environ.get("GPUPOOL_CHECKPOINT_ROOT"):
+        return {}
+    user = parse_user(environ.get("GPUPOOL_JOB_USER") or "65534:65534")
+    home = Path(home).absolute()
+    there = home
+    while not there.exists() and there != there.parent:
+        there = there.parent  # the runner makes what is missing below it passable (0711)
+    if reachable(there / "x", *user) is None:
+        return {}
+    import tempfile
+
+    base = Path(tempfile.gettempdir()) / f"gpupool-jobs-{hashlib.sha256(str(home).encode()).hexdigest()[:12]}"
+    with contextlib.suppress(FileExistsError):
+        base.mkdir(mode=0o700)
+    st = os.lstat(base)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != 0:  # a name in a shared directory: never another's, no link
+        raise ValueError(f"{base} is not a directory of root's: set GPUPOOL_JOBS_ROOT and GPUPOOL_CHECKPOINT_ROOT")
+    os.chmod(base, 0o711)
+    for d in (base / "jobs", base / "checkpoints"):
+        _mkdirs(d, 0o711)
+    if reachable(base / "jobs" / "x", *user) is not None:
+        raise ValueError(f"the job user {user[0]} cannot reach {base}: set GPUPOOL_JOBS_ROOT and "
+                         f"GPUPOOL_CHECKPOINT_ROOT to storage it can pass through")
+    return {"GPUPOOL_JOBS_ROOT": str(base / "jobs"), "GPUPOOL_CHECKPOINT_ROOT": str(base / "checkpoints")}
+
+
 def _mkdirs(path: Path, mode: int) -> None:
     """Create path and its missing parents with `mode` (not the umask's)."""
     missing = []

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 
 import pytest
 
 from agents.acceptance import EIGHT, GROUPS
+from agents.node.runner import passable_roots
 from agents.stack import Stack
 from tests.live import quotas, wait_for
 
@@ -94,6 +96,10 @@ def pool(tmp_path_factory, broker_mode, libs_home):
     (finance), aud (auditor); quotas for both tenants."""
     s = Stack(home=tmp_path_factory.mktemp("acceptance") / "gpupool", libs_home=libs_home,
               bootstrap=os.environ["GPUPOOL_KAFKA"] if broker_mode == "env" else None)
+    # jobs that carry a command run as real processes, as the job user (65534 under root): their directories where
+    # that user reaches them (pytest's temporary directories are root's own), as `gpupool up` makes them
+    roots = passable_roots(s.home)
+    s.extra_env.update(roots)
     s.start_broker()
     try:
         s.start_worker()
@@ -116,6 +122,8 @@ def pool(tmp_path_factory, broker_mode, libs_home):
         logs.mkdir(parents=True, exist_ok=True)
         for name in ("worker", "agent", "agent-f1", "agent-f2"):
             (logs / f"{name}.log").write_text(s.log(name)[-200_000:])
+        if roots:
+            shutil.rmtree(Path(roots["GPUPOOL_JOBS_ROOT"]).parent, ignore_errors=True)
 
 
 def inject(pool: Stack, agent: str, *faults: str) -> None:

@@ -7,6 +7,7 @@ from schemas.events import JobCancelled
 from tests.acceptance.conftest import answers
 from tests.acceptance.probe import cancel, nodes, placements, submit, timeline, wait_state
 from tests.live import job_states, read_topic, wait_for
+from tests.program_helpers import need_python3
 
 GROUP = 2
 A10 = {"datacenter": "dc-share", "models": ["A10"]}
@@ -87,10 +88,18 @@ def test_too_little_capacity_waits_and_an_over_request_is_rejected(pool, evidenc
                 "agents run, and does each job see only its own devices?", eight=(3, 6))
 def test_the_platform_matches_what_the_agents_run_and_jobs_see_only_their_devices(pool, evidence):
     """The node agents report, per card and MIG instance, which jobs run there (telemetry job_ids); that must be
-    the scheduler's placement exactly: each job on the units it was given and on no other. (With the NVML agent,
-    CUDA_VISIBLE_DEVICES / the MIG UUIDs are set from the same assignments: tests/test_nvml_backend.py.)"""
+    the scheduler's placement exactly: each job on the units it was given and on no other. And each job is a real
+    process (the simulated fleet runs a job's command, issue #32): what it sees of the devices, CUDA_VISIBLE_DEVICES
+    and NVIDIA_VISIBLE_DEVICES printed by the program itself and read back from its logs (/api/logs, as its
+    tenant), is exactly its own units -- the share of the A10 the card's UUID, the MIG job its instance's UUID --
+    and none of the other job's. (With the NVML agent the same environment comes from the same assignments:
+    tests/test_nvml_backend.py; in a container, the CDI devices: tests/test_programs_live.py.)"""
+    program = ("import os, time\n"
+               "print('CUDA_VISIBLE_DEVICES=' + os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>'), flush=True)\n"
+               "print('NVIDIA_VISIBLE_DEVICES=' + os.environ.get('NVIDIA_VISIBLE_DEVICES', '<unset>'), flush=True)\n"
+               "time.sleep(120)\n")
     jobs = [submit(pool, "alice", f"g2-see-{i}", compute_milli=150, gpu_memory_mib=9 * 1024, duration_s=60,
-                   constraints=MIG if i else A10) for i in range(2)]
+                   constraints=MIG if i else A10, command=(need_python3(), "-c", program)) for i in range(2)]
     for j in jobs:
         wait_state(pool, j, "running")
     given = {j: {a.get("mig_uuid") or a["gpu_uuid"] for a in placements(pool, j)[0]["assignments"]} for j in jobs}
@@ -106,14 +115,31 @@ def test_the_platform_matches_what_the_agents_run_and_jobs_see_only_their_device
                     seen.setdefault(job, set()).add(sample.mig_uuid or sample.gpu_uuid)
         return seen
 
+    def program_saw(job: str) -> dict[str, set[str]] | None:
+        """What the job's program printed: variable -> the devices it names (None until both lines are in)."""
+        text = "".join(p["text"] for p in pool.client("alice").api("/api/logs", {"job": job})["pieces"])
+        got = dict(line.split("=", 1) for line in text.splitlines() if "_VISIBLE_DEVICES=" in line)
+        if set(got) != {"CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES"}:
+            return None
+        return {k: set(v.split(",")) for k, v in got.items()}
+
     seen = wait_for(lambda: (r := reported()) and all(r.get(j) == given[j] for j in jobs) and r, 30,
                     "the agents' telemetry to show the jobs where they were placed", pool)
-    rows = [[j, ", ".join(sorted(given[j])), ", ".join(sorted(seen.get(j, ())))] for j in jobs]
+    saw = {j: wait_for(lambda j=j: program_saw(j), 60, f"{j}'s program to print what it sees", pool) for j in jobs}
+    rows = [[j, ", ".join(sorted(given[j])), ", ".join(sorted(seen.get(j, ()))),
+             ", ".join(sorted(saw[j]["CUDA_VISIBLE_DEVICES"])), ", ".join(sorted(saw[j]["NVIDIA_VISIBLE_DEVICES"]))]
+            for j in jobs]
     assert all(seen.get(j) == given[j] for j in jobs), rows
+    for j in jobs:
+        assert saw[j]["CUDA_VISIBLE_DEVICES"] == saw[j]["NVIDIA_VISIBLE_DEVICES"] == given[j], rows
+        others = set().union(*(given[o] for o in jobs if o != j))
+        assert not saw[j]["CUDA_VISIBLE_DEVICES"] & others, rows  # another job's devices are absent
+    assert given[jobs[0]] != given[jobs[1]]
     view = {j: job_states(pool)[j]["nodes"] for j in jobs}
     assert view[jobs[0]] == "share-a10" and view[jobs[1]] == "share-mig"
-    evidence.table("units the scheduler gave vs units the node agents report running the job",
-                   ["job", "given (placement)", "reported (node agent telemetry)"], rows)
+    evidence.table("units the scheduler gave vs units the node agents report vs what each job's program saw",
+                   ["job", "given (placement)", "reported (node agent telemetry)",
+                    "program's CUDA_VISIBLE_DEVICES", "program's NVIDIA_VISIBLE_DEVICES"], rows)
     evidence.table("share-mig now", ["node", "unit", "model", "free milli", "free MiB", "held by"],
                    _card_rows(pool, "share-mig"))
     cancel(pool, *jobs)
