@@ -14,6 +14,25 @@ from infra import config as config_mod
 
 REPO = Path(__file__).resolve().parent.parent
 BROKER_KINDS_USED: list[str] = []
+# `make check` (the fast target: unit, property and scenario tests) runs with GPUPOOL_CHECK=1 and deselects the
+# tests marked `broker`; a test that starts a broker or a browser without the mark fails here, saying so, rather
+# than slipping a broker into the fast target.
+FAST = os.environ.get("GPUPOOL_CHECK") == "1"
+
+
+@pytest.fixture(autouse=True)
+def _no_broker_in_the_fast_target(monkeypatch):
+    if FAST:
+        from infra import kafka_local
+        from tests import browser
+
+        def refused(*_a, **_k):
+            raise RuntimeError("`make check` starts no broker or browser: mark this test `broker` "
+                               "(pytestmark = pytest.mark.broker); `make test` runs it")
+        monkeypatch.setattr(kafka_local.LocalBroker, "start", refused)
+        monkeypatch.setattr(kafka_local.LocalCluster, "start", refused)
+        monkeypatch.setattr(browser.Browser, "__enter__", refused)
+    yield
 
 
 @pytest.fixture(scope="session")
@@ -38,6 +57,13 @@ def stack(tmp_path, broker_mode, libs_home):
         yield s
     finally:
         s.stop()
+
+
+def pytest_collection_modifyitems(config, items):
+    """A test that takes the `stack` fixture needs a broker: marked so, whether or not its module says it."""
+    for item in items:
+        if "stack" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.broker)
 
 
 def pytest_terminal_summary(terminalreporter):

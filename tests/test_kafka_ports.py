@@ -38,6 +38,7 @@ def test_a_port_someone_listens_on_is_not_free():
         held.close()
 
 
+@pytest.mark.broker  # launches Kafka's java (to see it fail)
 def test_start_names_the_taken_controller_port_before_launching_java(tmp_path, monkeypatch):
     p = kafka_local.free_port_run()
     held = _listen(p + 1)  # someone else's listener on the controller port
@@ -52,6 +53,7 @@ def test_start_names_the_taken_controller_port_before_launching_java(tmp_path, m
     assert not launched
 
 
+@pytest.mark.broker  # launches Kafka's java (to see it fail)
 def test_a_broker_that_exits_is_reported_with_what_its_log_said(tmp_path, monkeypatch):
     data = tmp_path / "data"
     data.mkdir()
