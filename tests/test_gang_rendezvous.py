@@ -253,3 +253,10 @@ def test_host_cpu_and_memory_are_per_part_as_asked_not_split_across_nodes():
     # a gang whose part asks more host memory than any node has is never placed (and says why)
     out = s.step(c.env(job("t/big", "t", 3000, 240, command=PROGRAM, memory_mib=32768), "cli/t/big"))
     assert not _places(out)
+
+
+def test_a_real_node_advertises_the_operators_address_else_its_route_to_kafka():
+    from agents.node.nvml_agent import node_address
+
+    assert node_address("broker:9092", {"GPUPOOL_NODE_ADDRESS": "10.1.2.3"}) == "10.1.2.3"
+    assert node_address("127.0.0.1:19092,127.0.0.1:19094", {}) == "127.0.0.1"
