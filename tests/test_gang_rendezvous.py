@@ -110,7 +110,8 @@ def test_the_gang_completes_when_its_last_part_does_not_its_first():
         assert not _releases(out) and s.state_of("t/g") == "running", "the other parts still run"
     # the same part again (a redelivery) does not count twice
     p = parts[1]
-    assert not _releases(s.step(c.env(JobCompleted(job_id=p.job_id, node=p.node, command_id=p.command_id),
+    assert not _releases(s.step(c.env(JobCompleted(job_id=p.job_id, node=p.node, command_id=p.command_id,
+                                                   attempt=p.attempt, part=1, parts=3),
                                       f"{p.node}/job/{p.job_id}/again", dt=10)))
     last = parts[2]
     out = s.step(c.env(JobCompleted(job_id=last.job_id, node=last.node, command_id=last.command_id,
@@ -260,3 +261,14 @@ def test_a_real_node_advertises_the_operators_address_else_its_route_to_kafka():
 
     assert node_address("broker:9092", {"GPUPOOL_NODE_ADDRESS": "10.1.2.3"}) == "10.1.2.3"
     assert node_address("127.0.0.1:19092,127.0.0.1:19094", {}) == "127.0.0.1"
+
+
+def test_a_completion_that_does_not_say_its_parts_ends_the_gang_as_before():
+    """A producer from before gangs' completions (the colocation simulator, the benches) reports a gang's first part
+    only, without `parts`: that ends the job, as it always did."""
+    c, s, parts = _setup()
+    _start_all(c, s, parts)
+    p = parts[0]
+    out = s.step(c.env(JobCompleted(job_id=p.job_id, node=p.node, command_id=p.command_id), f"{p.node}/job/t/g",
+                       dt=1000))
+    assert sorted(r.node for r in _releases(out)) == sorted(NODES) and s.state_of("t/g") == "done"

@@ -523,8 +523,9 @@ class Scheduler:
         """Whether this completion ends the job: a job of one part, yes; a part of a gang is recorded, and the gang is
         done when every part of its run has completed (torchrun's: a worker exiting 0 is done, the group succeeds
         once all are). Meanwhile the gang keeps every part's cards, and is billed for them, as one allocation. A
-        completion naming no part of the run (a producer that predates gangs' completions) ends the job as before."""
-        if len(rec.parts) < 2:
+        completion that does not say its gang's parts (`parts` 1: a producer that predates gangs' completions, such as
+        the simulators that report a gang's first part only) or names no part of the run ends the job as before."""
+        if len(rec.parts) < 2 or p.parts < 2:
             return True
         i = next((i for i, part in enumerate(rec.parts) if part.command_id == p.command_id), None)
         if i is None:
