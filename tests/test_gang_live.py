@@ -93,28 +93,34 @@ def _logs(stack) -> dict[tuple[int, int], str]:
     return runs
 
 
-def test_a_three_part_gang_rendezvous_all_reduces_loses_a_node_and_resumes(stack):
+def _pool(stack, roots: Path, first: int, last: int, nodes=NODES, retries: int = 0) -> Path:
+    """Worker, a simulated fleet of 1-card nodes (a fault control file, returned), acme, and the gang's request."""
     python = need_python3()
+    script = roots / "allreduce_train.py"
+    shutil.copy(PROGRAM, script)
+    os.chmod(script, 0o644)
+    stack.extra_env.update({"GPUPOOL_JOBS_ROOT": str(roots / "jobs"),
+                            "GPUPOOL_CHECKPOINT_ROOT": str(roots / "checkpoints"),
+                            "GPUPOOL_GRACE_S": "offline=10", "GPUPOOL_RENDEZVOUS_PORTS": f"{first}-{last}"})
+    control = roots / "faults"
+    control.write_text("")
+    fleet = roots / "fleet.yaml"
+    fleet.write_text("nodes:\n" + "".join(f"  - {{name: {n}, model: A100-80GB, gpus: 1}}\n" for n in nodes))
+    stack.start_worker()
+    stack.start_agent(str(fleet), "--control", str(control))
+    stack.add_user("alice", "tenant", "acme")
+    stack.client().send([QuotaSet(tenant="acme", gpu_milli=8000)])
+    wait_for(lambda: stack.stats()["scheduler"]["nodes"] == len(nodes), 60, "the fleet in the scheduler", stack)
+    stack.client("alice").send([JobRequested(
+        job_id="gang", tenant="acme", compute_milli=3000, gpu_memory_mib=3 * 8 * GIB, cpu_milli=2000,
+        memory_mib=2048, retries=retries, command=(python, str(script), *ARGS))])
+    return control
+
+
+def test_a_three_part_gang_rendezvous_all_reduces_loses_a_node_and_resumes(stack):
     first, last = _free_range()
     with passable_dir("gpupool-gang-") as roots:
-        script = roots / "allreduce_train.py"
-        shutil.copy(PROGRAM, script)
-        os.chmod(script, 0o644)
-        stack.extra_env.update({"GPUPOOL_JOBS_ROOT": str(roots / "jobs"),
-                                "GPUPOOL_CHECKPOINT_ROOT": str(roots / "checkpoints"),
-                                "GPUPOOL_GRACE_S": "offline=10", "GPUPOOL_RENDEZVOUS_PORTS": f"{first}-{last}"})
-        control = roots / "faults"
-        control.write_text("")
-        fleet = roots / "fleet.yaml"
-        fleet.write_text("nodes:\n" + "".join(f"  - {{name: {n}, model: A100-80GB, gpus: 1}}\n" for n in NODES))
-        stack.start_worker()
-        stack.start_agent(str(fleet), "--control", str(control))
-        stack.add_user("alice", "tenant", "acme")
-        stack.client().send([QuotaSet(tenant="acme", gpu_milli=8000)])
-        wait_for(lambda: stack.stats()["scheduler"]["nodes"] == len(NODES), 60, "the fleet in the scheduler", stack)
-        stack.client("alice").send([JobRequested(
-            job_id="gang", tenant="acme", compute_milli=3000, gpu_memory_mib=3 * 8 * GIB, cpu_milli=2000,
-            memory_mib=2048, command=(python, str(script), *ARGS))])
+        control = _pool(stack, roots, first, last)
 
         # 1. rendezvous: every part is told the same master -- rank 0's node address -- and a port of the range,
         # and the parts met there (each reported a checkpoint: it all-reduced steps with the others)
@@ -196,3 +202,40 @@ def test_a_three_part_gang_rendezvous_all_reduces_loses_a_node_and_resumes(stack
     ends, starts = {a: e for a, (_, e) in spans.items()}, {a: s for a, (s, _) in spans.items()}
     print(f"gang met at {ADDRESS[master]}:{port}, then at {ADDRESS[new_master]}:{again[0]['master_port']}; resumed "
           f"from step {resumed}; billed {ends[1] - starts[1]} + {ends[2] - starts[2]} ms per part")
+
+
+def test_a_part_that_fails_stops_the_other_parts_and_the_gang_retries_as_one(stack):
+    """One part's process dies (`fail:JOB`: SIGKILLed, reported failed, code Simulated): the run has failed -- every
+    other part is released and stopped, the gang counts one failure, waits its back-off and is placed again as a
+    whole, resuming from its checkpoint to the uninterrupted digest. Three nodes: the same ones take it again."""
+    first, last = _free_range()
+    with passable_dir("gpupool-gang-") as roots:
+        control = _pool(stack, roots, first, last, nodes=NODES[:3], retries=1)
+        places = wait_for(lambda: _all_checkpointed(stack, 1), 180, "the three parts met and checkpointing", stack)
+        with control.open("a") as f:
+            f.write(f"fail:{JOB}\n")
+        (failed,) = wait_for(lambda: _events(stack, ("job.failed",)), 60, "a part's failure", stack)
+        assert failed["code"] == "Simulated" and failed["attempt"] == 1
+        dead = failed["node"]
+        # every part released for the failure (a stopped part's last checkpoint report, of the ended run, is answered
+        # by another release naming the run: `Superseded`)
+        releases = wait_for(lambda: (r := [x for x in _events(stack, ("cmd.release",)) if x["attempt"] == 1
+                                           and x["reasons"][0]["code"] == "Failed"]) and len(r) == 3 and r, 60,
+                            "every part released", stack)
+        assert {r["node"] for r in releases} == {p["node"] for p in places}
+        again = wait_for(lambda: (a := _places(stack, 2)) and len(a) == 3 and a, 90, "the retry, after its back-off",
+                         stack)
+        assert all(p["resume_from"] for p in again) and len({(p["master_addr"], p["master_port"]) for p in again}) == 1
+        wait_for(lambda: job_states(stack, "admin").get(JOB, {}).get("state") == "completed", 240,
+                 "the gang's end", stack)
+        row = job_states(stack, "admin")[JOB]
+        assert row["failures"] == 1, row  # one failed run, however many of its parts ended badly
+    logs = _logs(stack)
+    want = allreduce_train.expected(STEPS, 3)
+    dead_part = next(p["gang_index"] for p in places if p["node"] == dead)
+    for k in range(3):
+        if k != dead_part:  # stopped by the pool (SIGTERM, after its peer went away or while still running)
+            assert re.search(r"^stopped by SIGTERM at step \d+$", logs[(1, k)], re.M), logs[(1, k)][-400:]
+        run = logs[(2, k)]
+        assert re.search(r"^resumed from step [1-9]\d* \(agreed by 3 parts\)$", run, re.M), run[:300]
+        assert re.findall(r"^digest ([0-9a-f]{64})$", run, re.M) == [want], run[-300:]

@@ -17,8 +17,8 @@ $GPUPOOL_RESUME_FROM names); rank 0 picks the latest step every rank has and all
 between two checkpoints, or one whose last checkpoint the pool never heard of, resumes with the others from their
 common one. It prints "resumed from step N (agreed by P parts)", or "starting from step 0".
 
-SIGTERM (the pool stopping the gang): no further step; it checkpoints its last finished step and exits 0 ("stopped by
-SIGTERM at step N"). A peer that goes away (its node lost, its process killed): it says "peer lost at step N" and
+SIGTERM (the pool stopping the gang): no further step (one whose all-reduce is under way is abandoned); it
+checkpoints its last finished step and exits 0 ("stopped by SIGTERM at step N"). A peer that goes away (its node lost, its process killed): it says "peer lost at step N" and
 waits up to --peer-wait-s for the pool to stop it (the pool stops every part of a gang whose part failed or whose
 node was lost); then it exits 3. At the end every rank prints "digest <hex>" and writes {"digest", "steps", "seed",
 "world"} to `result.json` in its checkpoint directory.
@@ -146,9 +146,9 @@ class Line:
         except OSError as exc:
             raise PeerLost(str(exc)) from exc
 
-    def recv(self, stoppable: bool = True) -> dict:
+    def recv(self) -> dict:
         while b"\n" not in self.buf:
-            if stoppable and self.stop["asked"]:
+            if self.stop["asked"]:
                 raise Stopped()
             try:
                 data = self.sock.recv(65536)
@@ -235,11 +235,12 @@ def rendezvous(rank: int, world: int, addr: str, port: int, run: str, offer: dic
 
 
 def allreduce(rank: int, lines: list[Line], step: int, mine: int) -> int:
-    """The sum of every rank's value at `step` (rank 0 gathers and sends the sum back)."""
+    """The sum of every rank's value at `step` (rank 0 gathers and sends the sum back). A SIGTERM while it waits
+    abandons the step (Stopped): nothing of it was folded, so the state is the last finished step's."""
     if rank == 0:
         total = mine
         for line in lines:
-            got = line.recv(stoppable=False)
+            got = line.recv()
             if got.get("step") != step:
                 raise PeerLost(f"a peer is at step {got.get('step')}, not {step}")
             total += int(got["value"])
@@ -248,7 +249,7 @@ def allreduce(rank: int, lines: list[Line], step: int, mine: int) -> int:
         return total
     (line,) = lines
     line.send({"step": step, "value": mine})
-    got = line.recv(stoppable=False)
+    got = line.recv()
     if got.get("step") != step:
         raise PeerLost(f"rank 0 is at step {got.get('step')}, not {step}")
     return int(got["sum"])
@@ -318,8 +319,12 @@ def main(argv: list[str] | None = None) -> int:
             if step % args.every == 0 or step == args.steps:
                 checkpoint(directory, step, digest, args.seed, world, args.step_ms)
                 saved = step
+    except Stopped:
+        pass  # SIGTERM in the middle of a step's all-reduce: the step is abandoned
     except PeerLost as exc:
         print(f"peer lost at step {step}: {exc}; waiting for the pool to stop this part", flush=True)
+        for line in lines:  # the peers waiting on this one learn at once that the gang is broken
+            line.sock.close()
         until = time.monotonic() + args.peer_wait_s
         while not stop["asked"] and time.monotonic() < until:
             time.sleep(POLL_S)
