@@ -28,6 +28,9 @@ class Config:
     # seconds a stopped job gets between SIGTERM and SIGKILL, per tier (GPUPOOL_GRACE_S, parse_grace); the ticker puts
     # them on the scheduler's input log (SchedulerTick.grace_s), so every replay decides with the same ones
     grace_s: dict[str, int] = field(default_factory=dict, hash=False)
+    # the ports a gang's rendezvous master port is chosen from (GPUPOOL_RENDEZVOUS_PORTS, parse_ports; first, last);
+    # carried by the ticks to the scheduler like the grace periods (SchedulerTick.rendezvous_ports)
+    rendezvous_ports: tuple[int, int] = (29500, 29999)
     # A program's output (docs/jobs.md, "Logs"): the node agent's caps per run (attempt and part) -- a rate with a
     # burst, a total, and what it may hold unsent -- and how long ClickHouse keeps the logs
     log_rate_bytes_s: int = 1 << 20  # GPUPOOL_LOG_RATE
@@ -116,6 +119,21 @@ def parse_grace(text: str) -> dict[str, int]:
     return out
 
 
+def parse_ports(text: str) -> tuple[int, int]:
+    """GPUPOOL_RENDEZVOUS_PORTS: `FIRST-LAST` (inclusive, e.g. `29500-29999`) or one port; empty: the default range
+    (schemas/events.DEFAULT_RENDEZVOUS_PORTS). A malformed range raises ValueError: no `gpupool` command starts."""
+    from schemas.events import DEFAULT_RENDEZVOUS_PORTS
+
+    text = text.strip()
+    if not text:
+        return DEFAULT_RENDEZVOUS_PORTS
+    first, _, last = text.partition("-")
+    first, last = first.strip(), (last.strip() or first.strip())
+    if not first.isdigit() or not last.isdigit() or not 1 <= int(first) <= int(last) <= 65535:
+        raise ValueError(f"GPUPOOL_RENDEZVOUS_PORTS {text!r}: want FIRST-LAST with 1 <= FIRST <= LAST <= 65535")
+    return int(first), int(last)
+
+
 _UNITS = {"": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30}
 
 
@@ -162,6 +180,7 @@ def load() -> Config:
         rate_per_window=int(os.environ.get("GPUPOOL_RATE_PER_WINDOW", "200")),
         volumes=load_volumes(home),
         grace_s=parse_grace(os.environ.get("GPUPOOL_GRACE_S", "")),
+        rendezvous_ports=parse_ports(os.environ.get("GPUPOOL_RENDEZVOUS_PORTS", "")),
         log_rate_bytes_s=_size("GPUPOOL_LOG_RATE", 1 << 20),
         log_burst_bytes=_size("GPUPOOL_LOG_BURST", 4 << 20),
         log_max_bytes=_size("GPUPOOL_LOG_MAX_BYTES", 64 << 20),

@@ -97,6 +97,11 @@ class NodeInventory(Frozen):
     memory_mib: NonNeg
     gpus: tuple[GpuCard, ...] = ()
     labels: dict[str, str] = {}
+    # The address the node's programs are reached at by the other parts of a gang (the rendezvous master's address,
+    # docs/jobs.md "Gangs"): an IP address or host name the node advertises (GPUPOOL_NODE_ADDRESS on a real node, a
+    # distinct loopback address per node in the simulated fleet). "": not said (a node from before gangs rendezvous);
+    # a gang whose rank 0 is on such a node is told its node name.
+    address: Annotated[str, Field(max_length=253, pattern=r"^[A-Za-z0-9.:_-]*$")] = ""
 
 
 class NodeHeartbeat(Frozen):
@@ -243,10 +248,15 @@ class JobCheckpointed(Frozen):
 
 
 class JobCompleted(Frozen):
+    """One run of one part ended by exiting 0. A job of one part is then done; a gang (`parts` > 1) is done when every
+    part of the run completed (docs/jobs.md, "Gangs")."""
     kind: Literal["job.completed"] = "job.completed"
     job_id: Ident
     node: Ident
     command_id: Ident
+    attempt: NonNeg = 0  # the run (0: not said, a node from before gangs)
+    part: NonNeg = 0  # the gang part (gang_index) that completed
+    parts: Pos = 1  # the gang's parts in that run (gang_size)
 
 
 # Why a run ended other than by completing: a closed vocabulary (docs/jobs.md, "Exit reasons"); `reason` says it in
@@ -339,6 +349,11 @@ class PlaceJob(Frozen):
     # about the run names it; a node refuses a placement older than one it knows superseded (agents/node/fencing.py).
     # 0: not numbered (a producer that predates attempts).
     attempt: NonNeg = 0
+    # The rendezvous of a job's parts (docs/jobs.md, "Gangs"): rank 0's node address (its inventory's `address`,
+    # else its name) and a port the scheduler chose for this attempt from the operator's range (SchedulerTick
+    # .rendezvous_ports), the same in every part's placement. "" / 0: none given (a job without a program).
+    master_addr: str = ""
+    master_port: Annotated[int, Strict(), Field(ge=0, le=65535)] = 0
 
 
 class ResizeJob(Frozen):
@@ -417,6 +432,9 @@ class RequestRejected(Frozen):
     message: str = ""
 
 
+DEFAULT_RENDEZVOUS_PORTS = (29500, 29999)  # torchrun's default master port and the 499 above it
+
+
 class SchedulerTick(Frozen):
     """A cycle tick: time enters the scheduler only through its input log. `grace_s`: the operator's grace period per
     tier (GPUPOOL_GRACE_S, docs/jobs.md "Stops and grace periods") as the ticker read it, so the grace a stop waits
@@ -424,6 +442,16 @@ class SchedulerTick(Frozen):
     kind: Literal["scheduler.tick"] = "scheduler.tick"
     now_ms: NonNeg
     grace_s: dict[Tier, Annotated[int, Strict(), Field(ge=0, le=GRACE_MAX_S)]] = {}
+    # the operator's rendezvous port range (GPUPOOL_RENDEZVOUS_PORTS, first and last, inclusive) a gang's master port
+    # is chosen from; empty (a ticker that predates it): the range stays as it was (DEFAULT_RENDEZVOUS_PORTS at first)
+    rendezvous_ports: tuple[Annotated[int, Strict(), Field(ge=1, le=65535)], ...] = ()
+
+    @model_validator(mode="after")
+    def _port_range(self):
+        r = self.rendezvous_ports
+        if r and (len(r) != 2 or r[0] > r[1]):
+            raise ValueError("rendezvous_ports: (first, last) with first <= last")
+        return self
 
 
 # ---------------------------------------------------------------- reservations

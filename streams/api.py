@@ -232,7 +232,11 @@ FROM (
   SELECT job_id, any(tenant_of) AS tenant,
          -- an end of a run the scheduler interrupted left out too: a node that comes back and reports the old run
          -- completed or failed does not end the job's new run (job_view's rule)
-         multiIf(arrayExists(x -> x.3 = 'job.completed' AND NOT has(superseded, x.2), ends), 'completed',
+         -- (a gang: once every part of one run completed, each part's completion saying the run's parts)
+         multiIf(arrayExists(x -> x.3 = 'job.completed' AND NOT has(superseded, x.2) AND (x.5 <= 1 OR length(
+                     arrayDistinct(arrayMap(y -> y.6, arrayFilter(y -> y.3 = 'job.completed' AND y.4 = x.4
+                                                                  AND NOT has(superseded, y.2), ends)))) >= x.5),
+                             ends), 'completed',
                  -- a failed run ends the job only beyond the retries it asked for (the scheduler requeues it
                  -- otherwise): failures counted per placement, a gang's parts of one run once
                  failures > retries, 'failed',
@@ -270,9 +274,11 @@ FROM (
          -- ended: only a job that has (a failed run with a retry left is no end)
          if(state IN ('completed', 'failed', 'cancelled', 'rejected'),
             greatest(maxIf(event_time_ms, kind IN ('job.cancelled', 'job.rejected')),
-                     arrayMax(arrayMap(x -> if(has(superseded, x.2), 0, x.1), arrayPushBack(ends, (0, '', '', 0))))),
+                     arrayMax(arrayMap(x -> if(has(superseded, x.2), 0, x.1),
+                                       arrayPushBack(ends, (0, '', '', 0, 0, 0))))),
             0) AS ended_ms,
-         groupArrayIf((event_time_ms, command_id, kind, JSONExtractUInt(payload, 'attempt')),
+         groupArrayIf((event_time_ms, command_id, kind, JSONExtractUInt(payload, 'attempt'),
+                       JSONExtractUInt(payload, 'parts'), JSONExtractUInt(payload, 'part')),
                       kind IN ('job.completed', 'job.failed')) AS ends,
          length(arrayDistinct(arrayMap(x -> if(x.4 > 0, toString(x.4), x.2),
                                        arrayFilter(x -> x.3 = 'job.failed' AND NOT has(superseded, x.2), ends))))

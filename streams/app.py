@@ -774,10 +774,12 @@ class Worker:
         # The scheduler's clock is the broker's append time of this record, not `t`: the payload only says when
         # the ticker meant it.
         # Each tick carries the operator's grace periods (GPUPOOL_GRACE_S, every tier's: the default filled in), so
-        # the scheduler and every replay of its input take them from the log (docs/jobs.md, "Stops and grace periods").
+        # the scheduler and every replay of its input take them from the log (docs/jobs.md, "Stops and grace periods");
+        # and the gangs' rendezvous port range (GPUPOOL_RENDEZVOUS_PORTS, docs/jobs.md "Gangs"), the same way.
         t = now_ms()
         await self.scheduler_input.send(key=b"ticker", value=encode(
-            envelope(SchedulerTick(now_ms=t, grace_s=self._grace), source="ticker", seq=t, time_ms=t)))
+            envelope(SchedulerTick(now_ms=t, grace_s=self._grace, rendezvous_ports=self.cfg.rendezvous_ports),
+                     source="ticker", seq=t, time_ms=t)))
 
     # ---------------------------------------------------------------- HTTP API (streams/api.py)
 

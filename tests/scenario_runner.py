@@ -14,8 +14,9 @@ tier's stops (tier -> seconds).
 
 Lifecycle steps: `node_down: NODE` or `{node, heartbeat_ago_ms}` (node.liveness alive=false, last heartbeat that long
 ago), `node_up: NODE` (the node reports its inventory again), `drain`, `uncordon`, `remove`, `readd` (node.removed),
-`fail: JOB`, `quota: {tenant, project?, compute}`, and `stale: {job, attempt, report: started|checkpointed|completed}`
-(a report from an earlier run of the job: the command of its `attempt`-th placement).
+`fail: JOB` (`complete: JOB` completes every part of its run), `quota: {tenant, project?, compute}`, and `stale:
+{job, attempt, report: started|checkpointed|completed}` (a report from an earlier run of the job: the command of its
+`attempt`-th placement).
 
 `log_time: true` steps every input at its log time (the scenario clock, as the broker stamps it) and lets a step say
 `skew_ms: N`: its producer's clock is N ms off (the event time it claims), which must not move the scheduler."""
@@ -77,6 +78,7 @@ def run(path: Path) -> None:
         else Scheduler(**kw)
     placed: dict[str, object] = {}
     attempts: dict[tuple[str, int], object] = {}  # (job, attempt) -> the first part's cmd.place
+    parts_of: dict[str, list] = {}  # job -> every part of its latest placement (a gang completes with all of them)
     sent: list = []
     last: list = []
     for n in doc.get("nodes", []):
@@ -131,7 +133,14 @@ def run(path: Path) -> None:
             cmd = placed[arg].payload
             src = f"{cmd.node}/job/{arg}"
             ev = {"start": JobStarted, "complete": JobCompleted}.get(op)
-            if ev:
+            if op == "complete":  # every part of the run exits 0: a gang completes with its last part (docs/jobs.md)
+                last = []
+                for i, part in enumerate(parts_of.get(arg, [cmd])):
+                    last += step(clock.env(JobCompleted(job_id=arg, node=part.node, command_id=part.command_id,
+                                                        attempt=part.attempt, part=part.gang_index,
+                                                        parts=part.gang_size), f"{part.node}/job/{arg}",
+                                           dt=dt if i == 0 else 0))
+            elif ev:
                 last = step(clock.env(ev(job_id=arg, node=cmd.node, command_id=cmd.command_id), src, dt=dt))
             elif op == "fail":
                 last = step(clock.env(JobFailed(job_id=arg, node=cmd.node, command_id=cmd.command_id,
@@ -207,6 +216,10 @@ def run(path: Path) -> None:
             raise ValueError(f"unknown step {op}")
         sent.extend(last)
         for e in last:
+            if e.payload.kind == "cmd.place":
+                if e.payload.gang_index == 0:
+                    parts_of[e.payload.job_id] = []
+                parts_of.setdefault(e.payload.job_id, []).append(e.payload)
             if e.payload.kind == "cmd.place" and e.payload.gang_index == 0:
                 placed[e.payload.job_id] = e
                 attempts[(e.payload.job_id, e.payload.attempt)] = e

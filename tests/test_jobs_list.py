@@ -284,3 +284,41 @@ def test_a_job_a_retry_made_is_listed_completed_and_one_without_retries_fails_at
     # and as the jobs table says it (agents/cli/views.py)
     from agents.cli.views import exit_cell
     assert exit_cell(failed) == "ExitCode 2" and exit_cell(ok).startswith("Signal 11 (run 1 of 2 failed)")
+
+
+def test_a_gang_is_listed_running_until_its_last_part_completes(store):
+    """A gang of three parts over three nodes (docs/jobs.md, "Gangs"): two parts complete and the third still runs;
+    the list says running, as the scheduler does; once the third completes, completed."""
+    from schemas.events import JobCompleted
+
+    client, sink = store
+    c = Clock()
+    s = Scheduler(ledger=open_ledger())
+    logged = [c.env(inventory(n, "A100-80GB", gpus=1), f"{n}/inventory") for n in ("g1", "g2", "g3")]
+    logged.append(c.env(job("t/gang", "t", 3000, 100, command=("python3", "x.py")), "cli/gang"))
+    for e in list(logged):
+        logged += s.step(e)
+    parts = sorted((o.payload for o in logged if o.kind == "cmd.place"), key=lambda p: p.gang_index)
+    assert len(parts) == 3
+    for p in parts:
+        e = c.env(JobStarted(job_id="t/gang", node=p.node, command_id=p.command_id), f"{p.node}/job/t/gang", dt=10)
+        logged += [e] + s.step(e)
+
+    def done(p):
+        e = c.env(JobCompleted(job_id="t/gang", node=p.node, command_id=p.command_id, attempt=p.attempt,
+                               part=p.gang_index, parts=3), f"{p.node}/job/t/gang", dt=100)
+        return [e] + s.step(e)
+
+    def row():
+        sql, params = jobs_sql(None)
+        res = client.query(sql, parameters=params)
+        [r] = [dict(zip(res.column_names, r)) for r in res.result_rows if r[0] == "t/gang"]
+        return r
+
+    for p in parts[:2]:
+        logged += done(p)
+    assert s.state_of("t/gang") == "running"
+    _store(sink, logged, part=21)  # partitions of its own (the sink drops a batch at offsets already written)
+    assert row()["state"] == "running"
+    _store(sink, done(parts[2]), part=22)
+    assert s.state_of("t/gang") == "done" and row()["state"] == "completed"

@@ -105,8 +105,10 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--tier", choices=["inference", "online-training", "offline"], help="default: offline")
     s.add_argument("--compute", type=int, help="compute units in milli-CU (1000 = one A100); required")
     s.add_argument("--memory-gib", type=float, help="GPU memory; required")
-    s.add_argument("--cpu", type=int, help="milli-CPU (default 1000)")
-    s.add_argument("--host-memory-mib", type=int, help="host memory (default 1024)")
+    s.add_argument("--cpu", type=int, help="host milli-CPU (default 1000); a gang over several nodes gets this much "
+                   "for each part, on each node (docs/jobs.md, \"Gangs\")")
+    s.add_argument("--host-memory-mib", type=int, help="host memory, MiB (default 1024); per part of a gang, like "
+                   "--cpu")
     s.add_argument("--duration", type=int, help="simulated run time in seconds (a job with no command)")
     s.add_argument("--checkpoint-every", "--checkpoint-interval", type=int, metavar="SECONDS",
                    help="checkpoint interval (a preempted or interrupted job resumes from its last checkpoint)")

@@ -18,7 +18,10 @@ without a command is a stand-in run, as before the programs came:
 A stand-in that exits within the grace time of a stop is taken to have checkpointed where it was; one that has to
 be killed resumes from its previous checkpoint. A program's checkpoints are only those its manifest names.
 
-Node identity comes from GPUPOOL_NODE (default: the host name), GPUPOOL_RACK and GPUPOOL_DATACENTER.
+Node identity comes from GPUPOOL_NODE (default: the host name), GPUPOOL_RACK and GPUPOOL_DATACENTER; the address the
+node's programs are reached at by a gang's other parts (its inventory's `address`, a rendezvous master's address:
+docs/jobs.md "Gangs") from GPUPOOL_NODE_ADDRESS, else `node_address`'s guess: the local address of the route to the
+Kafka cluster.
 """
 from __future__ import annotations
 
@@ -36,7 +39,9 @@ from pathlib import Path
 
 from agents.node.fencing import Fence
 from agents.node.logship import shipper_for
-from agents.node.runner import LogFile, NodeContext, Output, Run, log_file, tee, visible_devices  # noqa: F401
+from agents.node.runner import (  # noqa: F401
+    LogFile, NodeContext, Output, Run, completed, log_file, tee, visible_devices,
+)
 from agents.node.share_enforcer import ShareEnforcer, share_problems, stop_job_for_share
 from agents.node.shares import ShareConfig
 from agents.node.sim_agent import parse_checkpoint, wall_ms
@@ -45,7 +50,7 @@ from infra.security import kafka_conn, node_principal
 from schemas.topics import node_channel
 from schemas.envelope import Envelope, encode, envelope
 from schemas.events import (
-    Assignment, GpuHealth, GpuSample, GpuTelemetry, JobCheckpointed, JobCompleted, JobFailed, JobStarted, JobStopped,
+    Assignment, GpuHealth, GpuSample, GpuTelemetry, JobCheckpointed, JobFailed, JobStarted, JobStopped,
     MigrateJob, MigReconfigure, NodeInventory, PlaceJob, PreemptJob, ReleaseJob, ResizeJob,
 )
 from schemas.routing import route
@@ -244,8 +249,7 @@ class Executor:
             del self.running[job.job_id]
         src = self._src(job.job_id)
         if ended.ok:
-            await self.publish(JobCompleted(job_id=job.job_id, node=self.node, command_id=job.command_id), src,
-                               job.command_id)
+            await self.publish(completed(p, job.job_id, self.node, job.command_id), src, job.command_id)
         else:
             await self.publish(ended.failed(p, self.node, job.command_id), src, job.command_id)
 
@@ -377,6 +381,25 @@ def with_faults(tel: GpuTelemetry, health: list[GpuHealth]) -> GpuTelemetry:
     return tel.model_copy(update={"samples": tuple(samples)})
 
 
+def node_address(bootstrap: str, environ=os.environ) -> str:
+    """The address this node advertises to the other parts of a gang: GPUPOOL_NODE_ADDRESS when the operator set it
+    (the interface the nodes' training network uses), else the local address the kernel picks to reach the first
+    Kafka broker (a UDP socket's connect sends nothing), else the host name's address."""
+    given = environ.get("GPUPOOL_NODE_ADDRESS", "").strip()
+    if given:
+        return given
+    host = (bootstrap.split(",")[0].rsplit(":", 1)[0] or "127.0.0.1").strip("[]")
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, 9))
+            return s.getsockname()[0]
+    except OSError:
+        try:
+            return socket.gethostbyname(socket.gethostname())
+        except OSError:
+            return ""
+
+
 class NvmlAgent:
     def __init__(self, cfg, args, backend, *, node: str | None = None):
         self.cfg = cfg
@@ -387,6 +410,7 @@ class NvmlAgent:
         self.channel = node_channel(self.principal).name
         self.rack = os.environ.get("GPUPOOL_RACK", "rack-0")
         self.datacenter = os.environ.get("GPUPOOL_DATACENTER", "dc-0")
+        self.address = node_address(cfg.bootstrap if cfg is not None else "")
         self.interval = float(getattr(args, "interval", 1.0) or 1.0)
         self.group_id = getattr(args, "group", None) or f"gpupool-agent-{self.node}"
         self.backend = backend
@@ -418,6 +442,8 @@ class NvmlAgent:
 
     async def publish_inventory(self, force: bool = False, cause: str | None = None) -> None:
         inv = await asyncio.to_thread(self.backend.inventory, self.node, self.rack, self.datacenter)
+        if self.address and not inv.address:
+            inv = inv.model_copy(update={"address": self.address})
         if force or inv != self.inventory:
             await self.publish(inv, f"{self.node}/inventory", cause)
             self.inventory = inv

@@ -53,7 +53,7 @@ from pathlib import Path
 
 from agents.node.shares import ShareConfig, share_mounts
 from infra.config import Volume
-from schemas.events import Assignment, JobFailed, PlaceJob
+from schemas.events import Assignment, JobCompleted, JobFailed, PlaceJob
 from schemas.program import program_problem
 
 log = logging.getLogger("gpupool.runner")
@@ -278,6 +278,35 @@ def share_environment(place: PlaceJob, ctx: NodeContext) -> dict[str, str]:
                            in_container=bool(place.image)))
 
 
+def run_id(place: PlaceJob) -> str:
+    """TORCHELASTIC_RUN_ID: the job and attempt, in characters any rendezvous backend takes (`acme/train`, attempt 3:
+    `acme_train-a3`)."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", place.job_id) + f"-a{place.attempt}"
+
+
+def rendezvous_environment(place: PlaceJob) -> dict[str, str]:
+    """What torchrun and plain PyTorch need to meet the job's other parts (docs/jobs.md, "Gangs"): torchrun's
+    PET_* options (one node per part; its cards on this node as the processes per node), the run id, and MASTER_*,
+    WORLD_SIZE and RANK for a program that starts one process per part and reads them itself. From the placement,
+    which carries the master's address and port the scheduler chose (the same in every part's); {} for a placement
+    that carries none (a scheduler from before gangs rendezvous)."""
+    if not place.master_port:
+        return {}
+    addr, port = place.master_addr or "127.0.0.1", str(place.master_port)
+    return {
+        "PET_NNODES": str(place.gang_size),
+        "PET_NODE_RANK": str(place.gang_index),
+        "PET_NPROC_PER_NODE": str(max(1, len({a.gpu_uuid for a in place.assignments}))),
+        "PET_MASTER_ADDR": addr,
+        "PET_MASTER_PORT": port,
+        "TORCHELASTIC_RUN_ID": run_id(place),
+        "MASTER_ADDR": addr,
+        "MASTER_PORT": port,
+        "WORLD_SIZE": str(place.gang_size),
+        "RANK": str(place.gang_index),
+    }
+
+
 def pool_environment(place: PlaceJob, node_ctx: NodeContext) -> dict[str, str]:
     """What the pool tells every job (docs/jobs.md, "What a job sees"), for a plain process or a container alike
     (the checkpoint directory as that run sees it)."""
@@ -296,6 +325,7 @@ def pool_environment(place: PlaceJob, node_ctx: NodeContext) -> dict[str, str]:
         "CUDA_VISIBLE_DEVICES": devices,
         "NVIDIA_VISIBLE_DEVICES": devices or "void",
     }
+    env.update(rendezvous_environment(place))
     env.update(share_environment(place, node_ctx))
     return env
 
@@ -307,6 +337,15 @@ def program_environment(place: PlaceJob, ctx: NodeContext, home: str) -> dict[st
 
 
 # ---------------------------------------------------------------- how a run ended
+
+def completed(place: PlaceJob | None, job_id: str, node: str, command_id: str) -> JobCompleted:
+    """A run that exited 0, as its node reports it: with the run's attempt and its part of the gang (a gang is done
+    when every part of the run completed: the scheduler counts them)."""
+    if place is None:
+        return JobCompleted(job_id=job_id, node=node, command_id=command_id)
+    return JobCompleted(job_id=job_id, node=node, command_id=command_id, attempt=place.attempt,
+                        part=place.gang_index, parts=place.gang_size)
+
 
 @dataclass(frozen=True)
 class Exit:

@@ -43,6 +43,7 @@ stopped with its tier's grace period (GPUPOOL_GRACE_S) first.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import os
 import time
@@ -51,14 +52,14 @@ from dataclasses import dataclass, field
 
 from agents.node.fencing import Fence
 from agents.node.logship import shipper_for
-from agents.node.runner import LogFile, NodeContext, Output, Run, log_file, tee
+from agents.node.runner import LogFile, NodeContext, Output, Run, completed, log_file, tee
 from infra.kafka_client import consume_commands
 from infra.security import NODE, kafka_conn
 
 from infra.config import Config
 from schemas.envelope import Envelope, encode, envelope
 from schemas.events import (
-    Assignment, GpuSample, GpuTelemetry, JobCheckpointed, JobCompleted, JobFailed, JobStarted, JobStopped,
+    Assignment, GpuSample, GpuTelemetry, JobCheckpointed, JobFailed, JobStarted, JobStopped,
     MigrateJob, MigReconfigure, NodeInventory, PlaceJob, PreemptJob, ReleaseJob, ResizeJob,
 )
 from schemas.gpu_models import mig_profile
@@ -73,6 +74,11 @@ FAULT_KINDS = {"ecc": 2, "clear": 2, "lose": 1, "slow": 2, "recover": 1, "restar
 
 def wall_ms() -> int:
     return time.time_ns() // 1_000_000
+
+
+def loopback(i: int) -> str:
+    """The i-th simulated node's address: 127.0.0.2 onwards (every address of 127.0.0.0/8 is this machine's)."""
+    return str(ipaddress.IPv4Address(int(ipaddress.IPv4Address("127.0.0.2")) + i))
 
 
 def parse_checkpoint(ckpt: str) -> int:
@@ -147,7 +153,10 @@ class SimFleetAgent:
             volumes=cfg.volumes if cfg is not None else {})
         self.output = output  # every program's stdout and stderr, besides the attempt's log file
         self.speedup = speedup
-        self.nodes = {inv.node: SimNode(inv) for inv in inventories}
+        # each simulated node advertises an address of its own (a gang's parts meet at rank 0's: docs/jobs.md
+        # "Gangs"): the fleet file's, else a distinct loopback address, 127.0.0.2, 127.0.0.3, ... in the fleet's order
+        self.nodes = {inv.node: SimNode(inv if inv.address else inv.model_copy(update={"address": loopback(i)}))
+                      for i, inv in enumerate(inventories)}
         self.interval = telemetry_interval_s
         self.group_id = group_id
         # the node principal every node reports as (None: each node's own, agents/node/channels.py): it writes only
@@ -287,7 +296,7 @@ class SimFleetAgent:
         if node.running.get(job_id) is not r:
             return
         del node.running[job_id]
-        await self.publish(JobCompleted(job_id=job_id, node=node_name, command_id=r.command_id),
+        await self.publish(completed(r.place, job_id, node_name, r.command_id),
                            src, r.started_ms + elapsed, cause=r.command_id)
         await self.producer.flush()
 
@@ -320,7 +329,7 @@ class SimFleetAgent:
                 r = Running(p.command_id, p.assignments, now,
                             p.duration_s * 1000 if p.duration_s is not None else None, parse_checkpoint(p.resume_from),
                             checkpoint_ms=p.checkpoint_interval_s * 1000, slow=node.slow_factor,
-                            started_mono=self._mono_now(), attempt=p.attempt)
+                            started_mono=self._mono_now(), attempt=p.attempt, place=p)
                 node.running[p.job_id] = r
                 await self.publish(JobStarted(job_id=p.job_id, node=node_name, command_id=p.command_id),
                                    f"{node_name}/job/{p.job_id}", now, cause=p.command_id)
@@ -405,8 +414,7 @@ class SimFleetAgent:
         del node.running[job_id]
         src = f"{node_name}/job/{job_id}"
         if ended.ok:
-            await self.publish(JobCompleted(job_id=job_id, node=node_name, command_id=r.command_id), src,
-                               cause=r.command_id)
+            await self.publish(completed(r.place, job_id, node_name, r.command_id), src, cause=r.command_id)
         else:
             await self.publish(ended.failed(r.place, node_name, r.command_id), src, cause=r.command_id)
         await self.producer.flush()

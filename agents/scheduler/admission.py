@@ -150,7 +150,7 @@ def _verdict(job: JobRequested, kinds: list[list]) -> tuple[Reason, ...] | None:
     data: dict[str, int | str] = {"spread": limit}
     for name in models:
         need = cards_needed(job.compute_milli, job.gpu_memory_mib, name)
-        cpu_per, mem_per = -(-job.cpu_milli // need), -(-job.memory_mib // need)
+        cpu_part, mem_part = job.cpu_milli, job.memory_mib  # host CPU and memory are per part, as asked
         most = 0
         for _, inv, cards in host:  # one node: the whole request's host CPU and memory there
             most = max(most, sum(1 for g in cards if g.model == name))
@@ -158,29 +158,26 @@ def _verdict(job: JobRequested, kinds: list[list]) -> tuple[Reason, ...] | None:
             groups: dict[tuple, int] = {}
             for n, inv, cards in usable:
                 k = _group(level, inv)
-                groups[k] = groups.get(k, 0) + n * _room(inv, cards, name, cpu_per, mem_per)
+                groups[k] = groups.get(k, 0) + n * _room(inv, cards, name, cpu_part, mem_part)
             most = max(most, max(groups.values(), default=0))
         if need >= 2 and most >= need:
             return None
         data[f"cards_needed_{name}"] = need
         data[f"cards_at_most_{name}"] = most
     if job.tier == Tier.OFFLINE and len(models) > 1 and c.interconnect != "nvlink" and job.compute_milli:
-        # a mixed-model gang (offline tier): cards of several models, each asking host CPU and memory in proportion
-        # to the share of the job it covers (placement._mixed_gang)
+        # a mixed-model gang (offline tier): cards of several models, on nodes with the host CPU and memory a part
+        # asks (placement._mixed_gang)
         per_card = {}
         for name in models:
             m = model(name)
-            share = min(1000, max(m.cu_milli * 1000 // job.compute_milli,
-                                  m.memory_mib * 1000 // job.gpu_memory_mib if job.gpu_memory_mib else 0))
-            per_card[name] = (m.cu_milli, m.memory_mib, -(-job.cpu_milli * share // 1000),
-                              -(-job.memory_mib * share // 1000))
+            per_card[name] = (m.cu_milli, m.memory_mib, job.cpu_milli, job.memory_mib)
         for level in levels:
             groups: dict[tuple, list[int]] = {}
             for n, inv, cards in usable:
                 g = groups.setdefault(_group(level, inv), [0, 0])
                 for name in {x.model for x in cards}:
-                    cu, mem, cpu_per, mem_per = per_card[name]
-                    room = _room(inv, cards, name, cpu_per, mem_per)
+                    cu, mem, cpu_part, mem_part = per_card[name]
+                    room = _room(inv, cards, name, cpu_part, mem_part)
                     g[0] += n * room * cu
                     g[1] += n * room * mem
             if any(cu >= job.compute_milli and mem >= job.gpu_memory_mib for cu, mem in groups.values()):
@@ -194,15 +191,12 @@ def _verdict(job: JobRequested, kinds: list[list]) -> tuple[Reason, ...] | None:
                                  for m in models))),)
 
 
-def _room(inv: NodeInventory, cards: list, name: str, cpu_per: int, mem_per: int) -> int:
-    """Cards of this model one node could give a gang, host CPU and memory asked per card (placement.gang_room, on
-    the inventory rather than on what is free)."""
-    room = sum(1 for g in cards if g.model == name)
-    if cpu_per:
-        room = min(room, inv.cpu_milli // cpu_per)
-    if mem_per:
-        room = min(room, inv.memory_mib // mem_per)
-    return room
+def _room(inv: NodeInventory, cards: list, name: str, cpu_part: int, mem_part: int) -> int:
+    """Cards of this model one node could give a gang, none unless it has the host CPU and memory a part asks
+    (placement.gang_room, on the inventory rather than on what is free)."""
+    if inv.cpu_milli < cpu_part or inv.memory_mib < mem_part:
+        return 0
+    return sum(1 for g in cards if g.model == name)
 
 
 def _group(level: str, inv: NodeInventory) -> tuple:

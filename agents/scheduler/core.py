@@ -10,6 +10,7 @@ from __future__ import annotations
 import bisect
 import functools
 import heapq
+import zlib
 from dataclasses import replace
 
 from agents.scheduler.admission import Fleet
@@ -34,10 +35,11 @@ from agents.scheduler.victims import LazyVictims
 from schemas.envelope import DecodeError, Envelope, decode_fast, envelope
 from schemas.gpu_models import model as gpu_model
 from schemas.events import (
-    TIER_RANK, GpuHealth, JobCancelled, JobCheckpointed, JobCompleted, JobFailed, JobInterrupted, JobPending,
-    JobRequested, JobStarted, JobStopped, MigrateJob, MigReconfigure, ReservationCancelled, ReservationDecided,
-    ReservationRequested, NodeAdmitted, NodeCordon, NodeInventory, NodeLiveness, NodeRemoved, PlaceJob, PreemptJob,
-    QuotaRejected, QuotaSet, Reason, Rejected, ReleaseJob, ResizeJob, SchedulerTick, Tier, UsageAccrued,
+    DEFAULT_RENDEZVOUS_PORTS, TIER_RANK, GpuHealth, JobCancelled, JobCheckpointed, JobCompleted, JobFailed,
+    JobInterrupted, JobPending, JobRequested, JobStarted, JobStopped, MigrateJob, MigReconfigure, ReservationCancelled,
+    ReservationDecided, ReservationRequested, NodeAdmitted, NodeCordon, NodeInventory, NodeLiveness, NodeRemoved,
+    PlaceJob, PreemptJob, QuotaRejected, QuotaSet, Reason, Rejected, ReleaseJob, ResizeJob, SchedulerTick, Tier,
+    UsageAccrued,
 )
 from streams.core import node_view
 from streams.core.exits import backoff_ms, failure_text
@@ -87,6 +89,9 @@ class Scheduler:
     retain_ms: int | None = RETAIN_MS
     max_pending: int = MAX_PENDING
     search_memo = True  # the claim search keeps per-node facts (_plan_nodes); off: the reference walk (tests)
+    # the operator's port range for gangs' rendezvous (first, last): the ticks carry it (SchedulerTick
+    # .rendezvous_ports), so every replay chooses the same ports (_rendezvous)
+    rendezvous_ports: tuple[int, int] = DEFAULT_RENDEZVOUS_PORTS
 
     def __init__(self, *, ledger: Ledger | None = None, preemption: PreemptionConfig | None = None,
                  candidates: int = DEFAULT_CANDIDATES, full_cycle_ms: int | None = None,
@@ -403,6 +408,8 @@ class Scheduler:
                     if self._ended_report(out, env, p, runs=False) is False:
                         self._cycle(out, env)
                 elif not self._superseded(out, env, rec, p.node, p.command_id, runs=False):
+                    if isinstance(p, JobCompleted) and not self._gang_complete(rec, p):
+                        return  # a part of a gang is done; the others still run (docs/jobs.md, "Gangs")
                     if isinstance(p, JobFailed) and rec.hold is None and rec.failures < rec.request.retries:
                         self._retry(out, env, rec, p)  # a retry left: requeued after a back-off
                     else:
@@ -440,6 +447,8 @@ class Scheduler:
             case SchedulerTick():
                 if p.grace_s:  # the operator's grace periods, as the ticker read them (docs/jobs.md)
                     self.grace_s = grace_map(p.grace_s)
+                if p.rendezvous_ports and tuple(p.rendezvous_ports) != self.rendezvous_ports:
+                    self.rendezvous_ports = (p.rendezvous_ports[0], p.rendezvous_ports[1])
                 if self.now_ms - self._usage_ms >= self.usage_tick_ms:
                     self._usage_ms = self.now_ms
                     for j in list(self.running):
@@ -480,6 +489,7 @@ class Scheduler:
         """Release every part the run holds (a hold's only in the scheduler's own view: it was never sent), and give
         its quota back."""
         self._uncharge(rec)  # it lets go of what was freed for it
+        rec.completed_parts = ()  # the run's parts that completed (a gang's): the next run starts counting anew
         if rec.placement is None:
             return
         if self._unsettled:
@@ -508,6 +518,46 @@ class Scheduler:
         self.h.set_state(rec, "done")
         self.unsure.pop(job_id, None)
         self._nominate(rec, None)
+
+    def _gang_complete(self, rec: JobRecord, p: JobCompleted) -> bool:
+        """Whether this completion ends the job: a job of one part, yes; a part of a gang is recorded, and the gang is
+        done when every part of its run has completed (torchrun's: a worker exiting 0 is done, the group succeeds
+        once all are). Meanwhile the gang keeps every part's cards, and is billed for them, as one allocation. A
+        completion that does not say its gang's parts (`parts` 1: a producer that predates gangs' completions, such as
+        the simulators that report a gang's first part only) or names no part of the run ends the job as before."""
+        if len(rec.parts) < 2 or p.parts < 2:
+            return True
+        i = next((i for i, part in enumerate(rec.parts) if part.command_id == p.command_id), None)
+        if i is None:
+            return True
+        if i not in rec.completed_parts:
+            rec.completed_parts = tuple(sorted(rec.completed_parts + (i,)))
+        return len(rec.completed_parts) == len(rec.parts)
+
+    def _rendezvous(self, r: JobRequested, master: str) -> tuple[str, int]:
+        """Where a job's parts meet (docs/jobs.md, "Gangs"): rank 0's node address (its inventory's, else its name)
+        and a port of the operator's range that no other placed job of the scheduler's holds as its master port on
+        that node. The walk starts at a point derived from the job id and attempt (crc32: the same in every process
+        and replay), so a new attempt of the job does not take the port its previous, just-released run may still
+        hold. With every port of the range taken, the walk's first port is given (the range is too small: an
+        operator's choice, docs/operators.md)."""
+        inv = self.nodes[master].inventory if master in self.nodes else None
+        addr = (inv.address if inv is not None else "") or master
+        first, last = self.rendezvous_ports
+        size = last - first + 1
+        held_ports = set()
+        view = self.nodes.get(master)
+        for j in (view.allocations if view is not None else ()):
+            other = self.jobs.get(j)
+            if other is not None and other.parts and other.parts[0].node == master and other.parts[0].master_port:
+                held_ports.add(other.parts[0].master_port)
+        attempt = self.jobs[r.job_id].attempt if r.job_id in self.jobs else 0
+        start = (zlib.crc32(r.job_id.encode()) + attempt) % size
+        for k in range(size):
+            port = first + (start + k) % size
+            if port not in held_ports:
+                return addr, port
+        return addr, first + start
 
     def _fact_ms(self, env: Envelope) -> int:
         """A node's own time for what it did (a job's start, checkpoint, end, a fault: the bill's intervals), never
@@ -1125,6 +1175,9 @@ class Scheduler:
             rec.attempt += 1
         gang = len(result.parts)
         nodes = tuple(p.node for p in result.parts) if gang > 1 else ()
+        # a program's parts meet at rank 0's node (a stand-in without a program needs no rendezvous)
+        master_addr, master_port = self._rendezvous(r, result.parts[0].node) if (
+            rec.hold is None and (r.command or r.image)) else ("", 0)
         cmds = []
         for i, part in enumerate(result.parts):
             if rec.hold is not None:
@@ -1142,7 +1195,7 @@ class Scheduler:
                 duration_s=r.duration_s, checkpoint_interval_s=r.checkpoint_interval_s, resume_from=rec.checkpoint,
                 borrowed=quota.borrowed, gang_size=gang, gang_index=i, gang_nodes=nodes,
                 reasons=result.reasons + quota.reasons + (Reason(code="Cycle", data={"cycle": self.cycle}),),
-                attempt=rec.attempt, tier=r.tier, **r.program)
+                attempt=rec.attempt, tier=r.tier, master_addr=master_addr, master_port=master_port, **r.program)
             self._command(out, cmd, cause)
             cmds.append(cmd)
         for ev in self.ledger.hold(r, quota.borrowed, reserved=rec.hold is not None or rec.reserved,

@@ -82,6 +82,7 @@ class JobRecord:
     migrations: int = 0  # runs moved by defragmentation (cmd.migrate)
     migrated_at: tuple[int, ...] = ()
     migration: MigrateJob | None = None  # the move under way: the run stops on from_node, resumes on to_node
+    completed_parts: tuple[int, ...] = ()  # the gang parts (indexes) of the current run that completed (core)
     standing_memo: tuple = ()  # (its tenant's sums version, the quota version, standing): claims.standing_now's memo
     quiet_memo: tuple = ()  # (preempted_at, until, reason): core.Scheduler._quiet's memo
     miss_memo: tuple = ()  # (view seq, nodes closed to it, node epoch, seen): its last attempt no node took

@@ -526,14 +526,13 @@ def _topology_reason(index: NodeIndex, views: dict[str, NodeView], parts: tuple[
                         "parts": len(parts)})
 
 
-def gang_room(view: NodeView, job: JobRequested, model_name: str, cpu_per: int, mem_per: int) -> int:
-    """Whole free cards of this model the node could give one part of a gang (host CPU and memory included)."""
+def gang_room(view: NodeView, job: JobRequested, model_name: str, cpu_part: int, mem_part: int) -> int:
+    """Whole free cards of this model the node could give one part of a gang: none unless the node has the host CPU
+    and memory a part asks (`cpu_part`, `mem_part`: the request's, per part -- docs/jobs.md "Gangs")."""
     room = len(free_whole(view, job, model_name))
     cpu, mem = view.free_cpu_memory()
-    if cpu_per:
-        room = min(room, cpu // cpu_per)
-    if mem_per:
-        room = min(room, mem // mem_per)
+    if cpu < cpu_part or mem < mem_part:
+        return 0
     return max(room, 0)
 
 
@@ -557,8 +556,8 @@ def _gang(index: NodeIndex, views: dict[str, NodeView], job: JobRequested, model
         n = cards_needed(job.compute_milli, job.gpu_memory_mib, m)
         if n < 2:
             continue
-        cpu_per, mem_per = -(-job.cpu_milli // n), -(-job.memory_mib // n)
-        key = ("gang", m, cpu_per, mem_per)
+        cpu_part, mem_part = job.cpu_milli, job.memory_mib  # host CPU and memory are per part, as asked
+        key = ("gang", m, cpu_part, mem_part)
         avail: dict[str, int] = {}
         for name, _k in index.whole_free(m):
             if name in exclude:
@@ -567,7 +566,7 @@ def _gang(index: NodeIndex, views: dict[str, NodeView], job: JobRequested, model
             known = _known(index, v, cache[0], cache[1]) if cache is not None else None
             usable = known.get(key) if known is not None else None
             if usable is None:
-                usable = 0 if _rejects(v, job, skip_host=True) else gang_room(v, job, m, cpu_per, mem_per)
+                usable = 0 if _rejects(v, job, skip_host=True) else gang_room(v, job, m, cpu_part, mem_part)
                 if known is not None:
                     known[key] = usable
             if usable > 0:
@@ -590,7 +589,7 @@ def _gang(index: NodeIndex, views: dict[str, NodeView], job: JobRequested, model
             if best is not None:
                 per_card_mem = -(-job.gpu_memory_mib // n)
                 parts = tuple(Part(name, _whole_cards(views[name], job, free_whole(views[name], job, m), c,
-                                                      per_card_mem), cpu_per * c, mem_per * c) for name, c in best)
+                                                      per_card_mem), cpu_part, mem_part) for name, c in best)
                 return Placement(parts, (
                     Reason(code="Placed", plugin="Gang", nodes=tuple(p.node for p in parts),
                            message=f"{n} whole {m} card(s) in {len(parts)} part(s), all or nothing; "
@@ -605,8 +604,8 @@ def _mixed_gang(index: NodeIndex, views: dict[str, NodeView], job: JobRequested,
                 exclude: frozenset[str] = frozenset()) -> Placement | None:
     """Low-tier work may mix card models (issue #4, heterogeneity): when no one model can hold the gang, whole cards
     of several models, counted by what each card brings (its compute units and memory), until the job's compute and
-    GPU memory are both covered. Host CPU and memory are asked per card in proportion to the share of the job the
-    card covers. Fewest parts inside one rack, else one data center, else anywhere, as max_spread allows."""
+    GPU memory are both covered. Host CPU and memory are asked per part, as the request says (docs/jobs.md,
+    "Gangs"). Fewest parts inside one rack, else one data center, else anywhere, as max_spread allows."""
     if job.constraints.interconnect == "nvlink" or not job.compute_milli:
         return None
     limit = job.constraints.max_spread
@@ -615,17 +614,14 @@ def _mixed_gang(index: NodeIndex, views: dict[str, NodeView], job: JobRequested,
     per_card: dict[str, tuple[int, int, int, int]] = {}
     for m in models:
         gm = model(m)
-        # the share of the job one card covers, in thousandths: by compute or by memory, whichever is larger
-        share = min(1000, max(gm.cu_milli * 1000 // need_cu, gm.memory_mib * 1000 // need_mem if need_mem else 0))
-        cpu_per, mem_per = -(-job.cpu_milli * share // 1000), -(-job.memory_mib * share // 1000)
-        per_card[m] = (gm.cu_milli, gm.memory_mib, cpu_per, mem_per)
+        per_card[m] = (gm.cu_milli, gm.memory_mib, job.cpu_milli, job.memory_mib)  # host CPU, memory: per part
         for name, _k in index.whole_free(m):
             if name in exclude:
                 continue
             v = views[name]
             if _rejects(v, job, skip_host=True):
                 continue
-            room = gang_room(v, job, m, cpu_per, mem_per)
+            room = gang_room(v, job, m, job.cpu_milli, job.memory_mib)
             if room > 0:
                 offers.append((name, m, room))
     total_cu = sum(per_card[m][0] * c for _, m, c in offers)
@@ -659,7 +655,7 @@ def _mixed_gang(index: NodeIndex, views: dict[str, NodeView], job: JobRequested,
             for name, m, c in best:
                 card_mem = min(per_card[m][1], -(-need_mem * per_card[m][1] // taken_mem)) if need_mem else 0
                 parts.append(Part(name, _whole_cards(views[name], job, free_whole(views[name], job, m), c, card_mem),
-                                  per_card[m][2] * c, per_card[m][3] * c))
+                                  job.cpu_milli, job.memory_mib))
             parts_t = tuple(parts)
             mix: dict[str, int] = {}
             for _, m, c in best:

@@ -390,7 +390,7 @@ def plan_gang(job: JobRequested, views: dict[str, node_view.NodeView], index: No
         n = cards_needed(job.compute_milli, job.gpu_memory_mib, m)
         if n < 2:
             continue
-        cpu_per, mem_per = -(-job.cpu_milli // n), -(-job.memory_mib // n)
+        cpu_part, mem_part = job.cpu_milli, job.memory_mib  # host CPU and memory are per part, as asked
         free = {name for name, _ in index.whole_free(m)}
         # a node without cards of this model has no room whoever stops (removed nodes: NodeReady says so too)
         names = sorted((set(candidates) | free) & index.with_model(m))
@@ -415,25 +415,25 @@ def plan_gang(job: JobRequested, views: dict[str, node_view.NodeView], index: No
             if not ids and name not in free:
                 return None  # nobody to stop there and no free card (`candidates` may name nodes that hold nobody)
             if facts is None:
-                most = gang_room_after(view, job, m, cpu_per, mem_per, ids)
-                return (gang_room(view, job, m, cpu_per, mem_per), most) if most > 0 else None
+                most = gang_room_after(view, job, m, cpu_part, mem_part, ids)
+                return (gang_room(view, job, m, cpu_part, mem_part), most) if most > 0 else None
             kept = facts(view)
-            mine = ("gang of", m, cpu_per, mem_per, allowed)  # the last ids asked, found without hashing them
+            mine = ("gang of", m, cpu_part, mem_part, allowed)  # the last ids asked, found without hashing them
             got = kept.get(mine)
             if got is not None and got[0] is ids:
                 most = got[1]
             else:
-                k = ("gang", m, cpu_per, mem_per, allowed, tuple(ids))
+                k = ("gang", m, cpu_part, mem_part, allowed, tuple(ids))
                 most = kept.get(k)
                 if most is None:
-                    most = kept[k] = gang_room_after(view, job, m, cpu_per, mem_per, ids)
+                    most = kept[k] = gang_room_after(view, job, m, cpu_part, mem_part, ids)
                 kept[mine] = (ids, most)
             if most <= 0:
                 return None
-            k = ("gang room", m, cpu_per, mem_per, allowed)
+            k = ("gang room", m, cpu_part, mem_part, allowed)
             now = kept.get(k)
             if now is None:
-                now = kept[k] = gang_room(view, job, m, cpu_per, mem_per)
+                now = kept[k] = gang_room(view, job, m, cpu_part, mem_part)
             return now, most
 
         def rooms_of(members) -> dict[str, tuple[int, int]]:
@@ -457,9 +457,9 @@ def plan_gang(job: JobRequested, views: dict[str, node_view.NodeView], index: No
                     continue  # not room enough in the group whoever stops: no plan here
                 members = list(rooms)
                 compared += 1
-                if not (bound and best is not None and _gang_fewest(job, views, m, n, cpu_per, mem_per, members,
+                if not (bound and best is not None and _gang_fewest(job, views, m, n, cpu_part, mem_part, members,
                                                                      rooms, ids_of, facts, allowed) > best.cost[0]):
-                    plan = _gang_plan(job, views, m, n, cpu_per, mem_per, members, rooms, candidates, valid)
+                    plan = _gang_plan(job, views, m, n, cpu_part, mem_part, members, rooms, candidates, valid)
                     if plan is not None and (best is None or plan.cost < best.cost):
                         best = plan
                 # else its plan would stop more jobs than the best one: it cannot be cheaper
@@ -470,7 +470,8 @@ def plan_gang(job: JobRequested, views: dict[str, node_view.NodeView], index: No
     return None
 
 
-def _gang_fewest(job, views, m, n, cpu_per, mem_per, members, rooms, ids_of, facts=None, allowed=None) -> int | float:
+def _gang_fewest(job, views, m, n, cpu_part, mem_part, members, rooms, ids_of, facts=None,
+                 allowed=None) -> int | float:
     """A lower bound of how many victims `_gang_plan` stops for these members (inf: it finds no plan), from the
     nodes' cards alone: a node it takes victims from (its part's room now below what it takes there) stops at least
     one, and at least as many as it takes cards beyond its whole free ones, over the most cards of that model one of
@@ -485,11 +486,11 @@ def _gang_fewest(job, views, m, n, cpu_per, mem_per, members, rooms, ids_of, fac
         if now < take:
             view = views[name]
             ids = ids_of(name)
-            k = ("fewest", m, cpu_per, mem_per, allowed, tuple(ids))
+            k = ("fewest", m, cpu_part, mem_part, allowed, tuple(ids))
             kept = facts(view) if facts is not None else None
             got = kept.get(k) if kept is not None else None
             if got is None:
-                tally = GangTally(view, job, m, cpu_per, mem_per)
+                tally = GangTally(view, job, m, cpu_part, mem_part)
                 full = tally.full
                 whole = sum(1 for _, milli, memory in tally.cards if milli == 1000 and memory == full)
                 cards = {c[0] for c in tally.cards}
@@ -513,7 +514,7 @@ def _gang_fewest(job, views, m, n, cpu_per, mem_per, members, rooms, ids_of, fac
     return fewest
 
 
-def _gang_plan(job, views, m, n, cpu_per, mem_per, members, rooms, candidates, valid=None) -> Plan | None:
+def _gang_plan(job, views, m, n, cpu_part, mem_part, members, rooms, candidates, valid=None) -> Plan | None:
     total, victims, first, used = 0, [], None, []
     for name in sorted(members, key=lambda x: (-rooms[x][0], -rooms[x][1], x)):
         now, most = rooms[name]
@@ -523,7 +524,7 @@ def _gang_plan(job, views, m, n, cpu_per, mem_per, members, rooms, candidates, v
         first = first or name
         used.append(name)
         if now < take:
-            tally = GangTally(views[name], job, m, cpu_per, mem_per)
+            tally = GangTally(views[name], job, m, cpu_part, mem_part)
             chosen: list[Victim] = []
             for v in sorted(candidates.get(name, ()), key=disruption_order):
                 if valid is not None and v.rule == "reclaim" and not valid(victims + chosen, v):
@@ -548,11 +549,11 @@ def _gang_plan(job, views, m, n, cpu_per, mem_per, members, rooms, candidates, v
     return Plan(first, tuple(sorted(victims, key=disruption_order)), tuple(sorted(used)))
 
 
-def gang_room_after(view: node_view.NodeView, job: JobRequested, model_name: str, cpu_per: int, mem_per: int,
+def gang_room_after(view: node_view.NodeView, job: JobRequested, model_name: str, cpu_part: int, mem_part: int,
                     job_ids) -> int:
     """`gang_room(released(view, job_ids), ...)` by arithmetic: whole free cards of this model the node could give one
     part of a gang once these jobs are gone (host CPU and memory included), without a scratch view."""
-    tally = GangTally(view, job, model_name, cpu_per, mem_per)
+    tally = GangTally(view, job, model_name, cpu_part, mem_part)
     for j in job_ids:
         tally.add(j)
     return tally.room()
@@ -560,12 +561,12 @@ def gang_room_after(view: node_view.NodeView, job: JobRequested, model_name: str
 
 class GangTally:
     """A running count of what a node could give one part of a gang (whole free cards of one model, host CPU and
-    memory per card) as jobs are counted as gone (`add`) or back (`add(.., -1)`)."""
+    memory per part) as jobs are counted as gone (`add`) or back (`add(.., -1)`)."""
 
-    __slots__ = ("view", "cards", "full", "cpu", "mem", "cpu_per", "mem_per", "freed", "_by_uuid", "_whole0")
+    __slots__ = ("view", "cards", "full", "cpu", "mem", "cpu_part", "mem_part", "freed", "_by_uuid", "_whole0")
 
-    def __init__(self, view: node_view.NodeView, job: JobRequested, model_name: str, cpu_per: int, mem_per: int):
-        self.view, self.cpu_per, self.mem_per = view, cpu_per, mem_per
+    def __init__(self, view: node_view.NodeView, job: JobRequested, model_name: str, cpu_part: int, mem_part: int):
+        self.view, self.cpu_part, self.mem_part = view, cpu_part, mem_part
         full = self.full = model(model_name).memory_mib
         self.cards = [(c.uuid, c.milli, c.memory_mib) for c in view.card_free()
                       if c.model == model_name and not c.mig and _card_allowed(c, job, view)]
@@ -588,8 +589,6 @@ class GangTally:
             if card is not None:
                 milli, memory, was = card
                 room += (milli + f[0] == 1000 and memory + f[1] == full) - was
-        if self.cpu_per:
-            room = min(room, self.cpu // self.cpu_per)
-        if self.mem_per:
-            room = min(room, self.mem // self.mem_per)
+        if self.cpu < self.cpu_part or self.mem < self.mem_part:
+            return 0  # not the host CPU or memory one part asks
         return max(room, 0)

@@ -45,6 +45,8 @@ class Run:
     code: str = ""  # why it failed (schemas/events.EXIT_CODES); "" for a report from before exit reasons
     exit_code: int | None = None
     signal: int | None = None
+    part: int = 0  # the gang part it ran (from its completion; 0 otherwise)
+    parts: int = 1  # the gang's parts in that run, as its completion says (1: a job of one part, or not said)
 
 
 @dataclass(frozen=True)
@@ -92,10 +94,14 @@ def _retries(view: JobView) -> int:
 
 def _current(live: list[Run], retries: int = 0) -> tuple[Run | None, bool, int]:
     """(the run the job's state is of, whether that run ended the job, the failed runs that stand): the first that
-    ended the job -- completed, or the failure beyond its `retries` -- else the last still going, else the last one
-    (stopped, or failed with a retry left: the job waits)."""
+    ended the job -- completed (a gang's part: once every part of its run completed), or the failure beyond its
+    `retries` -- else the last still going, else the last one (stopped, or failed with a retry left: the job
+    waits)."""
     failed: list = []
     for r in live:
+        if r.end == "completed" and r.parts > 1 and r.attempt and len(
+                {x.part for x in live if x.end == "completed" and x.attempt == r.attempt}) < r.parts:
+            continue  # a part of a gang is done; the gang is done once every part of its run is (docs/jobs.md)
         if r.end == "completed":
             return r, True, len(failed)
         if r.end == "failed":
@@ -190,7 +196,7 @@ def _report(view: JobView, env: Envelope, p) -> JobView:
         case JobCheckpointed():
             r = replace(r, checkpoint=p.checkpoint or r.checkpoint)
         case JobCompleted() if not r.end:
-            r = replace(r, end="completed", ended_ms=t)
+            r = replace(r, end="completed", ended_ms=t, attempt=p.attempt or r.attempt, part=p.part, parts=p.parts)
         case JobFailed() if not r.end:
             r = replace(r, end="failed", ended_ms=t, failure=p.reason, attempt=p.attempt, code=p.code or "",
                         exit_code=p.exit_code, signal=p.signal)
