@@ -40,6 +40,9 @@ JOB_FACTS_FOR_SCHEDULER = frozenset({
     "job.stopped", "job.checkpointed",
 })
 LEDGER_FACTS_FOR_SCHEDULER = frozenset({"quota.set"})
+# A node's reports about its serving replicas (ready, unready, metrics: docs/serving.md), relayed to the job-events
+# topic: the autoscaler reads them (readiness, and the load it folds from the scrapes); no job view folds them.
+REPLICA_KINDS = frozenset({"replica.ready", "replica.unready", "replica.metrics"})
 # Requests on the job-request topic that name a reservation or a service rather than a job: no job view to fold,
 # straight to the scheduler.
 SCHEDULER_REQUESTS = frozenset({
@@ -583,6 +586,10 @@ class Worker:
         if env is None:
             return
         self.metrics.job_fact(env)
+        if env.kind in REPLICA_KINDS:  # a node's word about a serving replica: the autoscaler's, no job view of it
+            self.folded[env.kind] += 1
+            await self.scheduler_input.send(key=env.source.encode(), value=event.value)
+            return
         if not hasattr(env.payload, "job_id"):
             if env.kind in SCHEDULER_REQUESTS:
                 self.folded[env.kind] += 1
