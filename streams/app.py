@@ -804,6 +804,12 @@ class Worker:
             if path != "/ui/":
                 self.app.page(path)(view(path))
 
+        class ServiceEndpoints(View):  # /api/service/NAME/endpoints: /api/service/endpoints?service=NAME
+            async def get(self, request, name: str = ""):
+                return await worker.serve(self, request, "/api/service/endpoints", {"service": name})
+
+        self.app.page("/api/service/{name:.+}/endpoints")(ServiceEndpoints)
+
         class Static(View):  # the dashboard's files: code, no data; every request they make carries a token
             async def get(self, request, name: str = ""):
                 found = ui.asset(name or "index.html")
@@ -814,7 +820,7 @@ class Worker:
 
         self.app.page("/ui/{name:.*}")(Static)
 
-    async def serve(self, web, request, path: str):
+    async def serve(self, web, request, path: str, params: dict | None = None):
         if path == "/healthz":
             ready = (self.sink is None or self.sink.client is not None) and self.registry_ready.is_set()
             return web.json({"ok": ready}, status=200 if ready else 503)
@@ -832,7 +838,8 @@ class Worker:
 
                 api.authorize(path, principal)
                 return web.bytes(generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
-            doc = await api.answer(path, principal, dict(request.query), body, self.queries, self._memory_pages)
+            doc = await api.answer(path, principal, {**dict(request.query), **(params or {})}, body, self.queries,
+                                   self._memory_pages)
         except api.ApiError as exc:
             headers = {"Retry-After": str(exc.retry_after)} if getattr(exc, "retry_after", None) else None
             return web.json({"error": exc.message}, status=exc.status, headers=headers)

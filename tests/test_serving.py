@@ -4,6 +4,8 @@ traffic only after the shift, ramped weights, drained before a stop), the autosc
 only once its probe answered and scaling out on scraped load, and the schema rules (PORT is the pool's)."""
 from __future__ import annotations
 
+import time
+
 import pytest
 from pydantic import ValidationError
 
@@ -255,3 +257,75 @@ def test_port_is_the_pools_and_serve_is_a_replicas():
         Serve(readiness_path="health")  # a path, from the root
     with pytest.raises(ValidationError):
         Serve(metrics="tgi")
+
+
+# ---------------------------------------------------------------- the router (nginx)
+
+def test_the_rendering_holds_only_replicas_taking_traffic_with_stepped_weights(tmp_path):
+    from agents.router import render
+
+    docs = {"acme/chat": {"ready": [{"job_id": "acme/chat/r2", "address": "10.0.0.2", "port": 9002, "weight": 37},
+                                    {"job_id": "acme/chat/r1", "address": "10.0.0.1", "port": 9001, "weight": 100}]},
+            "acme/idle": {"ready": []}}
+    text = render(docs, 8088, tmp_path)
+    assert "server 10.0.0.1:9001 weight=100;" in text and "server 10.0.0.2:9002 weight=30;" in text
+    assert text.index("10.0.0.1") < text.index("10.0.0.2")  # a stable order: no reload for a reordering
+    assert "location /acme/idle/ { return 503" in text and "upstream svc_acme_idle" not in text
+    assert render(docs, 8088, tmp_path) == text
+    docs["acme/chat"]["ready"][0]["weight"] = 39  # within the same step: the same text, no reload
+    assert render(docs, 8088, tmp_path) == text
+
+
+def test_nginx_follows_the_endpoints_and_a_request_reaches_the_ready_replica(tmp_path):
+    import http.server
+    import threading
+    import urllib.error
+    import urllib.request
+
+    from agents.router import NginxRouter
+    from agents.node.serving import free_port
+
+    class Backend(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            body = f"r1 {self.path}".encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *a):
+            pass
+    backend = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Backend)
+    threading.Thread(target=backend.serve_forever, daemon=True).start()
+    router = NginxRouter(tmp_path / "router", free_port())
+    url = f"http://127.0.0.1:{router.listen_port}/acme/chat/v1/completions"
+
+    def get():
+        try:
+            with urllib.request.urlopen(url, timeout=10) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as exc:
+            return exc.code, ""
+        except OSError:
+            return 0, ""
+    try:
+        router.start({"acme/chat": {"ready": []}})
+        deadline = time.monotonic() + 30
+        while get()[0] == 0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert get()[0] == 503  # no replica takes traffic yet
+        ready = {"job_id": "acme/chat/r1", "address": "127.0.0.1", "port": backend.server_address[1], "weight": 100}
+        assert router.update({"acme/chat": {"ready": [ready]}}) and router.reloads == 1
+        assert not router.update({"acme/chat": {"ready": [ready]}})  # unchanged: no reload
+        deadline = time.monotonic() + 30
+        while get()[0] != 200 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert get() == (200, "r1 /v1/completions")
+        assert router.update({"acme/chat": {"ready": []}})  # drained: out of rotation
+        deadline = time.monotonic() + 30
+        while get()[0] != 503 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert get()[0] == 503
+    finally:
+        router.stop()
+        backend.shutdown()

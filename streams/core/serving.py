@@ -201,8 +201,11 @@ class Endpoints:
         return r
 
     def fold(self, env: Envelope) -> None:
-        p, t = env.payload, env.event_time_ms
-        k = env.kind
+        self.fold_payload(env.payload, env.event_time_ms)
+
+    def fold_payload(self, p, t: int) -> None:
+        """One fact (a payload model) at its event time `t`."""
+        k = p.kind
         if k == "node.inventory":
             self.addresses[p.node] = getattr(p, "address", "") or DEFAULT_ADDRESS
         elif k == "service.declared":
