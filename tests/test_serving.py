@@ -329,3 +329,58 @@ def test_nginx_follows_the_endpoints_and_a_request_reaches_the_ready_replica(tmp
     finally:
         router.stop()
         backend.shutdown()
+
+
+# ---------------------------------------------------------------- a real node's executor (the NVML agent's)
+
+def test_the_nvml_executor_gives_a_replica_its_port_probes_scrapes_and_drains_it(tmp_path, monkeypatch):
+    """The shipped model server as a replica on the NVML agent's executor (fake NVML not needed: the executor
+    alone): PORT set, replica.ready only after the warm-up, replica.metrics from its vLLM page, and on a release
+    replica.unready (draining) while it still answers, then the stop."""
+    import asyncio
+    import sys
+
+    from schemas.events import Assignment
+    from tests.test_nvml_backend import Recorder, cmd, executor
+
+    monkeypatch.setenv("GPUPOOL_PROBE_S", "0.1")
+    monkeypatch.setenv("GPUPOOL_SCRAPE_S", "0.2")
+    monkeypatch.setenv("GPUPOOL_DRAIN_S", "1")
+    from agents.node.serving import http_get
+
+    async def go():
+        rec = Recorder()
+        ex = executor("n1", rec, log_dir=tmp_path)
+        p = PlaceJob(command_id="c1", job_id="acme/chat/r1", tenant="acme", node="n1", tier="inference",
+                     assignments=(Assignment(gpu_uuid="GPU-aaaa", milli=500, memory_mib=1024),),
+                     command=(sys.executable, model_server.__file__, "--warmup-s", "1"),
+                     serve=Serve(metrics="vllm"))
+        await ex.execute(cmd(p))
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 30
+        while "replica.metrics" not in rec.kinds() and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        (ready,) = [e for e, _, _ in rec.events if e.kind == "replica.ready"]
+        status, _ = await http_get("127.0.0.1", ready.port, "/v1/completions")
+        assert status == 200
+        while not any(e.kind == "replica.metrics" and e.requests_total for e, _, _ in rec.events) \
+                and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        before = len(rec.events)
+        await ex.execute(cmd(ReleaseJob(command_id="c2", job_id=p.job_id, node="n1")))
+        while "replica.unready" not in rec.kinds() and loop.time() < deadline:
+            await asyncio.sleep(0.02)
+        still, _ = await http_get("127.0.0.1", ready.port, "/health")  # drained, not yet stopped
+        await ex.drain()
+        gone, _ = await http_get("127.0.0.1", ready.port, "/health", timeout=1)
+        return rec, ready, before, still, gone, p
+
+    rec, ready, before, still, gone, p = asyncio.run(asyncio.wait_for(go(), 60))
+    kinds = rec.kinds(p.job_id)
+    assert kinds.index("job.started") < kinds.index("replica.ready") < kinds.index("replica.metrics")
+    assert ready.address == "127.0.0.1" and ready.port > 0 and ready.command_id == "c1"
+    metrics = [e for e, _, _ in rec.events if e.kind == "replica.metrics"]
+    assert metrics[-1].requests_total >= 1 and metrics[-1].latency_count >= 1
+    (unready,) = [e for e, _, _ in rec.events if e.kind == "replica.unready"]
+    assert unready.reason == "draining" and still == 200 and gone == 0
+    assert all(src == f"n1/job/{p.job_id}" for _, src, _ in rec.events)  # the job's own source, in order
