@@ -29,9 +29,8 @@ import pytest
 from agents.client import ApiFailure
 from agents.node.serving import free_port
 from infra.programs import model_server
-from schemas.events import ServiceDeclared, ServiceRemoved
-from schemas.program import Serve
-from tests.live import quotas, wait_for
+from schemas.events import ServiceRemoved
+from tests.live import cli, quotas, wait_for
 from tests.program_helpers import need_python3, passable_dir
 
 pytestmark = pytest.mark.broker
@@ -121,12 +120,14 @@ def _scenario(stack, roots: Path, script: Path, router_dir: Path) -> None:
     quotas(stack, "acme", "globex")
     wait_for(lambda: stack.stats()["scheduler"]["nodes"] == 1, 60, "the fleet in the scheduler", stack)
     alice, bob = stack.client("alice"), stack.client("bob")
-    # a replica: 2 requests at a time, 40 ms of work at a whole card (80 ms at its half), a 5 s warm-up
-    alice.send([ServiceDeclared(
-        service_id="chat", tenant="acme", replica_compute_milli=500, replica_memory_mib=8 * GIB, replica_qps=8,
-        min_replicas=1, max_replicas=2, latency_target_ms=150, scale_in_stable_s=5, scale_in_cooldown_s=5,
-        command=("python3", str(script), "--warmup-s", "5", "--base-ms", "40", "--slots", "2"),
-        serve=Serve(metrics="vllm"))])
+    # a replica: 2 requests at a time, 40 ms of work at a whole card (80 ms at its half), a 5 s warm-up; declared
+    # with the CLI, the replicas' program after `--`
+    cli(stack, "service", "declare", "chat", "--compute", "500", "--memory-gib", "8", "--replica-qps", "8",
+        "--min-replicas", "1", "--max-replicas", "2", "--latency-ms", "150", "--scale-in-stable-s", "5",
+        "--scale-in-cooldown-s", "5", "--port", "0", "--metrics", "vllm", "--",
+        "python3", str(script), "--warmup-s", "5", "--base-ms", "40", "--slots", "2", user="alice")
+    (declared,) = [e for e in _events(stack, ("service.declared",))] or [None]
+    assert declared is None or (declared["serve"]["metrics"] == "vllm" and declared["command"][0] == "python3")
 
     def endpoints(client=alice, name="chat"):
         return client.api("/api/service/endpoints", {"service": name})
@@ -190,6 +191,9 @@ def _scenario(stack, roots: Path, script: Path, router_dir: Path) -> None:
         with pytest.raises(ApiFailure, match="404"):
             call()
     assert alice.api(f"/api/service/{SERVICE}/endpoints")["ready"]  # the path form, for its owner
+    table = cli(stack, "service", "endpoints", "chat", user="alice")
+    assert r1["job_id"] in table and str(r1["port"]) in table and "serving" in table, table
+    assert cli(stack, "service", "endpoints", "acme/chat", user="bob", check=False).returncode != 0
 
     # 4. drain: removed, the replicas leave the endpoints and nginx while their processes still answer
     ports = {r["job_id"]: r["port"] for r in serving}
