@@ -528,6 +528,7 @@ class ReplicaUnready(Frozen):
     command_id: Ident
     attempt: NonNeg = 0
     reason: Literal["probe_failed", "draining", "ended"] = "probe_failed"
+    drain_ms: NonNeg = 0  # draining: how long the node waits before it signals the program to stop
 
 
 class ReplicaMetrics(Frozen):

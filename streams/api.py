@@ -540,7 +540,8 @@ GROUP BY service_id ORDER BY service_id
 """
 
 # What the endpoints fold reads of one service (streams/core/serving.py): its declarations and elastic actions, and
-# its replicas' placements, stops, the nodes' readiness reports and the runs' ends; replica ids are "SERVICE/rN".
+# its replicas' placements, stops, the nodes' readiness reports and the runs' ends; replica ids are "SERVICE/rN"; the
+# inventories of the nodes they were placed on (the address each node advertises for itself).
 ENDPOINTS_SQL = """
 SELECT event_time_ms, kind, payload FROM gpupool.events FINAL
 WHERE (kind IN ('service.declared', 'service.removed', 'service.scaled')
@@ -548,6 +549,8 @@ WHERE (kind IN ('service.declared', 'service.removed', 'service.scaled')
    OR (kind IN ('cmd.place', 'cmd.preempt', 'cmd.release', 'cmd.migrate', 'replica.ready', 'replica.unready',
                 'job.completed', 'job.failed', 'job.stopped', 'job.interrupted', 'job.cancelled')
        AND startsWith(job_id, concat({service:String}, '/r')))
+   OR (kind = 'node.inventory' AND node IN (SELECT node FROM gpupool.events WHERE kind = 'cmd.place'
+                                            AND startsWith(job_id, concat({service:String}, '/r'))))
 ORDER BY event_time_ms, topic, partition, offset
 """
 ROUTER_RAMP_S = 10.0  # GPUPOOL_ROUTER_RAMP_S: how long a new replica's weight takes to grow to full

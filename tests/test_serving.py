@@ -134,12 +134,20 @@ def test_endpoints_appear_only_when_ready_and_shifted_ramp_up_and_drain_before_t
     assert doc["ready"] == [] and doc["replicas"][0]["state"] == "draining"
     fold(JobCancelled(job_id="acme/web/r1"), 20_001)
     fold(ReleaseJob(command_id="c2", job_id="acme/web/r1", node="n1"), 20_002)
-    fold(ReplicaUnready(job_id="acme/web/r1", node="n1", command_id="c1", reason="draining"), 20_003)
+    fold(ReplicaUnready(job_id="acme/web/r1", node="n1", command_id="c1", reason="draining", drain_ms=3000), 20_003)
+    assert svc.doc(23_002, 0)["replicas"][0]["state"] == "draining"  # released: listed until its drain is over
+    assert svc.doc(23_003, 0)["replicas"] == []  # no end is reported for a release: its drain period's end
     fold(JobStopped(job_id="acme/web/r1", node="n1", command_id="c1", progress_ms=0), 25_000)
     assert svc.doc(25_000, 0)["replicas"] == []
+    # a node's report names the address the node advertises in its inventory, whatever else it says
+    from schemas.events import NodeInventory
+    fold(NodeInventory(node="n2", cpu_milli=1, memory_mib=1, address="10.9.9.9"), 25_500)
+    fold(PlaceJob(command_id="c5", job_id="acme/web/r1", tenant="acme", node="n2", assignments=(), attempt=2), 25_600)
+    fold(ReplicaReady(job_id="acme/web/r1", node="n2", command_id="c5", address="evil.example", port=7), 25_700)
+    assert svc.doc(25_800, 0)["replicas"][0]["address"] == "10.9.9.9"
     # another tenant's replicas never enter acme's service
     fold(PlaceJob(command_id="c9", job_id="globex/web/r1", tenant="globex", node="n1", assignments=()), 26_000)
-    assert e.of("globex/web") is None and svc.doc(26_000, 0)["replicas"] == []
+    assert e.of("globex/web") is None and [r["job_id"] for r in svc.doc(26_000, 0)["replicas"]] == ["acme/web/r1"]
 
 
 def test_kept_warm_is_not_draining():

@@ -160,7 +160,8 @@ class Replicas:
         r.draining = True
         if r.task is not None:
             r.task.cancel()
-        await self.publish(ReplicaUnready(**r._ids(), reason="draining"), r.source)
+        await self.publish(ReplicaUnready(**r._ids(), reason="draining", drain_ms=int(self.drain_s * 1000)),
+                           r.source)
         if self.drain_s > 0:
             await asyncio.sleep(self.drain_s)
 

@@ -13,7 +13,8 @@ readiness probe answered) and has not since said otherwise; the autoscaler shift
 it. From the later of the two moments (ready, shifted) its weight ramps linearly from 1 to `FULL_WEIGHT` over the
 router's ramp period (the seed's "shift traffic to them gradually"). A replica named by a `scale_in`, or whose stop
 was sent, is `draining`: weight 0 while it finishes what it has (the node waits its drain period before it signals
-the program, agents/node/serving.py).
+the program, agents/node/serving.py). A released replica (no end will be reported) leaves the list once its node's
+drain period, as its `replica.unready` says it, is over.
 """
 from __future__ import annotations
 
@@ -136,6 +137,8 @@ class Replica:
     shifted_ms: int | None = None  # traffic shifted to it (None: not serving: starting, warm or scaled in)
     draining_ms: int | None = None  # scaled in, or its stop sent
     ended: bool = False
+    released: bool = False  # a cmd.release was sent: no report of its end will come
+    stop_ms: int | None = None  # released and drained: when its node signals it to stop (its drain period's end)
 
     def weight(self, now_ms: int, ramp_ms: int) -> int:
         if self.ended or self.draining_ms is not None or self.ready_ms is None or self.shifted_ms is None:
@@ -168,8 +171,8 @@ class ServiceEndpoints:
         lists those that take traffic."""
         rows = []
         for r in self.replicas.values():
-            if r.ended:
-                continue
+            if r.ended or (r.stop_ms is not None and now_ms >= r.stop_ms):
+                continue  # ended, or released and its drain period over: stopped
             rows.append({"job_id": r.job_id, "node": r.node, "address": r.address, "port": r.port,
                          "state": r.state(), "weight": r.weight(now_ms, ramp_ms),
                          "ready_ms": r.ready_ms, "shifted_ms": r.shifted_ms, "draining_ms": r.draining_ms})
@@ -243,21 +246,29 @@ class Endpoints:
             if r is not None:
                 r.node, r.command_id, r.ended = p.node, p.command_id, False
                 r.ready_ms, r.draining_ms, r.address, r.port = None, None, "", 0
+                r.released, r.stop_ms = False, None
         elif k in ("cmd.preempt", "cmd.migrate", "cmd.release"):
             r = self._replica(p.job_id)
             node = getattr(p, "node", None) or getattr(p, "from_node", "")
-            if r is not None and r.node == node and r.draining_ms is None:
-                r.draining_ms = t
+            if r is not None and r.node == node:
+                if r.draining_ms is None:
+                    r.draining_ms = t
+                r.released = r.released or k == "cmd.release"
         elif k == "replica.ready":
             r = self._replica(p.job_id)
             if r is not None and r.command_id == p.command_id and not r.ended:
-                r.ready_ms, r.address, r.port = t, p.address, p.port
+                # the address the node advertises for itself (its inventory, stamped by the relay) wins over the
+                # report's: a node points traffic only at itself
+                r.ready_ms, r.address, r.port = t, self.addresses.get(p.node) or p.address, p.port
         elif k == "replica.unready":
             r = self._replica(p.job_id)
             if r is not None and r.command_id == p.command_id:
                 r.ready_ms = None
-                if p.reason == "draining" and r.draining_ms is None:
-                    r.draining_ms = t
+                if p.reason == "draining":
+                    if r.draining_ms is None:
+                        r.draining_ms = t
+                    if r.released:
+                        r.stop_ms = t + p.drain_ms
         elif k in ("job.completed", "job.failed", "job.stopped"):
             r = self._replica(p.job_id)
             if r is not None and (not getattr(p, "command_id", "") or p.command_id == r.command_id):
