@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test check chaos acceptance install kafka browser podman up down bench clean
+.PHONY: demo test check chaos acceptance install kafka browser podman nginx up down bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -17,7 +17,7 @@ install: $(STAMP)
 kafka: $(STAMP)
 	$(BIN)/gpupool kafka fetch
 
-demo: kafka
+demo: kafka nginx
 	$(BIN)/gpupool demo
 
 # The dashboard's tests drive Debian's chromium headless (tests/browser.py). Installed here when missing: with
@@ -49,7 +49,20 @@ podman:
 	else echo "WARNING: missing$$pkgs and no apt-get as root: install Debian's podman, runc, catatonit and"; \
 	  echo "         busybox-static; jobs naming an image fail on this node, and the container tests fail"; fi
 
-test: kafka browser podman
+# The serving router (agents/router.py, docs/serving.md) drives Debian's nginx, each instance with its own prefix,
+# config and port; the serving tests and the demo's peak start one. Installed here when missing: with apt-get as
+# root; otherwise this says what to install and the router tests fail saying the same.
+nginx:
+	@if command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ] || [ -n "$$GPUPOOL_NGINX" ]; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	  echo "installing Debian's nginx for the serving router (apt-get)"; \
+	  (apt-get install -y -qq nginx-light >/dev/null 2>&1 || \
+	   (apt-get update -qq && apt-get install -y -qq nginx-light >/dev/null)) || \
+	  echo "WARNING: apt-get could not install nginx; the router tests will fail (set GPUPOOL_NGINX)"; \
+	else echo "WARNING: no nginx and no apt-get as root: install Debian's nginx-light (or set GPUPOOL_NGINX to an"; \
+	  echo "         nginx binary); the serving router's tests fail without one"; fi
+
+test: kafka browser podman nginx
 	$(BIN)/python -m pytest -q -p no:cacheprovider --ignore=tests/acceptance --ignore=tests/test_demo.py -m "not chaos" tests
 
 # the fast target: unit, property and scenario tests, no broker and no browser (tests/conftest.py fails a test that

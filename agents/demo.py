@@ -14,14 +14,14 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
 import orjson
 
 from agents.stack import Stack
-from schemas.events import InferenceLoad, JobCancelled, JobRequested, QuotaSet, ServiceDeclared, ServiceRemoved, Tier
+from schemas.events import JobCancelled, JobRequested, QuotaSet, ServiceDeclared, ServiceRemoved, Tier
+from schemas.program import Serve
 
 FLEET = """\
 # the demo's fleet: three 4-card A100 nodes (two share a rack), an A100 carved into MIG instances, an A10 node for
@@ -53,44 +53,65 @@ class StepFailed(Exception):
     pass
 
 
-@dataclass
 class Load:
-    """The chat service's load, as its tenant's gateway would report it: offered qps against what the ready
-    replicas serve (100 qps each, a boost adds its share); a queue grows while the offered load exceeds it."""
-    demo: "Demo"
-    qps: int = 80
-    queue: int = 0
-    samples: list[tuple[float, int, int, int]] = field(default_factory=list)  # (t, qps, p99, serving capacity)
-    stop: threading.Event = field(default_factory=threading.Event)
+    """The chat service's traffic: real HTTP requests through the router's nginx (agents/router.py) to the replicas,
+    the shipped model server (infra/programs/model_server.py). Open loop: requests leave at `qps` whatever the
+    answers take, as users' do; each one's latency and the replica that answered are kept. Nothing reports the load
+    by hand: the nodes scrape the replicas and the autoscaler folds that into the service's `inference.load`."""
 
-    def capacity(self) -> int:
-        rows = self.demo.events(("job.started", "job.completed", "job.stopped", "job.cancelled", "cmd.preempt",
-                                 "cmd.resize", "cmd.release"), like="globex/chat/r%")
-        running: dict[str, int] = {}
-        for r in rows:
-            if r["kind"] == "job.started":
-                running[r["job_id"]] = running.get(r["job_id"], 100)
-            elif r["kind"] == "cmd.resize":
-                milli = sum(a["milli"] for a in orjson.loads(r["payload"])["assignments"])
-                running[r["job_id"]] = 100 if milli <= 500 else 100 + 100 * (milli - 500) // 500
-            else:
-                running.pop(r["job_id"], None)
-        return sum(running.values())
+    def __init__(self, url: str, qps: float = 6):
+        self.url, self.qps = url, qps
+        # (due: when it was to leave, wall s; latency ms from then; status; replica; when it left, wall s)
+        self.results: list[tuple[float, float, int, str, float]] = []
+        self.lock = threading.Lock()
+        self.stop = threading.Event()
+        self.pool = None
 
-    def run(self, every: float = 2.0) -> None:
-        bob = self.demo.stack.client("bob")
+    def _one(self, sent: float) -> None:
+        import json
+        import urllib.error
+        import urllib.request
+
+        left = time.time()
+        try:
+            with urllib.request.urlopen(urllib.request.Request(self.url, data=b"{}", method="POST"), timeout=60) as r:
+                status, replica = r.status, json.loads(r.read()).get("replica", "")
+        except urllib.error.HTTPError as exc:
+            status, replica = exc.code, ""
+        except (OSError, ValueError):
+            status, replica = 0, ""
+        with self.lock:
+            self.results.append((sent, (time.time() - sent) * 1000, status, replica, left))
+
+    def run(self) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.pool = ThreadPoolExecutor(max_workers=256)
+        nxt = time.monotonic()
         while not self.stop.is_set():
-            try:
-                cap = self.capacity()
-            except Exception:  # the query API is busy for a moment: report the last capacity again
-                cap = self.samples[-1][3] if self.samples else 0
-            self.queue = max(0, self.queue + int((self.qps - cap) * every))
-            util = min(100, self.qps * 100 // cap) if cap else 100
-            p99 = 600 if self.queue or util >= 85 else 90
-            bob.send([InferenceLoad(service_id="chat", qps=self.qps, p99_ms=p99, p50_ms=p99 // 3,
-                                    queue_depth=self.queue, util_pct=util)])
-            self.samples.append((time.monotonic(), self.qps, p99, cap))
-            self.stop.wait(every)
+            nxt += 1 / self.qps
+            delay = nxt - time.monotonic()
+            if delay > 0:
+                self.stop.wait(delay)
+            else:
+                nxt = time.monotonic()  # behind: no burst to catch up
+            self.pool.submit(self._one, time.time())
+        self.pool.shutdown(wait=True)
+
+    def p99(self, a: float, b: float) -> float | None:
+        """The p99 (ms) of the requests sent in [a, b) (wall seconds) that were answered."""
+        with self.lock:
+            lats = sorted(r[1] for r in self.results if a <= r[0] < b and r[2] == 200)
+        return round(lats[min(len(lats) - 1, int(0.99 * len(lats)))]) if lats else None
+
+    def first_answer(self, replica: str) -> float | None:
+        """When the first request the replica answered left the client (wall s)."""
+        with self.lock:
+            return min((r[4] for r in self.results if r[3] == replica and r[2] == 200), default=None)
+
+    def last_sent_to(self, replica: str) -> float | None:
+        with self.lock:
+            return max((r[4] for r in self.results if r[3] == replica and r[2] == 200), default=None)
 
 
 class Demo:
@@ -151,6 +172,22 @@ class Demo:
                              f"{(p.stderr or p.stdout).strip()[-800:]}")
         return p
 
+    # the chat replicas: 2 requests at a time, 30 ms of work at a whole card (60 ms at a replica's share), 3 s warm-up
+    SERVER_ARGS = ("--slots", "2", "--base-ms", "30", "--warmup-s", "3")
+
+    def program(self, name: str) -> Path:
+        """A shipped program (infra/programs/NAME) where the job user can read it."""
+        jobs_root = Path(self.stack.env.get("GPUPOOL_JOBS_ROOT") or self.stack.home / "jobs")
+        programs = jobs_root.parent / "programs"
+        programs.mkdir(parents=True, exist_ok=True)
+        os.chmod(programs, 0o755)
+        script = programs / name
+        from infra import programs as shipped
+
+        shutil.copy(Path(shipped.__file__).parent / name, script)
+        os.chmod(script, 0o644)
+        return script
+
     def at(self) -> str:
         return f"t={time.monotonic() - self.t0:5.1f}s"
 
@@ -175,18 +212,20 @@ class Demo:
             JobRequested(job_id="tune-a10", tenant="acme", project="research", tier=Tier.OFFLINE,
                          compute_milli=400, gpu_memory_mib=20 * GIB, constraints={"models": ["A10"]},
                          duration_s=3600, checkpoint_interval_s=3)])
+        server = self.program("model_server.py")
         bob.send([
             ServiceDeclared(service_id="chat", tenant="globex", project="chat-serving", replica_compute_milli=200,
-                            replica_memory_mib=8 * GIB, boost_compute_milli=150, replica_qps=100, min_replicas=1,
+                            replica_memory_mib=8 * GIB, boost_compute_milli=150, replica_qps=15, min_replicas=1,
                             max_replicas=3, latency_target_ms=200, constraints={"models": ["A10"]},
-                            scale_in_stable_s=15, scale_in_cooldown_s=15),
+                            scale_in_stable_s=15, scale_in_cooldown_s=15,
+                            command=("python3", str(server), *self.SERVER_ARGS), serve=Serve(metrics="vllm")),
             JobRequested(job_id="embed-mig", tenant="globex", project="chat-serving", tier=Tier.INFERENCE,
                          compute_milli=140, gpu_memory_mib=9 * GIB, duration_s=3600, isolation="mig"),
             JobRequested(job_id="embed-t4", tenant="globex", project="batch", tier=Tier.OFFLINE,
                          compute_milli=208, gpu_memory_mib=10 * GIB, constraints={"models": ["T4"]},
                          duration_s=3600, checkpoint_interval_s=2)])
         self.note("alice (acme) submits a 6-GPU training gang and a fine-tune on an A10; bob (globex) declares the "
-                  "`chat` service (0.2 CU replicas on A10s), a 0.14 CU MIG inference job and a T4 batch job")
+                  "`chat` service (0.2 CU replicas on A10s, each the shipped model server behind a port), a 0.14 CU MIG inference job and a T4 batch job")
         self.wait(lambda: self.running("acme/train-6", "acme/tune-a10", "globex/embed-mig", "globex/embed-t4",
                                        "globex/chat/r1"), 120, "the first jobs running")
         self.mark("jobs placed")
@@ -240,47 +279,77 @@ class Demo:
                   f"{again['node']} (attempt {again['attempt']}) as soon as batch-4 finished")
 
     def step3(self) -> None:
-        load = Load(self)
+        from agents.node.serving import free_port
+
+        listen = free_port()
+        self.stack.spawn("router", "router", "--service", "globex/chat", "--listen", str(listen), "--prefix",
+                         str(self.stack.home / "router"))
+        load = Load(f"http://127.0.0.1:{listen}/globex/chat/v1/completions", qps=6)
+        self.wait(lambda: load._one(time.time()) or load.results[-1][2] == 200, 60, "chat answering through nginx")
+        load.results.clear()
         thread = threading.Thread(target=load.run, daemon=True)
         thread.start()
-        self.say(3, "the chat service's load rises past its SLO (inference.load events on the log)")
+        self.say(3, f"the chat service's traffic, real HTTP through the router's nginx (127.0.0.1:{listen}), rises "
+                    "past its SLO; the nodes scrape the replicas' vLLM metrics into the autoscaler's load")
         try:
-            time.sleep(6)
-            load.qps = 260
+            time.sleep(8)
+            load.qps = 30
+            t_peak = time.time()
             self.mark("peak")
-            up = self.wait(lambda: self.scaled("vertical_up"), 60, "a vertical boost")[0]
+            up = self.wait(lambda: self.scaled("vertical_up"), 90, "a vertical boost")[0]
             self.wait(lambda: self.scaled("traffic_shift"), 90, "new replicas taking traffic")
             yielded = self.events(("cmd.preempt",), "acme/tune-a10")
-            time.sleep(4)
-            load.qps = 60
+            time.sleep(6)
+            load.qps = 5
+            t_calm = time.time()
             self.mark("peak over")
-            self.wait(lambda: self.scaled("scale_in"), 120, "the scale-in after the peak")
+            self.wait(lambda: [a for a in self.scaled("scale_in") if a["_t"] / 1000 >= t_calm], 120,
+                      "the scale-in after the peak")
             self.wait(lambda: len(self.placements("acme/tune-a10")) >= 2 and self.running("acme/tune-a10"), 60,
                       "the fine-tune back")
+            time.sleep(2)
         finally:
             load.stop.set()
-            thread.join(5)
-        t_peak = next(t for t, label in self.marks if label == "peak")
+            thread.join(60)
+            self.stack.stop_process("router")
+        tp = int(t_peak * 1000)
+        shifted_to: dict[str, float] = {}
         for a in self.scaled():
-            if a["_t"] < self.mono_to_log(t_peak):
+            if a["_t"] < tp:
                 continue  # the warm pool filled at the declaration
-            took = a["took_ms"]
-            at = self.log_to_mono(int(a["_t"]))
-            before = [s for s in load.samples if s[0] <= at][-1:]
-            after = [s for s in load.samples if s[0] > at + max(took / 1000, 2)][:1]
-            fmt = lambda ss: f"{ss[0][2]} ms" if ss else "-"  # noqa: E731
-            self.note(f"+{at - t_peak:5.1f}s after the peak began: {a['action']:<15} serving {a['replicas']}  "
-                      f"p99 {fmt(before)} before, {fmt(after)} after" + (f" (ready in {took} ms)" if took else ""))
+            t, took = a["_t"] / 1000, a["took_ms"] / 1000
+            if a["action"] == "traffic_shift":
+                for j in a["jobs"]:
+                    shifted_to.setdefault(j, t)
+            self.note(f"+{t - t_peak:5.1f}s after the peak began: {a['action']:<15} serving {a['replicas']}  p99 "
+                      f"{load.p99(t - 5, t)} ms before, {load.p99(t + took, t + took + 5)} ms after (measured through "
+                      f"nginx)" + (f" (ready in {a['took_ms']} ms)" if a["took_ms"] else ""))
+        scraped = [e for e in self.events(("inference.load",)) if orjson.loads(e["payload"]).get("service_id")
+                   == "globex/chat"]
+        if not scraped:
+            raise StepFailed("no inference.load was folded from the replicas' scrapes")
+        early = {j: load.first_answer(j) for j in shifted_to}
+        early = {j: t for j, t in early.items() if t is not None and t < shifted_to[j]}
+        if early:
+            raise StepFailed(f"replicas answered before traffic was shifted to them: {early}")
         if not yielded:
             raise StepFailed("the fine-tune on the A10 did not yield to the new replicas")
-        if up["_t"] - self.mono_to_log(t_peak) > 20_000:
+        if up["_t"] / 1000 - t_peak > 20:
             raise StepFailed("the vertical boost came more than 20 s after the peak began")
+        scaled_in = [j for a in self.scaled("scale_in") if a["_t"] / 1000 >= t_calm for j in a["jobs"]]
+        after_in = min(a["_t"] for a in self.scaled("scale_in") if a["_t"] / 1000 >= t_calm) / 1000
+        late = {j: load.last_sent_to(j) for j in scaled_in}
+        late = {j: round(t - after_in, 1) for j, t in late.items() if t is not None and t > after_in + 5}
+        if late:
+            raise StepFailed(f"scaled-in replicas still took traffic more than 5 s after the scale-in: {late}")
         back = self.placements("acme/tune-a10")[-1]
-        first = min(a["_t"] for a in self.scaled() if a["_t"] >= self.mono_to_log(t_peak))
-        self.note(f"CHECK OK: the first action {(first - self.mono_to_log(t_peak)) / 1000:.0f} s into the peak "
-                  f"(warm replicas take traffic at once), the vertical boost in "
-                  f"{(up['_t'] - self.mono_to_log(t_peak)) / 1000:.0f} s; the fine-tune yielded its A10 with a "
-                  f"checkpoint and resumed from {back['resume_from']} once the peak was over")
+        first = min(a["_t"] for a in self.scaled() if a["_t"] >= tp) / 1000
+        self.note(f"peak p99 {load.p99(t_peak, t_calm)} ms over {sum(1 for r in load.results if r[0] >= t_peak)} "
+                  f"requests; before it {load.p99(0, t_peak)} ms; no request reached a replica before its "
+                  f"traffic_shift, none a scaled-in one after the router took it out")
+        self.note(f"CHECK OK: the first action {first - t_peak:.0f} s into the peak (warm replicas take traffic at "
+                  f"once), the vertical boost in {up['_t'] / 1000 - t_peak:.0f} s; the fine-tune yielded its A10 with "
+                  f"a checkpoint and resumed from {back['resume_from']} once the peak was over")
 
     def scaled(self, action: str | None = None) -> list[dict]:
         rows = self.stack.query("SELECT event_time_ms, payload FROM gpupool.events FINAL WHERE kind = "

@@ -10,7 +10,7 @@ from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, model_validator
 
-from schemas.program import IMAGE_REF, RETRIES_MAX, Mount, program_problem
+from schemas.program import IMAGE_REF, RETRIES_MAX, Mount, Serve, program_problem
 
 # Integers are integers: `true`, `1.0` and `"1"` are refused where a number is expected (pydantic's lax mode took
 # `true` as 1), as a quantity in milli-GPU or MiB must be exact.
@@ -100,7 +100,8 @@ class NodeInventory(Frozen):
     # The address the node's programs are reached at by the other parts of a gang (the rendezvous master's address,
     # docs/jobs.md "Gangs"): an IP address or host name the node advertises (GPUPOOL_NODE_ADDRESS on a real node, a
     # distinct loopback address per node in the simulated fleet). "": not said (a node from before gangs rendezvous);
-    # a gang whose rank 0 is on such a node is told its node name.
+    # a gang whose rank 0 is on such a node is told its node name. Serving replicas are reached there too
+    # (docs/serving.md; "": 127.0.0.1).
     address: Annotated[str, Field(max_length=253, pattern=r"^[A-Za-z0-9.:_-]*$")] = ""
 
 
@@ -196,6 +197,7 @@ class JobRequested(Frozen):
     workdir: str = ""
     volumes: tuple[Mount, ...] = ()
     retries: Annotated[int, Strict(), Field(ge=0, le=RETRIES_MAX)] = 0  # a failed run is requeued this many times
+    serve: Serve | None = None  # a serving replica (its service's, set by the autoscaler): port, readiness, metrics
 
     @model_validator(mode="after")
     def _mig_needs_mig(self):
@@ -204,13 +206,15 @@ class JobRequested(Frozen):
         why = program_problem(self.command, self.env, self.workdir, self.volumes, self.image)
         if why:
             raise ValueError(why)
+        if self.serve is not None and self.service_id is None:
+            raise ValueError("serve: only a replica of an inference service serves (service_id)")
         return self
 
     @property
     def program(self) -> dict:
         """The program's fields as a placement carries them (PlaceJob)."""
         return {"image": self.image, "command": self.command, "env": self.env, "workdir": self.workdir,
-                "volumes": self.volumes}
+                "volumes": self.volumes, "serve": self.serve}
 
     @property
     def isolation_asked(self) -> str:
@@ -344,6 +348,7 @@ class PlaceJob(Frozen):
     env: dict[str, str] = {}
     workdir: str = ""
     volumes: tuple[Mount, ...] = ()
+    serve: Serve | None = None  # a serving replica: the node gives it a port, probes it, scrapes its metrics
     tier: Tier = Tier.OFFLINE  # whose grace period a stop the node starts itself waits out
     # The placement's number among the job's placements (1, 2, ...: each requeue places it anew). Every command
     # about the run names it; a node refuses a placement older than one it knows superseded (agents/node/fencing.py).
@@ -513,6 +518,65 @@ class ServiceDeclared(Frozen):
     # (ElasticConfig scale_in_stable_ms / scale_in_cooldown_ms, 5 minutes each)
     scale_in_stable_s: NonNeg | None = None
     scale_in_cooldown_s: NonNeg | None = None
+    # The replicas' program (schemas/program.py, as a job's): none, a stand-in replica that serves nothing. With
+    # `serve`, each replica listens on a port, is counted ready once its readiness probe answers, and its endpoint is
+    # served to the tenant and to the router (docs/serving.md); `serve.metrics` names whose Prometheus series the node
+    # scrapes into the service's load.
+    image: Annotated[str, Field(pattern=IMAGE_REF)] | None = None
+    command: tuple[str, ...] = ()
+    env: dict[str, str] = {}
+    serve: Serve | None = None
+
+    @model_validator(mode="after")
+    def _program(self):
+        why = program_problem(self.command, self.env, "", (), self.image)
+        if why:
+            raise ValueError(why)
+        return self
+
+
+class ReplicaReady(Frozen):
+    """A node's word that a serving replica it runs answers its readiness probe: where it is reached. Relayed only
+    for a job placed on that node (streams/core/node_relay.py)."""
+    kind: Literal["replica.ready"] = "replica.ready"
+    job_id: Ident
+    node: Ident
+    command_id: Ident  # the placement (cmd.place) of the run
+    attempt: NonNeg = 0
+    address: Annotated[str, Field(min_length=1, max_length=253, pattern=r"^[A-Za-z0-9.:_-]+$")]
+    port: Annotated[int, Field(ge=1, le=65535, strict=True)]
+
+
+class ReplicaUnready(Frozen):
+    """A node's word that a replica takes no more traffic: its probe failed, or it is drained before a stop."""
+    kind: Literal["replica.unready"] = "replica.unready"
+    job_id: Ident
+    node: Ident
+    command_id: Ident
+    attempt: NonNeg = 0
+    reason: Literal["probe_failed", "draining", "ended"] = "probe_failed"
+    drain_ms: NonNeg = 0  # draining: how long the node waits before it signals the program to stop
+
+
+class ReplicaMetrics(Frozen):
+    """One scrape of a replica's Prometheus endpoint by its node (agents/node/scrape.py), in integers: counters as
+    read (cumulative; the fold takes differences), gauges as read. The autoscaler folds them into the service's
+    `inference.load` (streams/core/serving.py)."""
+    kind: Literal["replica.metrics"] = "replica.metrics"
+    job_id: Ident
+    node: Ident
+    command_id: Ident
+    attempt: NonNeg = 0
+    scraped_ms: NonNeg  # the node's time of the scrape: counters' rates are over the replica's own clock
+    requests_total: NonNeg = 0  # finished requests, cumulative
+    running: NonNeg = 0  # requests being served now
+    waiting: NonNeg = 0  # requests queued
+    # the end-to-end latency histogram, cumulative: (upper bound in ms, count of requests at or under it), finite
+    # buckets in increasing order; latency_count counts every request (the +Inf bucket)
+    latency_buckets: tuple[tuple[NonNeg, NonNeg], ...] = ()
+    latency_count: NonNeg = 0
+    latency_sum_ms: NonNeg = 0
+    kv_cache_permille: Annotated[int, Strict(), Field(ge=0, le=1000)] = 0
 
 
 class ServiceRemoved(Frozen):
@@ -757,7 +821,7 @@ Event = Annotated[
         PlaceJob, ResizeJob, PreemptJob, MigrateJob, MigReconfigure, ReleaseJob, JobPending, Rejected,
         RequestRejected, SchedulerTick, PrincipalRegistered, PrincipalRemoved,
         ReservationRequested, ReservationCancelled, ReservationDecided,
-        ServiceDeclared, ServiceRemoved, InferenceLoad, ServiceScaled,
+        ServiceDeclared, ServiceRemoved, InferenceLoad, ServiceScaled, ReplicaReady, ReplicaUnready, ReplicaMetrics,
         QuotaSet, QuotaChanged, QuotaBorrowed, QuotaReturned, UsageAccrued, PriceSet,
         NodeRemoved, NodeAdmitted, JobInterrupted, QuotaRejected, TelemetryMinute, PoolMinute,
     ],

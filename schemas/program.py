@@ -9,7 +9,7 @@ every producer that builds these models), and again by the node agent before it 
 from __future__ import annotations
 
 import re
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -30,6 +30,7 @@ RESERVED_ENV = frozenset({
     "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
     "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "CUDA_MPS_PIPE_DIRECTORY",
     "CUDA_MPS_LOG_DIRECTORY", "CUDA_DEVICE_MEMORY_SHARED_CACHE",  # HAMi-core's per-job accounting file
+    "PORT",  # a serving replica's port (Serve below), as Heroku and Cloud Run name it; also GPUPOOL_PORT
 })
 RESERVED_ENV_PREFIXES = ("GPUPOOL_", "CUDA_DEVICE_MEMORY_LIMIT", "CUDA_DEVICE_SM_LIMIT", "CUDA_MPS_", "PET_",
                          "TORCHELASTIC_")
@@ -131,3 +132,19 @@ def program_problem(command: tuple[str, ...], env: dict[str, str], workdir: str,
     if len(set(paths)) != len(paths):
         return "volumes: two mounts at one path"
     return None
+
+
+READINESS_PATH = r"^/[A-Za-z0-9_./~?=&%+-]{0,254}$"
+METRICS_FLAVOURS = ("vllm", "sglang", "none")
+
+
+class Serve(BaseModel):
+    """How a replica of an inference service is reached (issue #33 item 4, docs/serving.md): the port it listens on
+    (0: the node picks a free one), the path its readiness probe asks (a 200 answer: ready), and whose Prometheus
+    names its metrics endpoint speaks (`vllm`, `sglang`, or `none`: its load is reported by hand, `inference.load`).
+    The node tells the program its port in PORT and GPUPOOL_PORT."""
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    port: Annotated[int, Field(ge=0, le=65535, strict=True)] = 0
+    readiness_path: Annotated[str, Field(pattern=READINESS_PATH)] = "/health"
+    metrics: Literal["vllm", "sglang", "none"] = "none"
+    metrics_path: Annotated[str, Field(pattern=READINESS_PATH)] = "/metrics"

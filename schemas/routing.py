@@ -12,6 +12,7 @@ _BY_KIND: dict[str, TopicSpec] = {
     "node.inventory": INVENTORY, "node.heartbeat": TELEMETRY, "gpu.telemetry": TELEMETRY,
     "job.started": JOB_EVENTS, "job.checkpointed": JOB_EVENTS, "job.completed": JOB_EVENTS, "job.failed": JOB_EVENTS,
     "job.stopped": JOB_EVENTS, "job.log": JOB_LOGS,
+    "replica.ready": JOB_EVENTS, "replica.unready": JOB_EVENTS, "replica.metrics": JOB_EVENTS,
     # what operators decide about nodes (through the gateway) and what the worker derives from telemetry
     "node.cordon": NODE_CONTROL, "gpu.health": NODE_CONTROL, "node.liveness": NODE_CONTROL,
     "node.removed": NODE_CONTROL, "node.admitted": NODE_CONTROL,

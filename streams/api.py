@@ -48,6 +48,9 @@ ENDPOINTS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "/api/service": ("GET", ("tenant", "operator", "auditor", "service"),
                      "an inference service's latency and QPS over time and its elastic actions, latency before vs "
                      "after each; without `service`, the services (a tenant: its own)"),
+    "/api/service/endpoints": ("GET", ("tenant", "operator", "auditor", "service"),
+                               "a service's replicas with address, port, state and weight, and the ready ones that "
+                               "take traffic (also /api/service/NAME/endpoints; a tenant: its own services only)"),
     "/cluster/": ("GET", ALL_READERS, "allocation, fragmentation and free capacity (no job names)"),
     "/stats/": ("GET", ("operator", "auditor", "service"), "the worker's counters"),
     "/internal/views": ("GET", ("service",),
@@ -542,6 +545,50 @@ FROM gpupool.events FINAL WHERE kind IN ('service.declared', 'service.removed') 
 GROUP BY service_id ORDER BY service_id
 """
 
+# What the endpoints fold reads of one service (streams/core/serving.py): its declarations and elastic actions, and
+# its replicas' placements, stops, the nodes' readiness reports and the runs' ends; replica ids are "SERVICE/rN"; the
+# inventories of the nodes they were placed on (the address each node advertises for itself).
+ENDPOINTS_SQL = """
+SELECT event_time_ms, kind, payload FROM gpupool.events FINAL
+WHERE (kind IN ('service.declared', 'service.removed', 'service.scaled')
+       AND JSONExtractString(payload, 'service_id') = {service:String})
+   OR (kind IN ('cmd.place', 'cmd.preempt', 'cmd.release', 'cmd.migrate', 'replica.ready', 'replica.unready',
+                'job.completed', 'job.failed', 'job.stopped', 'job.interrupted', 'job.cancelled')
+       AND startsWith(job_id, concat({service:String}, '/r')))
+   OR (kind = 'node.inventory' AND node IN (SELECT node FROM gpupool.events WHERE kind = 'cmd.place'
+                                            AND startsWith(job_id, concat({service:String}, '/r'))))
+ORDER BY event_time_ms, topic, partition, offset
+"""
+ROUTER_RAMP_S = 10.0  # GPUPOOL_ROUTER_RAMP_S: how long a new replica's weight takes to grow to full
+
+
+def ramp_ms(params: dict) -> int:
+    import os
+
+    raw = params.get("ramp_s") or os.environ.get("GPUPOOL_ROUTER_RAMP_S") or ROUTER_RAMP_S
+    try:
+        return max(0, int(float(raw) * 1000))
+    except ValueError:
+        raise ApiError(400, f"ramp_s: seconds, not {raw!r}") from None
+
+
+def endpoints_doc(service: str, rows: list[list], now_ms: int, ramp: int) -> dict:
+    """The endpoints fold over one service's rows, read at `now_ms` with weights ramped over `ramp` ms."""
+    from schemas.events import KINDS
+    from streams.core.serving import Endpoints
+
+    e = Endpoints()
+    for at, kind, payload in rows:
+        try:
+            e.fold_payload(KINDS[kind].model_validate_json(payload), int(at))
+        except Exception:  # noqa: BLE001 - a row of an older schema: skipped, not a failed page
+            continue
+    svc = e.of(service)
+    if svc is None:
+        raise ApiError(404, f"no service {service!r}")
+    return {**svc.doc(now_ms, ramp), "now_ms": now_ms, "ramp_ms": ramp}
+
+
 AROUND_MS = 60_000  # latency before vs after an elastic action: the load reports of this window on each side
 
 
@@ -848,6 +895,19 @@ async def answer(path: str, principal: Principal, params: dict, body: bytes, run
         cols, rows = await runner.ours(SERVICE_SQL, {"service": service})
         doc = service_doc(service, rows)
         return redact(doc, scope) if scope is not None else doc
+    if path == "/api/service/endpoints":
+        scope = tenant_scope(principal, None)
+        service = params.get("service") or ""
+        if not service:
+            raise ApiError(400, "service: the service whose endpoints to list")
+        if scope is not None and "/" not in service:
+            service = f"{scope}/{service}"  # a tenant names its own services with or without the tenant
+        if scope is not None and owner_of(service) != scope:
+            raise ApiError(404, f"no service {service!r} of tenant {scope!r}")
+        import time
+
+        cols, rows = await runner.ours(ENDPOINTS_SQL, {"service": service})
+        return endpoints_doc(service, rows, time.time_ns() // 1_000_000, ramp_ms(params))
     if path == "/api/sql":
         if len(body) > MAX_BODY_BYTES:
             raise ApiError(413, f"the request body is over {MAX_BODY_BYTES} bytes: an SQL text may have at most "

@@ -40,6 +40,9 @@ JOB_FACTS_FOR_SCHEDULER = frozenset({
     "job.stopped", "job.checkpointed",
 })
 LEDGER_FACTS_FOR_SCHEDULER = frozenset({"quota.set"})
+# A node's reports about its serving replicas (ready, unready, metrics: docs/serving.md), relayed to the job-events
+# topic: the autoscaler reads them (readiness, and the load it folds from the scrapes); no job view folds them.
+REPLICA_KINDS = frozenset({"replica.ready", "replica.unready", "replica.metrics"})
 # Requests on the job-request topic that name a reservation or a service rather than a job: no job view to fold,
 # straight to the scheduler.
 SCHEDULER_REQUESTS = frozenset({
@@ -583,6 +586,10 @@ class Worker:
         if env is None:
             return
         self.metrics.job_fact(env)
+        if env.kind in REPLICA_KINDS:  # a node's word about a serving replica: the autoscaler's, no job view of it
+            self.folded[env.kind] += 1
+            await self.scheduler_input.send(key=env.source.encode(), value=event.value)
+            return
         if not hasattr(env.payload, "job_id"):
             if env.kind in SCHEDULER_REQUESTS:
                 self.folded[env.kind] += 1
@@ -799,6 +806,12 @@ class Worker:
             if path != "/ui/":
                 self.app.page(path)(view(path))
 
+        class ServiceEndpoints(View):  # /api/service/NAME/endpoints: /api/service/endpoints?service=NAME
+            async def get(self, request, name: str = ""):
+                return await worker.serve(self, request, "/api/service/endpoints", {"service": name})
+
+        self.app.page("/api/service/{name:.+}/endpoints")(ServiceEndpoints)
+
         class Static(View):  # the dashboard's files: code, no data; every request they make carries a token
             async def get(self, request, name: str = ""):
                 found = ui.asset(name or "index.html")
@@ -809,7 +822,7 @@ class Worker:
 
         self.app.page("/ui/{name:.*}")(Static)
 
-    async def serve(self, web, request, path: str):
+    async def serve(self, web, request, path: str, params: dict | None = None):
         if path == "/healthz":
             ready = (self.sink is None or self.sink.client is not None) and self.registry_ready.is_set()
             return web.json({"ok": ready}, status=200 if ready else 503)
@@ -827,7 +840,8 @@ class Worker:
 
                 api.authorize(path, principal)
                 return web.bytes(generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
-            doc = await api.answer(path, principal, dict(request.query), body, self.queries, self._memory_pages)
+            doc = await api.answer(path, principal, {**dict(request.query), **(params or {})}, body, self.queries,
+                                   self._memory_pages)
         except api.ApiError as exc:
             headers = {"Retry-After": str(exc.retry_after)} if getattr(exc, "retry_after", None) else None
             return web.json({"error": exc.message}, status=exc.status, headers=headers)

@@ -148,9 +148,21 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--memory-gib", type=float, help="GPU memory")
     r.add_argument("--start", help="ISO time or epoch ms (default: now)")
     r.add_argument("--hours", type=float, default=1.0)
-    v = add("service", requests.cmd_service, help="declare or remove an inference service (replicas follow its load)")
-    v.add_argument("action", choices=["declare", "remove"])
+    v = add("service", requests.cmd_service, help="declare or remove an inference service (replicas follow its load), "
+            "or list its endpoints")
+    v.add_argument("action", choices=["declare", "remove", "endpoints"])
     v.add_argument("service_id")
+    # the replicas' program follows `--`: `gpupool service declare chat ... --port 0 -- python3 model_server.py`
+    v.add_argument("--image", help="run the replicas' command in this OCI image")
+    v.add_argument("--env", action="append", metavar="NAME=VALUE", help="a replica's environment variable")
+    v.add_argument("--port", type=int, help="the port a replica listens on (0: the node picks one; the program "
+                                            "reads PORT); giving it makes the replicas serving ones")
+    v.add_argument("--readiness-path", default="/health", help="answered 200 once a replica is ready")
+    v.add_argument("--metrics", choices=["vllm", "sglang", "none"], default="none",
+                   help="whose Prometheus names a replica's metrics endpoint speaks (its load is scraped from it)")
+    v.add_argument("--metrics-path", default="/metrics")
+    v.add_argument("--ramp-s", type=float, help="endpoints: the weight ramp of a new replica (default: the pool's)")
+    v.add_argument("--format", choices=["table", "json"], default="table")
     v.add_argument("--tenant")
     v.add_argument("--project", default="default")
     v.add_argument("--compute", type=int, help="one replica's milli-CU")
@@ -218,6 +230,11 @@ def parser() -> argparse.ArgumentParser:
     h = add("history", views.cmd_history, help="a job's whole life: placements, checkpoints, preemptions, bills")
     h.add_argument("job")
     fmt(h)
+    rt = add("router", cmd_router, help="nginx in front of services' ready replicas, following their endpoints "
+                                        "(docs/serving.md)")
+    rt.add_argument("--service", action="append", required=True, help="a service to route (repeatable)")
+    rt.add_argument("--listen", type=int, default=8088, help="the port nginx listens on (127.0.0.1)")
+    rt.add_argument("--prefix", help="nginx's own directory (default: $GPUPOOL_HOME/router)")
     lg = add("logs", logs.cmd_logs, help="a job's program output, stdout and stderr of each run (its tenant and "
                                         "operators)")
     lg.add_argument("job")
@@ -289,10 +306,18 @@ def _dispatch(args):
     return args.handler
 
 
+def cmd_router(cfg, args) -> int:
+    from pathlib import Path
+
+    from agents import router
+
+    return router.run(cfg, args.service, args.listen, Path(args.prefix) if args.prefix else cfg.home / "router")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     program: list[str] = []
-    if "--" in argv and "submit" in argv[:argv.index("--")]:
+    if "--" in argv and ("submit" in argv[:argv.index("--")] or "service" in argv[:argv.index("--")]):
         argv, program = argv[:argv.index("--")], argv[argv.index("--") + 1:]  # the job's own argv, as given
     args, rest = parser().parse_known_args(argv)
     args.program = program

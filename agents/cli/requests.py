@@ -2,6 +2,7 @@
 a fact on the log (or answers with a rejection the principal can read)."""
 from __future__ import annotations
 
+import json
 import sys
 import time
 import uuid
@@ -314,8 +315,11 @@ def cmd_reserve(cfg, args) -> int:
 def cmd_service(cfg, args) -> int:
     """Declare (or re-declare) an inference service with its SLO, or remove it."""
     from schemas.events import ServiceDeclared, ServiceRemoved
+    from schemas.program import Serve
 
     c = Client(cfg)
+    if args.action == "endpoints":
+        return service_endpoints(c, args)
     if args.action == "remove":
         payload = ServiceRemoved(service_id=args.service_id)
     else:
@@ -329,8 +333,29 @@ def cmd_service(cfg, args) -> int:
             boost_compute_milli=args.boost, replica_qps=args.replica_qps, min_replicas=args.min_replicas,
             max_replicas=args.max_replicas, latency_target_ms=args.latency_ms, max_queue=args.max_queue,
             latency_sensitive=not args.not_latency_sensitive, scale_in_stable_s=args.scale_in_stable_s,
-            scale_in_cooldown_s=args.scale_in_cooldown_s)
+            scale_in_cooldown_s=args.scale_in_cooldown_s, image=args.image,
+            command=tuple(getattr(args, "program", ()) or ()), env=_env_pairs(args.env),
+            serve=None if args.port is None else Serve(port=args.port, readiness_path=args.readiness_path,
+                                                       metrics=args.metrics, metrics_path=args.metrics_path))
     c.send([payload])
+    return 0
+
+
+def service_endpoints(c: Client, args) -> int:
+    """`gpupool service endpoints NAME`: the replicas of one's own service, where they are and what they take."""
+    params = {"service": c.job_ref(args.service_id)}
+    if args.ramp_s is not None:
+        params["ramp_s"] = str(args.ramp_s)
+    doc = c.api("/api/service/endpoints", params)
+    if args.format == "json":
+        print(json.dumps(doc, indent=2, sort_keys=True))
+        return 0
+    rows = [["REPLICA", "NODE", "ADDRESS", "PORT", "STATE", "WEIGHT"]]
+    for r in doc["replicas"]:
+        rows.append([r["job_id"], r["node"], r["address"] or "-", str(r["port"] or "-"), r["state"], str(r["weight"])])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip())
     return 0
 
 

@@ -40,8 +40,9 @@ from pathlib import Path
 from agents.node.fencing import Fence
 from agents.node.logship import shipper_for
 from agents.node.runner import (  # noqa: F401
-    LogFile, NodeContext, Output, Run, completed, log_file, tee, visible_devices,
+    LogFile, NodeContext, Output, Run, completed, log_file, tee, visible_devices, write_share,
 )
+from agents.node.serving import Replicas
 from agents.node.share_enforcer import ShareEnforcer, share_problems, stop_job_for_share
 from agents.node.shares import ShareConfig
 from agents.node.sim_agent import parse_checkpoint, wall_ms
@@ -141,6 +142,10 @@ class Executor:
         self.fences: dict[str, tuple[str, int]] = {}
         self.fence = Fence()  # by attempt: which run of each job this node may run
         self.tasks: set[asyncio.Task] = set()
+        # serving replicas (agents/node/serving.py): probed, scraped and drained before a stop; reached at the
+        # node's advertised address (the agent's: GPUPOOL_NODE_ADDRESS or its guess, `node_address`; "": 127.0.0.1)
+        self.address = os.environ.get("GPUPOOL_NODE_ADDRESS", "")
+        self.replicas = Replicas(lambda payload, src: self.publish(payload, src, payload.command_id), self.clock)
 
     def _src(self, job_id: str) -> str:
         return f"{self.node}/job/{job_id}"
@@ -186,6 +191,8 @@ class Executor:
                     # A process's CUDA_VISIBLE_DEVICES is fixed at start; the new slices apply from its next start.
                     log.info("resize of %s recorded; the running process keeps its devices", p.job_id)
                     job.assignments = p.assignments
+                    if job.run is not None and job.run.place.serve is not None:
+                        write_share(job.run.place, self.ctx, p.assignments)  # a replica reads its new share
             case MigReconfigure():
                 await self._mig(p)
 
@@ -230,8 +237,9 @@ class Executor:
             await self.publish(JobCheckpointed(job_id=p.job_id, node=self.node, progress_ms=progress_ms,
                                                checkpoint=ckpt, command_id=p.command_id), src, p.command_id)
 
+        port = Replicas.port_for(p)
         run = Run(p, self.ctx, argv=argv, output=tee(LogFile(log_file(p, self.ctx)), self.output),
-                  on_checkpoint=checkpointed)
+                  on_checkpoint=checkpointed, port=port)
         job.run = run
         failed = await run.start()
         if failed is not None:
@@ -239,10 +247,14 @@ class Executor:
             return
         self.running[p.job_id] = job
         await self.publish(JobStarted(job_id=p.job_id, node=self.node, command_id=p.command_id), src, p.command_id)
+        if p.serve is not None:
+            self.replicas.start(self.node, self.address, p, port)
         job.waiter = asyncio.create_task(self._wait(job, p))
 
     async def _wait(self, job: JobProc, p: PlaceJob) -> None:
         ended = await job.run.wait()
+        if self.running.get(job.job_id) is job:
+            self.replicas.end(self.node, job.job_id)
         if job.stopping or ended.stopped:
             return  # the stop reports
         if self.running.get(job.job_id) is job:
@@ -279,6 +291,7 @@ class Executor:
                                               reason=reason), src, command_id)
             return
         job.stopping = True
+        await self.replicas.drain(self.node, job_id)  # a serving replica: out of rotation first (serving.py)
         ended = await job.run.stop(grace_s)
         if self.running.get(job_id) is job:
             del self.running[job_id]
@@ -423,6 +436,7 @@ class NvmlAgent:
                                  reconfigure=self._reconfigure, republish=self._republish,
                                  ctx=NodeContext.from_env(self.node, cfg.home, volumes=cfg.volumes),
                                  output=shipper_for(self).output)  # stdout/stderr as job.log (docs/jobs.md)
+        self.executor.address = self.address  # its serving replicas are reached where its gangs meet
         from agents.node.metrics import AgentMetrics
 
         self.metrics = AgentMetrics(lambda: {self.node: len(self.executor.running)})

@@ -307,9 +307,11 @@ def rendezvous_environment(place: PlaceJob) -> dict[str, str]:
     }
 
 
-def pool_environment(place: PlaceJob, node_ctx: NodeContext) -> dict[str, str]:
+def pool_environment(place: PlaceJob, node_ctx: NodeContext, port: int = 0) -> dict[str, str]:
     """What the pool tells every job (docs/jobs.md, "What a job sees"), for a plain process or a container alike
-    (the checkpoint directory as that run sees it)."""
+    (the checkpoint directory as that run sees it). A serving replica (`place.serve`) also gets the port it is to
+    listen on, `port`, in PORT and GPUPOOL_PORT, and its compute share in GPUPOOL_COMPUTE_MILLI and (rewritten by
+    the node on a resize) the file GPUPOOL_SHARE_FILE (docs/serving.md)."""
     ckpt = CONTAINER_CHECKPOINT_DIR if place.image else str(checkpoint_dir(place, node_ctx))
     devices = visible_devices(place.assignments)
     env = {
@@ -326,14 +328,34 @@ def pool_environment(place: PlaceJob, node_ctx: NodeContext) -> dict[str, str]:
         "NVIDIA_VISIBLE_DEVICES": devices or "void",
     }
     env.update(rendezvous_environment(place))
+    if place.serve is not None and port:
+        env["PORT"] = env["GPUPOOL_PORT"] = str(port)
+        env["GPUPOOL_COMPUTE_MILLI"] = str(sum(a.milli for a in place.assignments))
+        env["GPUPOOL_SHARE_FILE"] = (f"{CONTAINER_CHECKPOINT_DIR}/{SHARE_FILE}" if place.image
+                                     else str(checkpoint_dir(place, node_ctx) / SHARE_FILE))
     env.update(share_environment(place, node_ctx))
     return env
 
 
-def program_environment(place: PlaceJob, ctx: NodeContext, home: str) -> dict[str, str]:
+SHARE_FILE = ".gpupool-share"  # a serving replica's compute share in milli, in its checkpoint directory
+
+
+def write_share(place: PlaceJob, ctx: NodeContext, assignments: tuple[Assignment, ...]) -> None:
+    """The serving replica's compute share as its share file says it (at start, and on each resize)."""
+    path = checkpoint_dir(place, ctx) / SHARE_FILE
+    tmp = path.with_name(SHARE_FILE + ".tmp")
+    try:
+        tmp.write_text(str(sum(a.milli for a in assignments)))
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+def program_environment(place: PlaceJob, ctx: NodeContext, home: str, port: int = 0) -> dict[str, str]:
     """A plain process's whole environment: a minimal PATH, HOME and LANG, the user's own variables, then the pool's
     (which a request can never set: schemas/program.py refuses those names, and they win here regardless)."""
-    return {"PATH": MINIMAL_PATH, "HOME": home, "LANG": "C.UTF-8", **place.env, **pool_environment(place, ctx)}
+    return {"PATH": MINIMAL_PATH, "HOME": home, "LANG": "C.UTF-8", **place.env, **pool_environment(place, ctx, port)}
 
 
 # ---------------------------------------------------------------- how a run ended
@@ -777,9 +799,10 @@ class Run:
     `output` gets stdout and stderr (default: the attempt's log file); `on_checkpoint` each new manifest."""
 
     def __init__(self, place: PlaceJob, ctx: NodeContext, *, argv: list[str] | None = None,
-                 output: Output | None = None, on_checkpoint: OnCheckpoint | None = None):
+                 output: Output | None = None, on_checkpoint: OnCheckpoint | None = None, port: int = 0):
         self.place = place
         self.ctx = ctx
+        self.port = port  # a serving replica's (place.serve): PORT / GPUPOOL_PORT
         self.argv = list(argv) if argv is not None else list(place.command)
         self.container = bool(place.image)
         self.output = output if output is not None else LogFile(log_file(place, ctx))
@@ -837,6 +860,8 @@ class Run:
                 os.chown(d, uid, gid)
             os.chmod(d, 0o700)
         self._manifest_seen = _read_small(self.ckpt_dir / MANIFEST)
+        if self.place.serve is not None:
+            write_share(self.place, self.ctx, self.place.assignments)
 
     async def _start_process(self) -> None:
         p = self.place
@@ -866,7 +891,7 @@ class Run:
             cwd = Path(p.workdir)
             if not cwd.is_dir():
                 raise _refuse("StartFailed", f"workdir {p.workdir} does not exist on node {self.ctx.node}")
-        env = program_environment(p, self.ctx, str(self.workdir))
+        env = program_environment(p, self.ctx, str(self.workdir), self.port)
         argv0 = self.argv[0]
         if "/" not in argv0:
             found = shutil.which(argv0, path=env["PATH"])
@@ -978,7 +1003,9 @@ class Run:
             argv += ["--device", dev]
         if p.workdir:
             argv += ["-w", p.workdir]
-        for k, v in {**p.env, **pool_environment(p, ctx)}.items():
+        if p.serve is not None and self.port and ctx.network not in ("none", "host"):
+            argv += ["-p", f"{self.port}:{self.port}"]  # the replica's port, published on the node's
+        for k, v in {**p.env, **pool_environment(p, ctx, self.port)}.items():
             argv += ["-e", f"{k}={v}"]
         argv.append(p.image)
         argv += self.argv

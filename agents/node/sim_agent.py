@@ -52,7 +52,8 @@ from dataclasses import dataclass, field
 
 from agents.node.fencing import Fence
 from agents.node.logship import shipper_for
-from agents.node.runner import LogFile, NodeContext, Output, Run, completed, log_file, tee
+from agents.node.runner import LogFile, NodeContext, Output, Run, completed, log_file, tee, write_share
+from agents.node.serving import Replicas
 from infra.kafka_client import consume_commands
 from infra.security import NODE, kafka_conn
 
@@ -178,6 +179,7 @@ class SimFleetAgent:
         from agents.node.metrics import AgentMetrics
 
         self.metrics = AgentMetrics(lambda: {n: len(v.running) for n, v in self.nodes.items()})
+        self.replicas = Replicas(self._report, self.now_ms)  # serving replicas: probe, scrape, drain (serving.py)
         for f in faults:
             self.inject(f)
 
@@ -217,6 +219,14 @@ class SimFleetAgent:
         await self.producer.send(self.topic_of.get(payload.node, spec.name), key=key, value=encode(env))
         self.published += 1
         self.metrics.observe(payload)
+
+    async def _report(self, payload, source: str) -> None:
+        """A serving replica's report (ready, unready, metrics), sent at once; a lost node tells nothing."""
+        node = self.nodes.get(payload.node)
+        if node is None or node.lost:
+            return
+        await self.publish(payload, source, cause=getattr(payload, "command_id", None))
+        await self.producer.flush()
 
     def _spawn(self, coro) -> asyncio.Task:
         task = asyncio.create_task(coro)
@@ -360,11 +370,13 @@ class SimFleetAgent:
                 r = node.running.get(p.job_id)
                 if node.fence.stops(p.job_id, p.attempt, r.attempt if r else None):
                     node.running.pop(p.job_id)
-                    self._end(r, self.ctx.grace_for(r.tier, RELEASE_GRACE_S))
+                    self._end(r, self.ctx.grace_for(r.tier, RELEASE_GRACE_S), node_name, p.job_id)
             case ResizeJob():
                 r = node.running.get(p.job_id)
                 if r and node.fence.applies(p.attempt, r.attempt):
                     r.assignments = p.assignments
+                    if r.run is not None and r.place is not None and r.place.serve is not None:
+                        write_share(r.place, r.run.ctx, p.assignments)  # the replica feels its new share
             case MigReconfigure():
                 # Simulation applies the layout; the NVML backend does so only with an explicit opt-in.
                 gpus = tuple(g.model_copy(update={"mig_layout": p.layout, "mig_enabled": bool(p.layout)})
@@ -391,8 +403,9 @@ class SimFleetAgent:
                                                checkpoint=ckpt, command_id=p.command_id), src, cause=p.command_id)
             await self.producer.flush()
 
+        port = Replicas.port_for(p)
         run = Run(p, ctx, output=tee(LogFile(log_file(p, ctx)), self.output, shipper_for(self).for_node(node_name)),
-                  on_checkpoint=checkpointed)
+                  on_checkpoint=checkpointed, port=port)
         failed = await run.start()
         if failed is not None:
             await self.publish(failed.failed(p, node_name), src, self.now_ms(), cause=p.command_id)
@@ -403,12 +416,16 @@ class SimFleetAgent:
         node.running[p.job_id] = r
         await self.publish(JobStarted(job_id=p.job_id, node=node_name, command_id=p.command_id), src, now,
                            cause=p.command_id)
+        if p.serve is not None:
+            self.replicas.start(node_name, node.inventory.address, p, port)
         r.task = self._spawn(self._watch_program(node_name, p.job_id, r))
 
     async def _watch_program(self, node_name: str, job_id: str, r: Running) -> None:
         """The program ended of itself: completed, or failed with its reason (a stop reports for itself)."""
         ended = await r.run.wait()
         node = self.nodes[node_name]
+        if node.running.get(job_id) is r or node.running.get(job_id) is None:
+            self.replicas.end(node_name, job_id)
         if ended.stopped or node.lost or node.running.get(job_id) is not r:
             return
         del node.running[job_id]
@@ -422,7 +439,8 @@ class SimFleetAgent:
     async def _stop_program(self, node_name: str, job_id: str, r: Running, grace_s: float, command_id: str,
                             reason: str) -> None:
         """Stop a program (SIGTERM, grace, SIGKILL) and report it stopped at the last checkpoint its manifest named
-        (re-read after it exited), else where it started from."""
+        (re-read after it exited), else where it started from. A serving replica is drained first (serving.py)."""
+        await self.replicas.drain(node_name, job_id)
         await r.run.stop(grace_s)
         if self.nodes[node_name].lost:
             return
@@ -433,6 +451,7 @@ class SimFleetAgent:
         await self.producer.flush()
 
     async def _fail_program(self, node_name: str, job_id: str, r: Running) -> None:
+        self.replicas.end(node_name, job_id)
         await r.run.kill()
         await self.publish(JobFailed(job_id=job_id, node=node_name, reason="simulated failure: killed by SIGKILL",
                                      command_id=r.command_id, code="Simulated", signal=9, attempt=r.attempt,
@@ -440,13 +459,23 @@ class SimFleetAgent:
                            f"{node_name}/job/{job_id}", cause=r.command_id)
         await self.producer.flush()
 
-    def _end(self, r: Running, grace_s: float | None) -> None:
+    def _end(self, r: Running, grace_s: float | None, node_name: str = "", job_id: str = "") -> None:
         """End a run without a report: a stand-in's task is cancelled; a program is stopped with `grace_s` (None:
-        SIGKILLed at once), in the background."""
+        SIGKILLed at once), in the background; a serving replica named by node and job is drained first."""
         if r.task:
             r.task.cancel()
         if r.run is not None:
-            self._spawn(r.run.kill() if grace_s is None else r.run.stop(grace_s))
+            if grace_s is None:
+                if node_name:
+                    self.replicas.end(node_name, job_id)
+                self._spawn(r.run.kill())
+            elif node_name and self.replicas.serving(node_name, job_id):
+                async def drained():
+                    await self.replicas.drain(node_name, job_id)
+                    await r.run.stop(grace_s)
+                self._spawn(drained())
+            else:
+                self._spawn(r.run.stop(grace_s))
 
     async def command_loop(self) -> None:
         # any of the fleet's principals reads the commands (every node principal may; each node takes its own)
@@ -545,8 +574,8 @@ class SimFleetAgent:
             node.ecc_faults.discard(node.inventory.gpus[int(f.arg)].uuid)
         elif f.kind == "lose":
             node.lost = True
-            for r in self._drop_jobs(node).values():  # the machine is gone: nothing of it reports
-                self._end(r, None)  # its real processes die with it (SIGKILL)
+            for job_id, r in self._drop_jobs(node).items():  # the machine is gone: nothing of it reports
+                self._end(r, None, f.node, job_id)  # its real processes die with it (SIGKILL)
         elif f.kind == "slow":
             node.slow_factor = float(f.arg)
         elif f.kind == "recover":

@@ -18,7 +18,9 @@ from agents.scheduler import defrag
 from agents.scheduler.claims import (
     GROUPS, Claim, Search, claim, claim_of_group, holding_on, standing_at, standing_now,
 )
-from agents.scheduler.elastic import SERVICE_KINDS, SOURCE as AUTOSCALER, Autoscaler, Backfill, Charge, Emit, Request
+from agents.scheduler.elastic import (
+    SERVICE_KINDS, SOURCE as AUTOSCALER, Autoscaler, Backfill, Charge, Emit, LoadSample, Request,
+)
 from agents.scheduler.elastic import ElasticConfig, Resize
 from agents.scheduler.holdings import Holdings, JobRecord, fingerprint, rebuilt
 from agents.scheduler.node_index import cards_needed
@@ -309,6 +311,13 @@ class Scheduler:
                 out.append(env)
                 if self._fresh(env, None):
                     self._input(out, env)
+            elif isinstance(act, LoadSample):  # a service's load from its replicas' scrapes: emitted, then decided on
+                a.seq += 1
+                env = envelope(act.payload, source=AUTOSCALER, seq=a.seq, time_ms=self.now_ms,
+                               causation_id=cause.event_id)
+                out.append(env)
+                if self._fresh(env, None):
+                    self._act(out, env, a.on_input(env))
             elif isinstance(act, Resize):
                 rec = self.jobs[act.job_id]
                 self._accrue(out, cause, rec)  # billed at the old size up to now

@@ -11,6 +11,9 @@ the scheduler's state. What it decides it *yields* as actions, which the schedul
   its own sequence numbers, emitted and fed through the scheduler's ordinary input path, so placement, preemption,
   quota and billing are the ordinary ones. The live agent publishes it; when it comes back through the scheduler
   input, the per-source seq dedupe drops it, and a replay of the input reproduces every decision;
+- `LoadSample(inference.load)`: a service-level sample the autoscaler folded from its replicas' scrapes
+  (`replica.metrics`, streams/core/serving.py): emitted with source "autoscaler" like a Request, then decided on
+  as any `inference.load`;
 - `Resize` (a vertical boost or its revert: `cmd.resize`), `Charge` (a boost's extra compute held in or given back to
   the quota ledger), `Backfill` (a cycle now).
 
@@ -31,12 +34,16 @@ from agents.scheduler.quota import held
 from schemas.envelope import Envelope
 from schemas.events import (
     TIER_RANK, Assignment, InferenceLoad, JobCancelled, JobCompleted, JobFailed, JobRequested, JobStarted, JobStopped,
-    Reason, SchedulerTick, ServiceDeclared, ServiceRemoved, ServiceScaled, Tier,
+    Reason, ReplicaMetrics, ReplicaReady, ReplicaUnready, SchedulerTick, ServiceDeclared, ServiceRemoved,
+    ServiceScaled, Tier,
 )
+from streams.core.serving import LoadFold
 from schemas.gpu_models import model, share_for
 
 SOURCE = "autoscaler"
-SERVICE_KINDS = frozenset({"service.declared", "service.removed", "inference.load"})
+SERVICE_KINDS = frozenset({"service.declared", "service.removed", "inference.load", "replica.ready",
+                           "replica.unready", "replica.metrics"})
+REPLICA_KINDS = frozenset({"replica.ready", "replica.unready", "replica.metrics"})
 
 
 @dataclass(frozen=True)
@@ -63,6 +70,10 @@ class ElasticConfig:
     bucket_ms: int = 900_000  # 96 buckets a day
     curve_alpha_den: int = 4  # EWMA weight 1/4 per day
     lead_ms: int = 900_000  # pre-scale this long before a predicted rise
+    # load from the replicas' scrapes (replica.metrics): one service-level sample per this much log time, over the
+    # replicas heard of within load_stale_ms
+    load_interval_ms: int = 2000
+    load_stale_ms: int = 10_000
 
     def __post_init__(self) -> None:
         if self.mode not in ("load", "clock"):
@@ -106,6 +117,8 @@ class Service:
     low_since: int | None = None  # first sample of the current surplus run
     calm_since: int | None = None  # first sample since the last hot one
     denied: set[str] = field(default_factory=set)  # triggers whose refusal has been said and still holds
+    # serving replicas (spec.serve): job id -> the placement whose node said it is ready (its probe answered)
+    probed: dict[str, str] = field(default_factory=dict)
 
     def serving(self) -> list[str]:
         return [j for j, role in self.replicas.items() if role == "serving"]
@@ -125,6 +138,13 @@ class Request:
     """A request of the autoscaler's own (a replica's job.requested, a job.cancelled): the scheduler emits it (source
     "autoscaler") and feeds it through its ordinary input path, as if it had come from the log."""
     payload: object
+
+
+@dataclass(frozen=True)
+class LoadSample:
+    """A service-level inference.load the autoscaler derived from its replicas' scrapes: the scheduler emits it
+    (source "autoscaler") and hands it back to the autoscaler as an input."""
+    payload: InferenceLoad
 
 
 @dataclass(frozen=True)
@@ -164,6 +184,7 @@ class Autoscaler:
         self.seq = 0  # the autoscaler source's sequence numbers
         self.training_waited_ms = -(1 << 62)  # the last time non-inference work was seen waiting
         self.share = ShareMeter()
+        self.loads = LoadFold(cfg.load_interval_ms, cfg.load_stale_ms)
 
     # the scheduler's state, read through
     jobs = property(lambda self: self.s.jobs)
@@ -196,6 +217,8 @@ class Autoscaler:
                 yield from self._remove(p)
             case InferenceLoad():
                 yield from self._load(p)
+            case ReplicaReady() | ReplicaUnready() | ReplicaMetrics():
+                yield from self._replica_report(env)
 
     def after(self, env: Envelope):
         """What the scheduler's handling of any other input means for the services."""
@@ -265,6 +288,40 @@ class Autoscaler:
         yield from self._maintain(svc)
         yield from self._yield_to_training()
 
+    def ready(self, svc: Service, job_id: str) -> bool:
+        """A replica counts ready when it runs and, for a service with endpoints, its current placement's node said
+        its readiness probe answered (replica.ready, and no replica.unready since)."""
+        if self.s.state_of(job_id) != "running":
+            return False
+        if svc.spec.serve is None:
+            return True
+        rec = self.jobs.get(job_id)
+        return rec is not None and rec.placement is not None and svc.probed.get(job_id) == rec.placement.command_id
+
+    def _replica_report(self, env: Envelope):
+        """A node's word about one of its serving replicas: ready, unready, or a scrape of its metrics."""
+        p = env.payload
+        sid = self.replica_of.get(p.job_id)
+        svc = self.services.get(sid) if sid else None
+        if svc is None or p.job_id not in svc.replicas:
+            return
+        rec = self.jobs.get(p.job_id)
+        current = rec.placement.command_id if rec is not None and rec.placement is not None else None
+        if p.command_id != current:
+            return  # about a superseded run
+        if isinstance(p, ReplicaReady):
+            svc.probed[p.job_id] = p.command_id
+            yield from self._check_ready(svc)
+        elif isinstance(p, ReplicaUnready):
+            svc.probed.pop(p.job_id, None)
+        else:
+            loads = getattr(self, "loads", None)
+            if loads is None:  # a state restored from before the scrapes
+                loads = self.loads = LoadFold(self.cfg.load_interval_ms, self.cfg.load_stale_ms)
+            sample = loads.observe(svc.spec.service_id, p, p.command_id, self.now_ms)
+            if sample is not None:
+                yield LoadSample(sample)
+
     # ---------------------------------------------------------------- scale up
 
     def _scale_up(self, svc: Service, sig: Signal):
@@ -297,7 +354,7 @@ class Autoscaler:
         at once; the others form a batch that shifts traffic when all are ready."""
         now = self.now_ms
         warm = svc.warm()
-        warm.sort(key=lambda j: 0 if self.s.state_of(j) == "running" else 1)  # ready ones first (stable sort)
+        warm.sort(key=lambda j: 0 if self.ready(svc, j) else 1)  # ready ones first (stable sort)
         promote = tuple(warm[:add])
         new_jobs, refused = self._add_replicas(svc, add - len(promote), max(0, protected_n - len(promote)))
         jobs = promote + new_jobs
@@ -319,7 +376,7 @@ class Autoscaler:
             svc.replicas[j] = "serving"
         yield from self._scaled(svc, "horizontal_up", jobs, reasons, pre=new_jobs)
         svc.last_up_ms = now
-        ready = tuple(j for j in promote if self.s.state_of(j) == "running")
+        ready = tuple(j for j in promote if self.ready(svc, j))
         if ready:
             yield from self._scaled(svc, "traffic_shift", ready, (Reason(
                 code="ReplicasReady", plugin=PLUGIN, message="warm replicas were ready",
@@ -389,7 +446,8 @@ class Autoscaler:
         return JobRequested(job_id=job_id, tenant=spec.tenant, project=spec.project, tier=Tier.INFERENCE,
                             compute_milli=spec.replica_compute_milli, gpu_memory_mib=spec.replica_memory_mib,
                             constraints=spec.constraints, latency_sensitive=spec.latency_sensitive,
-                            service_id=spec.service_id)
+                            service_id=spec.service_id, image=spec.image, command=spec.command, env=spec.env,
+                            serve=spec.serve)
 
     def _training_victims(self) -> dict[str, list[Victim]]:
         """Running or placed non-inference work, as the tier rule of preemption.py sees it (an estimate of what
@@ -498,7 +556,7 @@ class Autoscaler:
             if not alive:
                 svc.batches.remove(b)
                 continue
-            if all(self.s.state_of(j) == "running" for j in alive):
+            if all(self.ready(svc, j) for j in alive):
                 svc.batches.remove(b)
                 took = self.now_ms - b.decided_ms
                 yield from self._scaled(svc, "traffic_shift", alive, (Reason(
@@ -514,6 +572,7 @@ class Autoscaler:
         for j in [j for j in svc.replicas if self.s.state_of(j) in (None, "done")]:
             del svc.replicas[j]
             svc.replica_util.pop(j, None)
+            svc.probed.pop(j, None)
         for j in list(svc.boosts):
             rec = self.jobs.get(j)
             if rec is None or rec.placement is None or rec.placement.command_id != svc.boosts[j].command_id:
@@ -544,12 +603,12 @@ class Autoscaler:
                 return
             surplus = len(serving) - keep
             # starting replicas first, then the newest ready ones
-            order = sorted(enumerate(serving), key=lambda t: (0 if self.s.state_of(t[1]) != "running" else 1, -t[0]))
+            order = sorted(enumerate(serving), key=lambda t: (0 if not self.ready(svc, t[1]) else 1, -t[0]))
             victims = [j for _, j in order[:surplus]]
             # kept warm (no restart at the next peak) unless non-inference work waits, or waited lately
             quiet = not self._training_waits() and now - self.training_waited_ms >= cfg.warm_quiet_ms
             slots = cfg.warm_pool - len(svc.warm()) if quiet else 0
-            kept = [j for j in victims if self.s.state_of(j) == "running" and j not in svc.boosts][:max(0, slots)]
+            kept = [j for j in victims if self.ready(svc, j) and j not in svc.boosts][:max(0, slots)]
             reasons = (Reason(code="LoadLow", plugin=PLUGIN, message=f"{len(serving)} replicas serve {qps} qps; "
                               f"{keep} keep {cfg.headroom_pct + cfg.scale_in_hysteresis_pct}% headroom",
                               data={"qps": qps, "serving": len(serving), "keep": keep,

@@ -8,7 +8,8 @@ the topic says who sent a record; the registry (principals topic) says which nod
 - refuses a report about a node the principal does not speak for (`not_your_node`): the payload's node must be one of
   the principal's, and the record's source must be that node's (`NODE/...`), so no principal can move another node's
   per-source sequence numbers either;
-- refuses a job event (started, checkpointed, completed, failed, stopped) or a job's log (`job.log`) about a job the
+- refuses a job event (started, checkpointed, completed, failed, stopped, a replica's ready, unready or metrics) or a
+  job's log (`job.log`) about a job the
   scheduler never placed on that node (`not_your_node`), by the placement commands it read (`Placements`): a node
   writes only its own jobs' logs;
 - stamps an inventory with its principal (`actor`): the node view then holds the node to admission
@@ -26,7 +27,9 @@ from schemas.events import MigrateJob, NodeAdmitted, PlaceJob, ResizeJob
 
 NODE_KINDS = frozenset({"node.inventory", "node.heartbeat", "gpu.telemetry"})
 JOB_EVENT_KINDS = frozenset({"job.started", "job.checkpointed", "job.completed", "job.failed", "job.stopped"})
-JOB_KINDS = JOB_EVENT_KINDS | {"job.log"}  # about one job: relayed only for a job placed on the node
+# what a node says of a serving replica it runs (docs/serving.md): about one job, relayed only for a job placed there
+REPLICA_KINDS = frozenset({"replica.ready", "replica.unready", "replica.metrics"})
+JOB_KINDS = JOB_EVENT_KINDS | REPLICA_KINDS | {"job.log"}  # about one job: relayed only for a job placed on the node
 RELAYED_KINDS = NODE_KINDS | JOB_KINDS
 ADMISSION_SOURCE = "admission/"
 
