@@ -19,7 +19,8 @@ PACKAGES = {"streams", "streams.core", "agents", "agents.scheduler", "agents.nod
 # Faust, aiokafka, ClickHouse, asyncio, clock, randomness, files or sockets. hashlib: a finished job's request
 # fingerprint (holdings.fingerprint, BLAKE2b: deterministic in every process, unlike hash()).
 ALLOWED_TOPS = {"__future__", "array", "dataclasses", "typing", "collections", "enum", "bisect", "functools", "itertools",
-                "heapq", "math", "abc", "numpy", "pydantic", "orjson", "schemas", "hashlib"}
+                "heapq", "math", "abc", "numpy", "pydantic", "orjson", "schemas", "hashlib",
+                "zlib"}  # zlib: crc32, a pure hash (the rendezvous port's starting point)
 
 
 def _module(path: Path) -> str:

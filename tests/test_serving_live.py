@@ -28,6 +28,7 @@ import pytest
 
 from agents.client import ApiFailure
 from agents.node.serving import free_port
+from agents.node.sim_agent import loopback
 from infra.programs import model_server
 from schemas.events import ServiceRemoved
 from tests.live import cli, quotas, wait_for
@@ -36,6 +37,7 @@ from tests.program_helpers import need_python3, passable_dir
 pytestmark = pytest.mark.broker
 
 SERVICE = "acme/chat"
+NODE_ADDRESS = loopback(0)  # the fleet's one node advertises 127.0.0.2: replicas are reached there
 GIB = 1024
 
 
@@ -148,13 +150,13 @@ def _scenario(stack, roots: Path, script: Path, router_dir: Path) -> None:
         return doc["ready"]
     (r1,) = wait_for(first_ready, 120, "the first replica ready and serving", stack)
     assert seen_running_not_ready, "never saw a started replica before its readiness: the warm-up is too short"
-    assert r1["job_id"] == f"{SERVICE}/r1" and r1["address"] == "127.0.0.1" and r1["port"] > 0, r1
+    assert r1["job_id"] == f"{SERVICE}/r1" and r1["address"] == NODE_ADDRESS and r1["port"] > 0, r1
     (ready,) = [e for e in _events(stack, ("replica.ready",)) if e["job_id"] == r1["job_id"]]
     (started,) = [e for e in _events(stack, ("job.started",)) if e["job_id"] == r1["job_id"]]
     assert ready["port"] == r1["port"] and ready["t"] - started["t"] >= 4000, (started, ready)  # after the warm-up
     shift = next(e for e in _events(stack, ("service.scaled",)) if e["action"] == "traffic_shift")
     assert shift["jobs"] == [r1["job_id"]] and shift["t"] >= ready["t"], shift
-    assert _get(f"http://127.0.0.1:{r1['port']}/health")[0] == 200  # the replica itself, on its port
+    assert _get(f"http://{NODE_ADDRESS}:{r1['port']}/health")[0] == 200  # the replica itself, on its port
 
     # 2. the router: nginx follows the endpoints; a request through it reaches the serving replica only
     listen = free_port()
@@ -162,7 +164,7 @@ def _scenario(stack, roots: Path, script: Path, router_dir: Path) -> None:
     url = f"http://127.0.0.1:{listen}/{SERVICE}/v1/completions"
     wait_for(lambda: _get(url)[0] == 200, 60, "a request through nginx answered", stack)
     conf = (router_dir / "nginx.conf").read_text()
-    assert f"server 127.0.0.1:{r1['port']} weight=" in conf, conf
+    assert f"server {NODE_ADDRESS}:{r1['port']} weight=" in conf, conf
     warm = [r for r in endpoints()["replicas"] if r["state"] == "warm"]
     answers = {_get(url)[1].get("replica") for _ in range(20)}
     assert answers == {r1["job_id"]}, (answers, warm)  # the warm replica beside it takes none
