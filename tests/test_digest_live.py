@@ -19,8 +19,8 @@ acme's, runs on borrowed capacity (beyond acme's quota) on a fleet of two 2-card
    directory, or the state file named, resumes from there), and runs to its end.
 
 The migration comes first: a job reclaimed is barred, for the victims' quiet window, from the node its preemptor
-freed while that one holds it, and defragmentation does not ask that when it plans a move (a move of such a job to
-that node leaves it waiting: seen while writing this test, a finding for the scheduler).
+freed while that one holds it, and defragmentation moves it nowhere it is barred (tests/test_defrag.py: found while
+writing this test), so a migration right after the reclaim may not find a node to move it to.
 
 Waits are on conditions; the program's step count leaves room for the phases (a run's work is 40 s, the phases take
 a few seconds of it), and each phase first checks the job has not finished."""

@@ -139,7 +139,10 @@ def _clear(s, rec, view, m: str, n: int, free: dict[str, int], exclude) -> Plan 
             budget[t] = s.preemption.migrations_per_hour - recent_moves(s.h.migrated, t, s.now_ms)
         if budget[t] <= 0:
             continue
-        got = place(s.index, scratch, o.request, s.workload, s.candidates, exclude=used)
+        # a job in its quiet window (reclaimed or preempted a moment ago) may not take a node preemption freed for a
+        # claim as strong as its weakest (`Scheduler._barred`): a move there would leave it waiting FreedForStronger
+        barred = s._barred(o, False) if s._quiet(o) is not None else frozenset()
+        got = place(s.index, scratch, o.request, s.workload, s.candidates, exclude=used | barred)
         if not isinstance(got, Placement) or len(got.parts) != 1:
             continue
         if not _readmitted(s, rec, o, got.parts[0]):
