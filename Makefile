@@ -68,7 +68,7 @@ test: kafka browser podman nginx
 # the fast target: unit, property and scenario tests, no broker and no browser (tests/conftest.py fails a test that
 # starts either without the `broker` mark). `make test` stays the whole suite; .ci/run calls that.
 check: $(STAMP) podman
-	GPUPOOL_CHECK=1 $(BIN)/python -m pytest -q -p no:cacheprovider --ignore=tests/acceptance --ignore=tests/test_demo.py -m "not chaos and not broker" tests
+	GPUPOOL_CHECK=1 $(BIN)/python -m pytest -q -p no:cacheprovider -n auto --ignore=tests/acceptance --ignore=tests/test_demo.py -m "not chaos and not broker" tests
 
 # the fault tests of docs/reliability.md: a local 3-broker KRaft cluster, two workers, kill -9, a broker down,
 # ClickHouse away for 60 s, the whole stack stopped and started (heavy: three JVMs; about ten minutes here)
