@@ -34,8 +34,15 @@ def _start(tmp: Path, rank: int, port: int, run: str, *args: str, resume: str = 
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "RANK": str(rank), "WORLD_SIZE": str(WORLD),
            "MASTER_ADDR": "127.0.0.2", "MASTER_PORT": str(port), "TORCHELASTIC_RUN_ID": run,
            "GPUPOOL_CHECKPOINT_DIR": str(d), "GPUPOOL_RESUME_FROM": resume}
-    return subprocess.Popen([sys.executable, str(PROGRAM), *args], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    out = tmp / f"part-{rank}-{run}.out"  # a file, so a test can wait on what a part said while it runs
+    with open(out, "w") as f:
+        p = subprocess.Popen([sys.executable, str(PROGRAM), *args], env=env, stdout=f, stderr=subprocess.STDOUT)
+    p.out_path = out
+    return p
+
+
+def _said(p: subprocess.Popen) -> str:
+    return p.out_path.read_text()
 
 
 def _wait_for(what, timeout: float, desc: str):
@@ -59,12 +66,12 @@ def _finish(procs, timeout=120) -> list[str]:
     outs = []
     for p in procs:
         try:
-            out, _ = p.communicate(timeout=timeout)
+            p.wait(timeout=timeout)
         finally:
             if p.poll() is None:
                 p.kill()
                 p.wait()
-        outs.append(out)
+        outs.append(_said(p))
     return outs
 
 
@@ -95,7 +102,8 @@ def test_a_killed_part_stops_the_others_and_the_next_attempt_resumes_from_their_
         # the others notice and wait for the pool's stop; the pool's stop is a SIGTERM
         for r in (0, 2):
             assert procs[r].poll() is None, "a lost peer is no reason to fail at once"
-        time.sleep(0.5)
+        _wait_for(lambda: all("peer lost at step" in _said(procs[r]) for r in (0, 2)), 60,
+                  "the other parts to notice their peer is gone")
         for r in (0, 2):
             procs[r].send_signal(signal.SIGTERM)
         outs = _finish(procs, timeout=30)
@@ -144,7 +152,7 @@ def test_without_the_rendezvous_variables_it_says_so(tmp_path):
 @pytest.mark.parametrize("rank", [0, 1])
 def test_sigterm_before_the_parts_meet_exits_0(tmp_path, rank):
     p = _start(tmp_path, rank, _free_port(), "t-a1", "--steps", "5")
-    _wait_for(lambda: p.stdout.readline().startswith("rank "), 30, "the program up")
+    _wait_for(lambda: _said(p).startswith("rank "), 30, "the program up")
     p.send_signal(signal.SIGTERM)
-    out, _ = p.communicate(timeout=30)
+    (out,) = _finish([p], timeout=30)
     assert p.returncode == 0 and "stopped by SIGTERM at step 0" in out, out
