@@ -205,8 +205,10 @@ def _scenario(stack, roots: Path, script: Path, router_dir: Path) -> None:
              "nginx without upstream servers", stack)
     alive = {j: _get(f"http://127.0.0.1:{p}/health", 5)[0] for j, p in ports.items()}
     assert all(code == 200 for code in alive.values()), alive  # still running: left before the stop
-    draining = wait_for(lambda: [e for e in _events(stack, ("replica.unready",)) if e["reason"] == "draining"], 60,
-                        "the nodes' drain", stack)
+    def drained():  # every replica's drain said (the nodes say each in its own time)
+        got = [e for e in _events(stack, ("replica.unready",)) if e["reason"] == "draining"]
+        return got if {e["job_id"] for e in got} >= set(ports) else None
+    draining = wait_for(drained, 60, "every replica's drain", stack)
     assert {e["job_id"] for e in draining} >= set(ports), draining
     wait_for(lambda: all(_get(f"http://127.0.0.1:{p}/health", 2)[0] == 0 for p in ports.values()), 90,
              "the replicas stopped after their drain", stack)
