@@ -98,3 +98,17 @@ def cdi_spec(uuids: list[str], where: Path):
         yield spec
     finally:
         spec.unlink(missing_ok=True)
+
+
+def program_fleet(stack, roots: Path, nodes, gpus: int, **env: str) -> Path:
+    """A worker and a simulated fleet of `nodes` (A100-80GB x `gpus` each) whose jobs run as real processes under
+    `roots` (jobs/, checkpoints/), with `env` for the stack; the fleet's fault file (`lose:NODE` ...) is returned."""
+    stack.extra_env.update({"GPUPOOL_JOBS_ROOT": str(roots / "jobs"),
+                            "GPUPOOL_CHECKPOINT_ROOT": str(roots / "checkpoints"), **env})
+    control = roots / "faults"
+    control.write_text("")
+    fleet = roots / "fleet.yaml"
+    fleet.write_text("nodes:\n" + "".join(f"  - {{name: {n}, model: A100-80GB, gpus: {gpus}}}\n" for n in nodes))
+    stack.start_worker()
+    stack.start_agent(str(fleet), "--control", str(control))
+    return control

@@ -39,7 +39,7 @@ import pytest
 from infra.programs import digest_train
 from schemas.events import JobCancelled, JobRequested, QuotaSet, Tier
 from tests.live import cli, job_states, wait_for
-from tests.program_helpers import need_python3, passable_dir
+from tests.program_helpers import need_python3, passable_dir, program_fleet
 
 pytestmark = pytest.mark.broker
 
@@ -156,14 +156,7 @@ def test_the_digest_program_resumes_through_a_reclaim_a_migration_and_a_node_los
 
 
 def _scenario(stack, roots: Path, script: Path) -> None:
-    stack.extra_env.update({"GPUPOOL_JOBS_ROOT": str(roots / "jobs"),
-                            "GPUPOOL_CHECKPOINT_ROOT": str(roots / "checkpoints"), "GPUPOOL_GRACE_S": "offline=10"})
-    control = roots / "faults"
-    control.write_text("")
-    fleet = roots / "fleet.yaml"
-    fleet.write_text("nodes:\n" + "".join(f"  - {{name: {n}, model: A100-80GB, gpus: 2}}\n" for n in NODES))
-    stack.start_worker()
-    stack.start_agent(str(fleet), "--control", str(control))
+    control = program_fleet(stack, roots, NODES, 2, GPUPOOL_GRACE_S="offline=10")
     stack.add_user("alice", "tenant", "acme")
     stack.add_user("bob", "tenant", "globex")
     # acme's quota is half a card (it may borrow up to 1.5): its 1-card job runs on borrowed capacity

@@ -25,7 +25,7 @@ from agents.node.sim_agent import loopback
 from infra.programs import allreduce_train
 from schemas.events import JobRequested, QuotaSet
 from tests.live import cli, job_states, wait_for
-from tests.program_helpers import need_python3, passable_dir
+from tests.program_helpers import need_python3, passable_dir, program_fleet
 
 pytestmark = pytest.mark.broker
 
@@ -99,15 +99,8 @@ def _pool(stack, roots: Path, first: int, last: int, nodes=NODES, retries: int =
     script = roots / "allreduce_train.py"
     shutil.copy(PROGRAM, script)
     os.chmod(script, 0o644)
-    stack.extra_env.update({"GPUPOOL_JOBS_ROOT": str(roots / "jobs"),
-                            "GPUPOOL_CHECKPOINT_ROOT": str(roots / "checkpoints"),
-                            "GPUPOOL_GRACE_S": "offline=10", "GPUPOOL_RENDEZVOUS_PORTS": f"{first}-{last}"})
-    control = roots / "faults"
-    control.write_text("")
-    fleet = roots / "fleet.yaml"
-    fleet.write_text("nodes:\n" + "".join(f"  - {{name: {n}, model: A100-80GB, gpus: 1}}\n" for n in nodes))
-    stack.start_worker()
-    stack.start_agent(str(fleet), "--control", str(control))
+    control = program_fleet(stack, roots, nodes, 1, GPUPOOL_GRACE_S="offline=10",
+                            GPUPOOL_RENDEZVOUS_PORTS=f"{first}-{last}")
     stack.add_user("alice", "tenant", "acme")
     stack.client().send([QuotaSet(tenant="acme", gpu_milli=8000)])
     wait_for(lambda: stack.stats()["scheduler"]["nodes"] == len(nodes), 60, "the fleet in the scheduler", stack)

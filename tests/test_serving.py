@@ -207,12 +207,18 @@ def test_a_serving_replica_is_ready_only_once_its_probe_answered_and_its_request
     assert shift.action == "traffic_shift" and shift.jobs == (place.job_id,) and shift.took_ms == 2000
 
 
-def test_scraped_metrics_become_inference_load_and_drive_a_scale_out():
-    s, feed, out = _sched()
+def _started_replica(feed):
+    """acme/web declared at 1000 ms: its one replica placed on n1 and started at 1500 ms; (placement, its source)."""
     got = feed(_decl(), "gateway/acme", 1000)
     (place,) = [o.payload for o in got if o.kind == "cmd.place"]
     src = f"n1/job/{place.job_id}"
     feed(JobStarted(job_id=place.job_id, node="n1", command_id=place.command_id), src, 1500)
+    return place, src
+
+
+def test_scraped_metrics_become_inference_load_and_drive_a_scale_out():
+    s, feed, out = _sched()
+    place, src = _started_replica(feed)
     feed(ReplicaReady(job_id=place.job_id, node="n1", command_id=place.command_id, address="h", port=5), src, 2000)
     loads = []
     total, waiting = 0, 0
@@ -240,10 +246,7 @@ def test_scraped_metrics_become_inference_load_and_drive_a_scale_out():
 def test_replay_gives_the_same_samples():
     def run():
         s, feed, out = _sched()
-        got = feed(_decl(), "gateway/acme", 1000)
-        (place,) = [o.payload for o in got if o.kind == "cmd.place"]
-        src = f"n1/job/{place.job_id}"
-        feed(JobStarted(job_id=place.job_id, node="n1", command_id=place.command_id), src, 1500)
+        place, src = _started_replica(feed)
         for i in range(5):
             feed(ReplicaMetrics(job_id=place.job_id, node="n1", command_id=place.command_id, scraped_ms=i * 1000,
                                 requests_total=i * 7), src, 2000 + i * 1000)
