@@ -30,6 +30,8 @@ from typing import Iterator
 
 import orjson
 
+from schemas.topics import COMMANDS, DECISIONS, JOB_REQUESTS, LEDGER
+
 INDEX_EVERY = 4096
 _IN = struct.Struct("<qi")
 _OUT = struct.Struct("<iqi")
@@ -58,7 +60,7 @@ class SnapInfo:
 
 
 def snap_info(key_offset: int, value: bytes, where) -> SnapInfo:
-    from streams import scheduler_snapshot as snapshot
+    from streams.edge import scheduler_snapshot as snapshot
 
     try:
         doc = snapshot.header(value)
@@ -190,7 +192,6 @@ class KafkaLog:
         return self._loop.run_until_complete(coro)
 
     def committed(self) -> int:
-        from agents.audit import SCHEDULER_GROUP, _committed
         from schemas.topics import SCHEDULER_INPUT
 
         return self._run(_committed(self.conn, SCHEDULER_GROUP, SCHEDULER_INPUT.name))
@@ -216,7 +217,7 @@ class KafkaLog:
         return self._run(go())
 
     def input_end(self) -> int:
-        from streams.scheduler_agent import TP
+        from streams.edge.scheduler_agent import TP
 
         return self._end(TP)
 
@@ -280,7 +281,7 @@ class KafkaLog:
         raise LookupError(f"snapshot at topic offset {info.where} is gone")
 
     def read_input(self, start: int, stop: int, chunk: int) -> Iterator[list[tuple[int, bytes | None, int]]]:
-        from streams.scheduler_agent import TP
+        from streams.edge.scheduler_agent import TP
 
         for batch in self._records(TP, start, stop, chunk):
             yield [(m.offset, m.value, m.timestamp) for m in batch]
@@ -288,7 +289,6 @@ class KafkaLog:
     def read_outputs(self) -> Iterator[Recorded]:
         from aiokafka import TopicPartition
 
-        from agents.audit import OUTPUT_TOPICS
 
         for spec in OUTPUT_TOPICS:
             for p in range(spec.partitions):
@@ -309,3 +309,21 @@ def loads_head(value: bytes | None) -> tuple[str, int] | None:
         return str(doc["source"]), int(doc["seq"])
     except Exception:  # noqa: BLE001
         return None
+
+
+OUTPUT_TOPICS = (COMMANDS, DECISIONS, LEDGER, JOB_REQUESTS)  # the autoscaler's replica requests are outputs too
+SCHEDULER_GROUP = "gpupool-scheduler"  # the live scheduler's consumer group: its committed input offset is C
+
+
+async def _committed(conn, group: str, topic: str, partition: int = 0) -> int:
+    from aiokafka import TopicPartition
+    from aiokafka.admin import AIOKafkaAdminClient
+
+    admin = AIOKafkaAdminClient(**conn.options())
+    await admin.start()
+    try:
+        offsets = await admin.list_consumer_group_offsets(group)
+    finally:
+        await admin.close()
+    meta = offsets.get(TopicPartition(topic, partition))
+    return max(meta.offset, 0) if meta is not None else 0

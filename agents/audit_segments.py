@@ -1,6 +1,6 @@
 """`gpupool audit replay --verify` by segments: streaming, in parallel processes, from the scheduler's snapshots.
 
-The input log is cut at the offsets of the snapshots on record (streams/scheduler_snapshot.py: the writer keeps the
+The input log is cut at the offsets of the snapshots on record (streams/edge/scheduler_snapshot.py: the writer keeps the
 first snapshot of every AUDIT_EVERY input records for this, besides the latest two): segment k is [s_k, s_k+1), the
 first starts at offset 0 from the empty state, the last ends at the input's end. Each segment, in a process of its
 own (`--jobs N`):
@@ -37,9 +37,8 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from agents.audit import (
+from agents.audit_compare import (
     OUR_SOURCES, Report, _diff_paths, _doc, _in_window, _label, foreign_record, usage_row,
 )
 from agents.audit_log import Recorded, SnapInfo, open_source
@@ -313,7 +312,7 @@ class Result:
 
 
 def _load(src, info: SnapInfo):
-    from streams import scheduler_snapshot as snapshot
+    from streams.edge import scheduler_snapshot as snapshot
 
     snap = snapshot.load(src.snapshot(info))
     if snap is None or snap.offset != info.offset:
@@ -328,11 +327,11 @@ def run_segment(task: Task) -> Result:
     would walk again); they are handed back to it when the segment is done, so a worker that runs several segments
     frees each one's state: collected here, before the next segment's state is loaded and frozen (garbage frozen
     with it would stay for the process's life). Meanwhile young objects are collected less often, as in the live
-    agent (streams/scheduler_snapshot.GC_THRESHOLDS): a step makes and drops many small objects, few of them in
+    agent (streams/edge/scheduler_snapshot.GC_THRESHOLDS): a step makes and drops many small objects, few of them in
     cycles."""
     import gc
 
-    from streams.scheduler_snapshot import GC_THRESHOLDS
+    from streams.edge.scheduler_snapshot import GC_THRESHOLDS
 
     before = gc.get_threshold()
     gc.set_threshold(*GC_THRESHOLDS)
@@ -405,7 +404,7 @@ def _run_segment(task: Task, loaded) -> Result:
 def code_lines(snaps, ok: bool) -> list[str]:
     """Which scheduler code this audit re-runs, and which other code wrote snapshots on record: the replay verifies
     with its own code, so decisions another version made are expected to differ (docs/reliability.md: upgrades)."""
-    from streams import scheduler_snapshot as snapshot
+    from streams.edge import scheduler_snapshot as snapshot
 
     mine = snapshot.code_version()
     other: dict[str, list[int]] = {}

@@ -11,7 +11,10 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from datetime import datetime, timezone
 from pathlib import Path
+
+import yaml
 
 from infra import security
 from infra.config import Config
@@ -172,3 +175,55 @@ class Client:
                 return json.loads(resp.read()).get("ok", False)
         except (OSError, ValueError):
             return False
+
+
+# ---------------------------------------------------------------- what a principal types, as the pool reads it
+
+
+def parse_time(s: str | None) -> int | None:
+    """ISO 8601 (UTC unless it says otherwise) or epoch milliseconds -> epoch milliseconds."""
+    if s is None:
+        return None
+    if s.isdigit():
+        return int(s)
+    try:
+        dt = datetime.fromisoformat(s)
+    except ValueError:
+        raise SystemExit(f"time {s!r}: ISO 8601 (2026-12-01T09:00) or epoch milliseconds") from None
+    if dt.tzinfo is None:
+        dt = dt.replace(tzinfo=timezone.utc)
+    return int(dt.timestamp() * 1000)
+
+
+def price_rows(text: str, valid_from_ms: int = 0) -> list:
+    """A price book file (YAML: `prices: [{gpu_model, per_gpu_hour, borrowed?, datacenter?, tod_band?, tier?}]`) as
+    price.set requests; a one-line error naming the row and field otherwise."""
+    from pydantic import ValidationError
+
+    from schemas.events import PriceSet
+    from schemas.gpu_models import MODELS
+
+    try:
+        doc = yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        raise SystemExit(f"price book: not YAML: {exc}") from None
+    rows = doc.get("prices") if isinstance(doc, dict) else None
+    if not isinstance(rows, list) or not rows:
+        raise SystemExit("price book: a `prices:` list of rows is needed")
+    out = []
+    for i, row in enumerate(rows, 1):
+        if not isinstance(row, dict):
+            raise SystemExit(f"price book row {i}: a mapping, not {row!r}")
+        row = dict(row)
+        price = row.pop("per_gpu_hour", None)
+        if not isinstance(price, (int, float)) or price < 0:
+            raise SystemExit(f"price book row {i}: per_gpu_hour must be a number >= 0, not {price!r}")
+        if row.get("gpu_model") not in MODELS:
+            raise SystemExit(f"price book row {i}: gpu_model {row.get('gpu_model')!r} is not a known card model "
+                             f"({', '.join(sorted(MODELS))})")
+        try:
+            out.append(PriceSet(micro_per_gpu_hour=round(price * 1_000_000), valid_from_ms=valid_from_ms, **row))
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            raise SystemExit(f"price book row {i}: {'.'.join(str(p) for p in first['loc'])}: {first['msg']}") from None
+    return out

@@ -199,7 +199,7 @@ class Demo:
 
     def step1(self) -> None:
         ops, alice, bob = (self.stack.client(u) for u in ("ops", "alice", "bob"))
-        from agents.cli.requests import price_rows
+        from agents.client import price_rows
 
         ops.send(list(QUOTAS))
         ops.send(price_rows(resources.files("infra").joinpath("prices.yaml").read_text()))

@@ -5,7 +5,7 @@ decisions, quota, actions, faults, usage, cost), `summary.json` (the period, the
 the result of the replay verification that ran over the period), `verification.json` (that verification's report),
 and `manifest.json` (every file's SHA-256 and size, the period, the signer's public key), signed with the pool's
 ed25519 evidence key in `manifest.sig`. Times are ISO-8601 UTC. A tenant's pack names no other tenant's job or
-principal: explanations are redacted as the API redacts them for that tenant (streams/api.py).
+principal: explanations are redacted as the API redacts them for that tenant (streams/edge/api.py).
 
 The key: `$GPUPOOL_HOME/keys/evidence-ed25519.pem` (0600), made on first use; its public half is in every manifest and
 in `evidence-ed25519.pub.pem` beside it. `verify-export --pubkey FILE` checks the pack against a public key the
@@ -25,7 +25,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from streams.api import PRICED_USAGE, SCHEDULER_SEQ, redact
+from streams.edge.api import PRICED_USAGE, SCHEDULER_SEQ, redact
 
 FORMAT = "gpupool-evidence/1"
 SIGNED = ("manifest.json", "manifest.sig")

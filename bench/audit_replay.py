@@ -12,7 +12,7 @@
 2. (a) Pure part, what `audit replay` does per record: `decode` + `Scheduler.step` on a fresh Scheduler over all
    records; events/s and the output count (checked equal to the generator's, i.e. deterministic).
 3. (b) Ledger rows: the job events and scheduler outputs of the run (job-requests, job-events, commands, ledger;
-   re-identified copies when the run is shorter than --rows) are mapped with `streams.core.rows.rows_for` exactly as the
+   re-identified copies when the run is shorter than --rows) are mapped with `streams.folds.rows.rows_for` exactly as the
    sink does, then inserted into chdb at a temp path in batches of --batch rows per table, with the sink's column
    lists and an insert_deduplication_token per batch. rows/s = rows inserted / insert wall time (rows_for time is
    reported separately).
@@ -41,7 +41,7 @@ from agents.scheduler.core import Scheduler, replay as core_replay
 from schemas.envelope import Envelope, decode, encode, envelope
 from schemas.events import JobCompleted, JobRequested, JobStarted, QuotaSet, SchedulerTick, Tier
 from schemas.routing import route
-from streams.core.rows import COLUMNS, TABLES, rows_for
+from streams.folds.rows import COLUMNS, TABLES, rows_for
 
 MODELS = ("A100-80GB", "H100-80GB")
 GPUS_PER_NODE = 8

@@ -7,7 +7,7 @@
    started and completed as placed) with the scheduler stepping every record as it is built, and writes it as a
    file copy of the log (agents/audit_log.FileLog): the input records with their log times, every output the
    scheduler emitted (the recorded outputs: commands, decisions, ledger, job requests), and a snapshot every
-   --segment-every records (the live writer's audit checkpoints: streams/scheduler_snapshot.AUDIT_EVERY). The
+   --segment-every records (the live writer's audit checkpoints: streams/edge/scheduler_snapshot.AUDIT_EVERY). The
    directory is reused when it holds a log of the same size made by this code (--dir; else a temp dir).
 2. For each --jobs value, runs the verification in a fresh process
    (`agents.audit_segments.verify_source`, what `python -m agents.audit_segments --log-dir DIR --jobs N` runs): the
@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def generate(directory: Path, records: int, nodes: int, every: int) -> dict:
     from agents.audit_log import FileLogWriter
-    from streams import scheduler_snapshot as snapshot
+    from streams.edge import scheduler_snapshot as snapshot
     from bench.takeover import history
     from schemas.envelope import encode
     from schemas.routing import route
@@ -124,7 +124,7 @@ def main() -> int:
     if args.child:
         return child(Path(args.child[0]), int(args.child[1]))
 
-    from streams import scheduler_snapshot as snapshot
+    from streams.edge import scheduler_snapshot as snapshot
 
     directory = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="gpupool-audit-bench-"))
     meta_path = directory / "bench.json"

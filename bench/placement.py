@@ -74,7 +74,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from agents.node.fleet import make_node
-from streams.scheduler_agent import tune_gc
+from streams.edge.scheduler_agent import tune_gc
 from agents.scheduler.core import Scheduler
 from agents.scheduler.node_index import cards_needed
 from agents.scheduler.quota import open_ledger
@@ -605,7 +605,7 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", action="store_true", help="cProfile the timed part; print the top 25 cumulative")
     ap.add_argument("--json", action="store_true", help="only the JSON line on stdout")
     ap.add_argument("--gc", choices=("agent", "default"), default="agent",
-                    help="agent: the scheduler agent's collector settings (streams.scheduler_agent.tune_gc); "
+                    help="agent: the scheduler agent's collector settings (streams.edge.scheduler_agent.tune_gc); "
                          "default: Python's")
     args = ap.parse_args(argv)
     if args.nodes is None:

@@ -39,7 +39,7 @@ def history(n_records: int, nodes: int, snapshot_at: int, seed: int = 7, on_reco
     from schemas.envelope import envelope
     from schemas.events import JobCompleted, JobRequested, JobStarted, QuotaSet, SchedulerTick, Tier
 
-    from streams import scheduler_snapshot as snapshot
+    from streams.edge import scheduler_snapshot as snapshot
 
     rng = random.Random(seed)
     s = ElasticScheduler()
@@ -123,7 +123,7 @@ async def produce(conn, topic, values, timestamps=None) -> None:
 async def commit(conn, group, offset) -> None:
     from aiokafka import AIOKafkaConsumer, TopicPartition
 
-    from streams.scheduler_agent import TP
+    from streams.edge.scheduler_agent import TP
 
     c = AIOKafkaConsumer(**conn.options(), group_id=group, enable_auto_commit=False)
     await c.start()
@@ -142,8 +142,8 @@ def main() -> int:
     ap.add_argument("--libs-home", default=str(ROOT / ".gpupool"))
     args = ap.parse_args()
 
-    from streams import scheduler_snapshot as snapshot
-    from streams.scheduler_agent import GROUP, SchedulerAgent
+    from streams.edge import scheduler_snapshot as snapshot
+    from streams.edge.scheduler_agent import GROUP, SchedulerAgent
     from agents.stack import Stack
     from schemas.envelope import encode
     from schemas.topics import SCHEDULER_INPUT, SCHEDULER_SNAPSHOTS

@@ -40,8 +40,8 @@ from schemas.events import GpuSample, GpuTelemetry
 from schemas.routing import route
 from schemas.topics import TELEMETRY
 from bench.procs import cpu_seconds, exit_on_signal
-from streams import codec
-from streams.core import node_view
+from streams.edge import codec
+from streams.folds import node_view
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = ("A100-80GB", "H100-80GB", "A10", "T4")
@@ -94,7 +94,7 @@ async def produce(conn, recs: list) -> None:
 # ---------------------------------------------------------------- (a) Faust
 
 # Experiments only (--faust-settings / --patch): the same CLI entry point with extra faust.App settings merged in
-# and/or a proposed change patched in, to measure a streams/app.py change without editing that file.
+# and/or a proposed change patched in, to measure a streams/edge/app.py change without editing that file.
 #   no_changelog: drop the table's changelog writes (NOT a fix - it loses recovery; it bounds what the changelog costs)
 OVERRIDE_LAUNCHER = """
 import json, os, sys, faust
@@ -225,7 +225,7 @@ async def bare_pass(conn, n: int, mode: str) -> dict:
                     if mode == "evolve":
                         key = env.payload.node
                         views[key] = node_view.evolve(views.get(key), env)
-                    elif mode == "batch":  # the worker's pure part (streams/telemetry.py): per node of a batch
+                    elif mode == "batch":  # the worker's pure part (streams/edge/telemetry.py): per node of a batch
                         by_node.setdefault(env.payload.node, []).append(env)
                     elif mode == "fold":  # what Worker._fold did per record, minus Kafka: evolve + changelog value
                         key = env.payload.node

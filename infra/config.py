@@ -22,7 +22,7 @@ class Config:
     max_skew_ms: int = 5 * 60_000  # a request whose client time is further off is flagged (docs/security.md)
     sql_timeout_s: int = 10  # ClickHouse's max_execution_time for people's own SQL
     kafka_brokers: int = 1  # the local cluster's size (`gpupool up --brokers N` records it under the home)
-    rate_window_ms: int = 10_000  # the gateway's rate window per principal (streams/core/gateway.py, RateLimit)
+    rate_window_ms: int = 10_000  # the gateway's rate window per principal (streams/folds/gateway.py, RateLimit)
     rate_per_window: int = 200  # requests a principal may send per window; the rest are refused `rate_limited`
     volumes: dict[str, "Volume"] = field(default_factory=dict, hash=False)  # the mountable volumes (load_volumes)
     # seconds a stopped job gets between SIGTERM and SIGKILL, per tier (GPUPOOL_GRACE_S, parse_grace); the ticker puts

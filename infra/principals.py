@@ -237,34 +237,3 @@ async def bootstrap(cfg, conn: KafkaConn) -> list[str]:
         security.save(cfg.home, creds)
         made.append(name)
     return made
-
-
-def access_table() -> str:
-    """The table of docs/security.md: each role's rights on Kafka (from acls_for), the requests the gateway takes
-    from it, and the HTTP endpoints it may use; tests/test_security.py checks the doc shows exactly this."""
-    from streams.api import ENDPOINTS
-    from streams.core.gateway import KINDS_BY_ROLE
-
-    def ops(acls: list[Acl], *wanted: str, permission: str = "allow") -> str:
-        names = sorted({(a.name + ("*" if a.pattern == "prefixed" else ""))
-                        for a in acls if a.resource == "topic" and a.permission == permission
-                        and (a.operation in wanted or a.operation == "all")})
-        return ", ".join(f"`{n.replace('NAME', 'NAME')}`" for n in names) or "-"
-
-    rows = ["| role | writes (Kafka) | reads (Kafka) | requests the gateway takes | HTTP endpoints |",
-            "|---|---|---|---|---|"]
-    for role in security.ROLES:
-        acls = acls_for("NAME", role)
-        kinds = ", ".join(f"`{k}`" for k in sorted(KINDS_BY_ROLE.get(role, ()))) or "-"
-        http = ", ".join(f"`{p}`" for p, (_, roles, _) in ENDPOINTS.items() if role in roles) or "-"
-        extra = []
-        if any(a.resource == "cluster" and a.operation == "alter" for a in acls):
-            extra.append("cluster ALTER (SCRAM users, ACLs)")
-        groups = sorted({a.name + ("*" if a.pattern == "prefixed" else "") for a in acls if a.resource == "group"})
-        if groups:
-            extra.append("groups " + ", ".join(f"`{g}`" for g in groups))
-        denied = ops(acls, "read", permission="deny")
-        reads = ops(acls, "read") + (f" but not {denied}" if denied != "-" else "") + (
-            "; " + "; ".join(extra) if extra else "")
-        rows.append(f"| `{role}` | {ops(acls, 'write')} | {reads} | {kinds} | {http} |")
-    return "\n".join(rows) + "\n"

@@ -7,8 +7,8 @@ import orjson
 from pydantic import Field, Strict, ValidationError
 
 from schemas.events import COMMAND_KINDS, KINDS, Event, Frozen, Ident, Int, NonNeg
+from schemas.upcasters import SCHEMA_VERSION, upcast
 
-SCHEMA_VERSION = 3
 MAX_RECORD_BYTES = 1 << 20
 
 
@@ -80,8 +80,6 @@ def json_object(raw: bytes | bytearray | memoryview | None) -> dict:
 
 
 def decode(raw: bytes | bytearray | memoryview | None) -> Envelope:
-    from schemas.upcasters import upcast  # late: upcasters import this module's constants
-
     doc = json_object(raw)
     version = doc.get("schema_version", 1)
     if not isinstance(version, int) or version < 1:

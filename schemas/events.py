@@ -537,7 +537,7 @@ class ServiceDeclared(Frozen):
 
 class ReplicaReady(Frozen):
     """A node's word that a serving replica it runs answers its readiness probe: where it is reached. Relayed only
-    for a job placed on that node (streams/core/node_relay.py)."""
+    for a job placed on that node (streams/folds/node_relay.py)."""
     kind: Literal["replica.ready"] = "replica.ready"
     job_id: Ident
     node: Ident
@@ -561,7 +561,7 @@ class ReplicaUnready(Frozen):
 class ReplicaMetrics(Frozen):
     """One scrape of a replica's Prometheus endpoint by its node (agents/node/scrape.py), in integers: counters as
     read (cumulative; the fold takes differences), gauges as read. The autoscaler folds them into the service's
-    `inference.load` (streams/core/serving.py)."""
+    `inference.load` (streams/folds/serving.py)."""
     kind: Literal["replica.metrics"] = "replica.metrics"
     job_id: Ident
     node: Ident
@@ -736,7 +736,7 @@ class CardMinute(Frozen):
 
 
 class TelemetryMinute(Frozen):
-    """One node's closed minute of telemetry, downsampled by the worker's fold (streams/core/telemetry_history.py) on the
+    """One node's closed minute of telemetry, downsampled by the worker's fold (streams/folds/telemetry_history.py) on the
     log's time: the minute [minute_ms, minute_ms + 60 s) of broker append times of its telemetry records."""
     kind: Literal["telemetry.minute"] = "telemetry.minute"
     node: Ident
@@ -747,7 +747,7 @@ class TelemetryMinute(Frozen):
 
 class PoolMinute(Frozen):
     """The pool at the end of one minute of log time, as the worker's node and job views held it: capacity,
-    allocation, free and fragmented GPU milli (FGD's measure, streams/core/cluster_metrics.py), by card model too, and the
+    allocation, free and fragmented GPU milli (FGD's measure, streams/folds/cluster_metrics.py), by card model too, and the
     queue by tier (jobs waiting, and how long the longest has waited)."""
     kind: Literal["pool.minute"] = "pool.minute"
     worker: Ident  # the worker that measured it (one per pool)

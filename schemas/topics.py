@@ -53,7 +53,7 @@ def replication(brokers: int) -> Replication:
 
 
 # What node agents report, relayed by the worker from each node principal's own channel (`gpupool.node.NAME`, below)
-# once it checked that the report is about a node the principal speaks for (streams/core/node_relay.py)
+# once it checked that the report is about a node the principal speaks for (streams/folds/node_relay.py)
 INVENTORY = TopicSpec("gpupool.inventory", 8, key="node id", cleanup="compact")
 # the broker stamps telemetry: a node's heartbeats are judged on the log's time, not the node's or the worker's
 TELEMETRY = TopicSpec("gpupool.telemetry", 8, key="node id", retention_ms=DAY_MS, log_append_time=True)
@@ -73,7 +73,7 @@ TELEMETRY_MINUTES = TopicSpec("gpupool.telemetry-minutes", 8, key="node id", ret
 # the broker's append time of each record, so no producer's clock moves it.
 SCHEDULER_INPUT = TopicSpec("gpupool.scheduler-input", 1, key="source", log_append_time=True)
 # the scheduler's state every N input records or T s of log time, keyed by the input offset it covers
-# (streams/scheduler_snapshot.py); compacted: older snapshots are deleted by tombstones
+# (streams/edge/scheduler_snapshot.py); compacted: older snapshots are deleted by tombstones
 SCHEDULER_SNAPSHOTS = TopicSpec("gpupool.scheduler-snapshots", 1, key="input offset (20 digits)", cleanup="compact",
                                 extra=(("max.message.bytes", str(64 << 20)), ("segment.ms", str(600_000)),
                                        ("min.cleanable.dirty.ratio", "0.1")))
@@ -81,7 +81,7 @@ COMMANDS = TopicSpec("gpupool.commands", 8, key="node id")
 LEDGER = TopicSpec("gpupool.ledger", 4, key="tenant")
 DEAD_LETTERS = TopicSpec("gpupool.dead-letters", 1, key="source topic", retention_ms=30 * DAY_MS)
 # The log's clock: each worker appends an empty record every second and reads the broker's append time back, its
-# "now" for judging liveness in log time (streams/core/liveness.py). Nobody consumes it.
+# "now" for judging liveness in log time (streams/folds/liveness.py). Nobody consumes it.
 CLOCK = TopicSpec("gpupool.clock", 1, key="worker", retention_ms=3600 * 1000, log_append_time=True)
 # Written by operators: who is who (name -> role, tenant, HTTP token digest)
 PRINCIPALS = TopicSpec("gpupool.principals", 1, key="principal", cleanup="compact", writer="operator")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from schemas.envelope import SCHEMA_VERSION
+SCHEMA_VERSION = 3  # the current contract: the version after the last upcaster (schemas.envelope stamps it)
 
 
 def _v1_to_v2(doc: dict) -> dict:
@@ -31,6 +31,7 @@ def _v2_to_v3(doc: dict) -> dict:
 
 
 UPCASTERS: dict[int, Callable[[dict], dict]] = {1: _v1_to_v2, 2: _v2_to_v3}
+assert sorted(UPCASTERS) == list(range(1, SCHEMA_VERSION)), "one upcaster per version below the current one"
 
 
 def upcast(doc: dict) -> dict:

@@ -59,11 +59,35 @@ def stack(tmp_path, broker_mode, libs_home):
         s.stop()
 
 
+FAST_EXAMPLES = 4  # `make check` runs each property test with a quarter of its examples (at least 10); `make test` all
+
+
+def _fewer_examples(s):
+    from hypothesis import settings
+
+    return settings(s, max_examples=max(10, s.max_examples // FAST_EXAMPLES))
+
+
 def pytest_collection_modifyitems(config, items):
-    """A test that takes the `stack` fixture needs a broker: marked so, whether or not its module says it."""
+    """A test that takes the `stack` fixture needs a broker: marked so, whether or not its module says it. In the
+    fast target, property tests (Hypothesis) draw a quarter of the examples they ask for: the same properties, fewer
+    cases; `make test` draws them all."""
+    seen = set()
     for item in items:
         if "stack" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.broker)
+        if not FAST:
+            continue
+        fn = getattr(item, "obj", None)
+        s = getattr(fn, "_hypothesis_internal_use_settings", None)
+        if s is not None and id(fn) not in seen:
+            seen.add(id(fn))
+            fn._hypothesis_internal_use_settings = _fewer_examples(s)
+        cls = getattr(item, "cls", None)
+        machine_settings = getattr(cls, "settings", None) if cls is not None else None
+        if machine_settings is not None and hasattr(machine_settings, "stateful_step_count") and id(cls) not in seen:
+            seen.add(id(cls))
+            cls.settings = _fewer_examples(machine_settings)
 
 
 def pytest_terminal_summary(terminalreporter):

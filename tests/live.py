@@ -11,7 +11,7 @@ import time
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
-from streams.scheduler_agent import read_partition
+from streams.edge.scheduler_agent import read_partition
 from infra.kafka_client import stop_consumer
 from infra.security import SERVICE
 from schemas.topics import by_name

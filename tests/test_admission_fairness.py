@@ -8,8 +8,8 @@ from aiokafka import TopicPartition
 
 from agents.scheduler.core import Scheduler
 from schemas.events import JobCancelled, JobRequested, QuotaSet
-from streams.app import fair_turns
-from streams.core import gateway
+from streams.edge.app import fair_turns
+from streams.folds import gateway
 from tests.builders import Clock, inventory
 
 ALICE = gateway.Principal("alice", "tenant", "acme")

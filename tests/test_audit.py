@@ -11,7 +11,8 @@ import subprocess
 import sys
 
 import pytest
-from agents.audit import Recorded, compare_bill, compare_outputs, replay_records, usage_row
+from agents.audit_compare import compare_bill, compare_outputs, replay_records, usage_row
+from agents.audit_log import Recorded
 from agents.scheduler.core import Scheduler
 from schemas.envelope import decode, encode
 from schemas.events import JobCompleted, JobStarted, QuotaSet, SchedulerTick

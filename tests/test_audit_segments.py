@@ -17,9 +17,9 @@ import pytest
 
 from agents import audit_segments as seg
 from agents import state_digest
-from agents.audit import compare_outputs, replay_records
+from agents.audit_compare import compare_outputs, replay_records
 from agents.audit_log import FileLog, Recorded, SnapInfo
-from streams import scheduler_snapshot as snapshot
+from streams.edge import scheduler_snapshot as snapshot
 from schemas.envelope import decode, encode
 
 RECORDS, EVERY = 3_000, 500
@@ -186,7 +186,7 @@ def test_the_digest_is_the_same_in_another_process_with_another_hash_seed(clean_
     value = (clean_log / "snapshots" / f"{EVERY * 3:020d}").read_bytes()
     state = snapshot.load(value).state
     here = state_digest.digest(state)
-    code = ("import sys; from streams import scheduler_snapshot as snapshot; from agents import state_digest; "
+    code = ("import sys; from streams.edge import scheduler_snapshot as snapshot; from agents import state_digest; "
             "print(state_digest.digest(snapshot.load(open(sys.argv[1], 'rb').read()).state))")
     for seed in ("1", "12345"):
         out = subprocess.run([sys.executable, "-c", code, str(clean_log / "snapshots" / f"{EVERY * 3:020d}")],
@@ -284,7 +284,7 @@ def test_the_verdict_names_the_code_an_upgrade_took_over_from():
     from agents.audit_log import snap_info
     from agents.audit_segments import code_lines
     from agents.scheduler.elastic import ElasticScheduler
-    from streams import scheduler_snapshot as snapshot
+    from streams.edge import scheduler_snapshot as snapshot
 
     value = snapshot.dump(ElasticScheduler(), 186, 0, took_over_from="0" * 16)
     assert orjson.loads(value)["took_over_from"] == "0" * 16

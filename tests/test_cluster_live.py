@@ -17,7 +17,7 @@ import pytest
 from agents.stack import Stack
 from schemas.envelope import decode
 from schemas.topics import ALL_TOPICS, COMMANDS, JOB_EVENTS
-from streams.sink import outage_switch
+from streams.edge.sink import outage_switch
 from tests.live import cli, job_states, quotas, read_topic, replication, wait_for
 
 pytestmark = [pytest.mark.broker, pytest.mark.chaos]

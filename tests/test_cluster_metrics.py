@@ -1,6 +1,6 @@
 from schemas.events import Assignment, PlaceJob
-from streams.core.cluster_metrics import metrics, typical_from_requests
-from streams.core.node_view import evolve
+from streams.folds.cluster_metrics import metrics, typical_from_requests
+from streams.folds.node_view import evolve
 from tests.builders import Clock, inventory, job
 
 
@@ -52,8 +52,8 @@ def test_a_removed_node_is_listed_as_removed_and_leaves_the_pools_capacity():
     node gauges and the cluster figures must say so too (found on the live stack: the node was listed "ready" with
     its cards free after its removal, its agent still reporting)."""
     from schemas.events import NodeRemoved
-    from streams.api import node_doc, node_state
-    from streams.metrics import fleet_families
+    from streams.edge.api import node_doc, node_state
+    from streams.edge.metrics import fleet_families
 
     c = Clock()
     a = inventory("a", model="A100-80GB", gpus=2, rack="r1")

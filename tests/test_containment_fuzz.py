@@ -17,9 +17,9 @@ from hypothesis import strategies as st
 from agents.scheduler.core import Scheduler, step_contained
 from schemas.envelope import DecodeError, decode, decode_fast, encode, envelope
 from schemas.events import ID_MAX, KINDS, NodeInventory, QuotaSet, SchedulerTick
-from streams.core import gateway, job_view, node_view
-from streams.core.gateway import TENANT_KINDS, Principal
-from streams.core.rows import rows_for
+from streams.folds import gateway, job_view, node_view
+from streams.folds.gateway import TENANT_KINDS, Principal
+from streams.folds.rows import rows_for
 
 PRINCIPALS = [Principal("alice", "tenant", "acme"), Principal("admin", "operator"), Principal("fin", "finance"),
               None]
@@ -270,7 +270,7 @@ def test_a_boolean_or_text_is_refused_where_a_number_is_expected(field, value):
 def test_the_node_relay_decides_every_channel_record_without_raising(raw, owner):
     """The relay (a node's channel to the node topics) over what a node may send: each record relayed as a valid
     record of the node the principal speaks for, or refused with a code."""
-    from streams.core import node_relay
+    from streams.folds import node_relay
 
     registry = {"node-n1": Principal("node-n1", "node", nodes=("n1",)),
                 "node-n2": Principal("node-n2", "node", nodes=("n2",))}

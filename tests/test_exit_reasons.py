@@ -8,8 +8,8 @@ from schemas.events import (
     JobCompleted, JobFailed, JobPending, JobStarted, Reason,
 )
 from schemas.program import Mount
-from streams.core.exits import exit_label, exit_words, failure_text
-from streams.core.job_view import evolve
+from streams.folds.exits import exit_label, exit_words, failure_text
+from streams.folds.job_view import evolve
 from tests.builders import job
 from tests.test_job_view import _merges
 

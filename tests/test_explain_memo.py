@@ -10,7 +10,7 @@ from agents.scheduler.placement import Placement, Unschedulable, place
 from agents.scheduler.scoring import Workload
 from schemas.envelope import envelope
 from schemas.events import Constraints, NodeCordon, PlaceJob, ReleaseJob, Tier
-from streams.core import node_view
+from streams.folds import node_view
 from tests.builders import inventory, job
 
 SHAPES = [(100, 8), (250, 20), (500, 40), (1000, 80), (2000, 160), (4000, 320), (8000, 640), (500, 150), (2000, 60)]

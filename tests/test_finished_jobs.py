@@ -31,7 +31,7 @@ from schemas.envelope import envelope
 from schemas.events import (
     JobCancelled, JobCheckpointed, JobCompleted, JobFailed, JobStarted, JobStopped, SchedulerTick,
 )
-from streams import scheduler_snapshot as snapshot
+from streams.edge import scheduler_snapshot as snapshot
 from tests import test_scheduler_invariants as inv
 from tests.builders import Clock, inventory, job, open_ledger
 from tests.test_scheduler_snapshot import canonical, first_difference

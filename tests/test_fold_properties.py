@@ -8,7 +8,7 @@ from schemas.events import (
     Assignment, GpuHealth, GpuSample, GpuTelemetry, NodeCordon, NodeHeartbeat, NodeLiveness, NodeRemoved, PlaceJob,
     ReleaseJob,
 )
-from streams.core import job_view, node_view
+from streams.folds import job_view, node_view
 from tests.builders import inventory
 
 INV = inventory("n1", gpus=2)

@@ -14,7 +14,7 @@ from schemas.events import (
     DEFAULT_RENDEZVOUS_PORTS, JobCheckpointed, JobCompleted, JobFailed, JobStarted, NodeLiveness, PlaceJob,
     SchedulerTick,
 )
-from streams.core.job_view import evolve
+from streams.folds.job_view import evolve
 from tests.builders import Clock, inventory, job
 
 T0 = 1_767_000_000_000

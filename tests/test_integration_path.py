@@ -15,8 +15,8 @@ from schemas.envelope import decode
 from schemas.topics import (
     COMMANDS, DEAD_LETTERS, DECISIONS, INVENTORY, JOB_EVENTS, JOB_REQUESTS, NODE_CONTROL, SCHEDULER_INPUT, TELEMETRY,
 )
-from streams import codec
-from streams.core import job_view, node_view
+from streams.edge import codec
+from streams.folds import job_view, node_view
 from tests.live import caught_up, cli, job_states, produce, quotas, read_topic, wait_for
 
 pytestmark = pytest.mark.broker
@@ -171,7 +171,7 @@ def test_refolding_from_offset_zero_equals_the_live_tables(stack):
     wait_for(lambda: {n["node"]: n["state"] for n in stack.client().api("/api/nodes")["nodes"]}
              == {"node-000": "down", "node-001": "down"}, 60, "both nodes judged silent", stack)
     # Faust flushes a table's changelog before it commits the source offsets, and the telemetry task commits its
-    # offsets only after the changelog writes that cover them (streams/telemetry.py), so once both groups have
+    # offsets only after the changelog writes that cover them (streams/edge/telemetry.py), so once both groups have
     # committed up to the end of every source topic, the changelogs hold the live tables.
     wait_for(lambda: caught_up(stack, "gpupool", [INVENTORY, COMMANDS, NODE_CONTROL, JOB_REQUESTS, JOB_EVENTS,
                                                  DECISIONS]) and caught_up(stack, "gpupool-telemetry", [TELEMETRY]),

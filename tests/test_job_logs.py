@@ -1,7 +1,7 @@
 """Programs' output from the topic to the reader, on a real embedded ClickHouse (no broker): how a `job.log` piece
-becomes a row (streams/core/rows.py) in its own database, written exactly once by the sink's idempotence (the same
+becomes a row (streams/folds/rows.py) in its own database, written exactly once by the sink's idempotence (the same
 batch again: its token; a piece relayed twice: one row, the first), kept for the configured retention, and read by
-/api/logs (streams/api.py) in order, from a cursor, as a tail, by attempt and part -- to the job's tenant and to
+/api/logs (streams/edge/api.py) in order, from a cursor, as a tail, by attempt and part -- to the job's tenant and to
 operators, nobody else. The whole path on the live broker and worker: tests/test_job_logs_live.py."""
 from __future__ import annotations
 
@@ -14,11 +14,11 @@ from infra.clickhouse import connect
 from infra.config import parse_bytes
 from schemas.envelope import encode, envelope
 from schemas.events import JobLog
-from streams import api
-from streams.core.gateway import Principal
-from streams.core.node_relay import check
-from streams.core.rows import TABLES, rows_for
-from streams.sink import Sink, log_retention, log_retention_days
+from streams.edge import api
+from streams.folds.gateway import Principal
+from streams.folds.node_relay import check
+from streams.folds.rows import TABLES, rows_for
+from streams.edge.sink import Sink, log_retention, log_retention_days
 
 ALICE = Principal("alice", "tenant", "acme")
 BOB = Principal("bob", "tenant", "globex")

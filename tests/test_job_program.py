@@ -13,7 +13,7 @@ from agents.scheduler.core import Scheduler
 from infra.config import Volume, parse_volumes
 from schemas.events import JobRequested, PlaceJob, QuotaSet
 from schemas.program import Mount, reserved_env
-from streams.core import gateway
+from streams.folds import gateway
 from tests.builders import Clock, inventory
 
 ALICE = gateway.Principal("alice", "tenant", "acme")

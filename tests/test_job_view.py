@@ -1,7 +1,7 @@
 import pytest
 
 from schemas.events import JobCompleted, JobPending, JobStarted, JobStopped, Reason
-from streams.core.job_view import evolve
+from streams.folds.job_view import evolve
 from tests.builders import Clock, job
 
 
@@ -33,7 +33,7 @@ def test_duplicate_is_a_no_op():
 def test_reports_of_an_interrupted_run_do_not_change_the_job():
     from schemas.envelope import envelope
     from schemas.events import JobCompleted, JobInterrupted, JobStarted
-    from streams.core.job_view import evolve
+    from streams.folds.job_view import evolve
     from tests.builders import job
 
     v = evolve(None, envelope(job("j"), source="cli", seq=1, time_ms=1))

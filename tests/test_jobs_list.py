@@ -14,8 +14,8 @@ from infra.config import Config
 from schemas.envelope import encode
 from schemas.events import GpuHealth, JobStarted
 from schemas.routing import route
-from streams.api import JOBS_SQL, jobs_sql
-from streams.sink import Sink
+from streams.edge.api import JOBS_SQL, jobs_sql
+from streams.edge.sink import Sink
 from tests.builders import Clock, inventory, job
 from tests.test_sink_exactness import Rec
 
@@ -106,7 +106,7 @@ def _lost_node_run(job_id: str, out_seq: int | None = None):
 def test_a_late_completion_of_a_run_on_a_lost_node_does_not_end_the_job_running_elsewhere(store):
     """The job runs on n0; n0 is lost, the scheduler interrupts the run and places the job on n1, where it starts;
     then n0 comes back and reports the old run completed. The scheduler ignores it (the job still runs); the list
-    must too (the view does: streams/core/job_view.py), and not show an end time."""
+    must too (the view does: streams/folds/job_view.py), and not show an end time."""
     from schemas.events import JobCompleted
 
     client, sink = store
@@ -132,7 +132,7 @@ def test_history_and_explain_list_one_step_of_the_scheduler_in_the_order_it_deci
     at one log time, on four topics. `gpupool history` and `explain` list them in the scheduler's order (its seq),
     not by topic (which put the new placement before the interruption that caused it) nor by event id as text
     ("scheduler:100" before "scheduler:99")."""
-    from streams.api import EXPLAIN_SQL, HISTORY_SQL
+    from streams.edge.api import EXPLAIN_SQL, HISTORY_SQL
 
     client, sink = store
     _, _, logged, _, out = _lost_node_run("t/h", out_seq=97)  # the loss's records cross from two digits to three

@@ -1,7 +1,7 @@
-"""Liveness on the log's time (streams/core/liveness.py): no stall of the worker, the broker or a query makes a live node
+"""Liveness on the log's time (streams/folds/liveness.py): no stall of the worker, the broker or a query makes a live node
 look dead; a dead node is found; an "alive again" always comes after the "silent" it answers. The worker probes the
 log's clock every second (`watch` plays those probes)."""
-from streams.core.liveness import Liveness
+from streams.folds.liveness import Liveness
 
 T = 1_000_000
 
@@ -52,7 +52,7 @@ def test_a_gap_in_the_workers_view_of_the_log_gives_every_node_time_to_be_heard_
     lv = Liveness(interval_ms=1000, recovery_ms=10_000)
     heard(lv, "n1", 0, 0, T)
     watch(lv, ["n1"], T - 15_000, T, {0: 1})  # the worker has watched for a while
-    # nothing for 20 s (the worker cannot ask the log's time: it judges nobody, streams/app.py); then the log is back
+    # nothing for 20 s (the worker cannot ask the log's time: it judges nobody, streams/edge/app.py); then the log is back
     assert lv.silent(["n1"], T + 20_000, {0: 1}) == []
     assert watch(lv, ["n1"], T + 21_000, T + 29_000, {0: 1}) == []  # reconnecting: 9 s and still not judged
     heard(lv, "n1", 0, 1, T + 29_500)  # its buffered telemetry arrives
@@ -184,8 +184,8 @@ from hypothesis import strategies as st  # noqa: E402
 
 from schemas.envelope import envelope  # noqa: E402
 from schemas.events import NodeInventory, NodeLiveness  # noqa: E402
-from streams.core import node_view  # noqa: E402
-from streams.core.liveness import alive_again, forward_to_scheduler, liveness_source  # noqa: E402
+from streams.folds import node_view  # noqa: E402
+from streams.folds.liveness import alive_again, forward_to_scheduler, liveness_source  # noqa: E402
 from tests.builders import inventory  # noqa: E402
 from schemas.events import NodeHeartbeat  # noqa: E402
 
@@ -194,8 +194,8 @@ INV = inventory("n1", gpus=2)
 
 class Pool:
     """The worker's node view of one node, the node-control topic's records in flight, and the scheduler's view
-    folded from what the folds forward -- the paths of streams/app.py (fold_nodes, check_liveness) and
-    streams/telemetry.py (_derive), with their rules (`forward`, `answer`) as parameters."""
+    folded from what the folds forward -- the paths of streams/edge/app.py (fold_nodes, check_liveness) and
+    streams/edge/telemetry.py (_derive), with their rules (`forward`, `answer`) as parameters."""
 
     def __init__(self, forward=forward_to_scheduler, answer=alive_again, floor=True):
         self.forward = forward

@@ -10,7 +10,7 @@ import pytest
 
 from schemas.envelope import envelope
 from schemas.events import Assignment, JobCompleted, JobRequested, PlaceJob, Tier
-from streams.metrics import WorkerMetrics
+from streams.edge.metrics import WorkerMetrics
 
 REQUESTED_MS, PLACED_MS = 1_000_000, 1_000_120
 

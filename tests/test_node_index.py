@@ -10,7 +10,7 @@ from agents.scheduler.scoring import Workload
 from schemas.envelope import envelope
 from schemas.events import Assignment, GpuHealth, NodeCordon, PlaceJob, ReleaseJob
 from schemas.gpu_models import model, share_for
-from streams.core import node_view
+from streams.folds import node_view
 from tests.builders import inventory, job
 
 NODES = (("a", "A100-80GB", 4, None), ("b", "H100-80GB", 2, None), ("c", "A100-80GB", 2, ["1g.10gb"] * 7),

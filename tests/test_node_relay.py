@@ -1,5 +1,5 @@
-"""The node relay's decisions and node admission, as pure functions (streams/core/node_relay.py,
-streams/core/node_view.py): what a node principal may report, and when a node it reports may take work. The same on
+"""The node relay's decisions and node admission, as pure functions (streams/folds/node_relay.py,
+streams/folds/node_view.py): what a node principal may report, and when a node it reports may take work. The same on
 the live broker and worker: tests/test_node_identity.py."""
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from schemas.events import (
     Assignment, GpuSample, GpuTelemetry, JobCompleted, JobRequested, MigrateJob, NodeAdmitted, PlaceJob,
     QuotaSet,
 )
-from streams.core import node_view
-from streams.core.gateway import Principal
-from streams.core.node_relay import Placements, admission, check
+from streams.folds import node_view
+from streams.folds.gateway import Principal
+from streams.folds.node_relay import Placements, admission, check
 
 A = Principal("node-a", "node", nodes=("a",))
 FLEET = Principal("node-fleet", "node", nodes=("a", "b"), auto_admit=True)

@@ -1,7 +1,7 @@
 from schemas.events import (
     Assignment, GpuHealth, GpuSample, GpuTelemetry, NodeCordon, NodeHeartbeat, NodeLiveness, PlaceJob, ReleaseJob,
 )
-from streams.core.node_view import evolve
+from streams.folds.node_view import evolve
 from tests.builders import Clock, inventory
 
 
@@ -167,7 +167,7 @@ def test_a_new_view_gets_the_fields_and_none_of_the_old_ones_derived_facts():
     import pytest as _pytest
     from dataclasses import replace as _replace
 
-    from streams.core import node_view as nv
+    from streams.folds import node_view as nv
 
     v = Clock().env(inventory("n0", "A100-80GB", gpus=2), "n0/inventory")
     v = nv.evolve(None, v)

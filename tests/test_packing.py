@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from agents.scheduler.fgd_measure import TypicalPod, fragmentation
+from streams.folds.fgd_measure import TypicalPod, fragmentation
 from agents.sim.packing import (
     BestFitPolicy,
     ClusterState,

@@ -5,7 +5,7 @@ from agents.scheduler.placement import Placement, place
 from agents.scheduler.scoring import Shape, Workload, fragmentation
 from schemas.envelope import envelope
 from schemas.events import Assignment, PlaceJob, ReleaseJob
-from streams.core import node_view
+from streams.folds import node_view
 from tests.builders import inventory, job
 
 

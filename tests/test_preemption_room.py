@@ -14,7 +14,7 @@ from agents.scheduler.preemption import (
 from schemas.envelope import envelope
 from schemas.events import Assignment, GpuHealth, JobRequested, Constraints, PlaceJob
 from schemas.gpu_models import model
-from streams.core import node_view
+from streams.folds import node_view
 from tests.builders import inventory
 
 MODELS = ("A100-80GB", "H100-80GB", "T4")

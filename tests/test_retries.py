@@ -5,7 +5,8 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agents.audit import Recorded, compare_outputs, replay_records
+from agents.audit_compare import compare_outputs, replay_records
+from agents.audit_log import Recorded
 from agents.scheduler.core import DEFAULT_GRACE_S, Scheduler, live_config
 from agents.scheduler.quota import open_ledger
 from schemas.envelope import encode
@@ -13,7 +14,7 @@ from schemas.events import (
     JobCancelled, JobCheckpointed, JobCompleted, JobFailed, JobStarted, NodeCordon, QuotaSet, SchedulerTick, Tier,
 )
 from schemas.topics import COMMANDS, DECISIONS, LEDGER
-from streams.core.exits import BACKOFF_CAP_MS, backoff_ms
+from streams.folds.exits import BACKOFF_CAP_MS, backoff_ms
 from tests.builders import Clock, inventory, job
 
 T0 = 1_767_000_000_000

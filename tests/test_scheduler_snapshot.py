@@ -1,4 +1,4 @@
-"""Scheduler snapshots (#16 item 1, streams/scheduler_snapshot.py): a snapshot at k, then the replay of k..n, gives
+"""Scheduler snapshots (#16 item 1, streams/edge/scheduler_snapshot.py): a snapshot at k, then the replay of k..n, gives
 the same outputs and the same state as the replay of 0..n, for random inputs (the scheduler invariants' state
 machine drives the inputs: users, operators, node agents, lost nodes, ticks); a snapshot of another format, or of
 other code with another state layout, is not used (the replay is longer); one of other code with this layout is used
@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import rule
 
 from agents import state_digest
-from streams import scheduler_snapshot as snapshot
+from streams.edge import scheduler_snapshot as snapshot
 from agents.scheduler.elastic import ElasticScheduler
 from agents.scheduler.node_index import NodeIndex  # noqa: F401 - the state graph's classes import
 from tests import test_scheduler_invariants as inv

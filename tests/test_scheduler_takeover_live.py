@@ -72,7 +72,7 @@ def test_an_upgrade_stops_cleanly_and_the_new_code_goes_on_from_the_old_codes_st
     import shutil
     from pathlib import Path
 
-    from streams import scheduler_snapshot as snapshot
+    from streams.edge import scheduler_snapshot as snapshot
 
     stack.extra_env["GPUPOOL_SNAPSHOT_EVERY"] = "100000"  # no snapshot falls due on the way: only the stop writes one
     stack.start_worker(240)

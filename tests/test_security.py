@@ -19,7 +19,7 @@ from aiokafka.errors import KafkaConnectionError, KafkaError, TopicAuthorization
 
 from agents.client import ApiFailure
 from agents.stack import Stack
-from infra.principals import access_table
+from streams.edge.api import access_table
 from infra.security import KafkaConn
 from schemas.envelope import decode
 from schemas.events import JobCancelled, JobRequested, NodeCordon, QuotaSet, ReservationRequested, Tier
@@ -374,7 +374,7 @@ def _post_sql(pool, body: bytes) -> tuple[int, str]:
 
 def test_an_sql_text_over_the_limit_answers_413(pool):
     from infra.sql_guard import MAX_SQL_BYTES
-    from streams.api import MAX_BODY_BYTES
+    from streams.edge.api import MAX_BODY_BYTES
 
     text = "SELECT 1 -- " + "x" * MAX_SQL_BYTES  # over the SQL limit, under the body limit
     status, error = _post_sql(pool, json.dumps({"sql": text}).encode())
@@ -386,7 +386,7 @@ def test_an_sql_text_over_the_limit_answers_413(pool):
 
 def test_a_4_mb_sql_text_answers_413(pool):
     """It answered 500: aiohttp's own read of the whole body raised past 1 MiB (the worker reads bodies with
-    streams.api.read_body now, 413 at MAX_BODY_BYTES)."""
+    streams.edge.api.read_body now, 413 at MAX_BODY_BYTES)."""
     try:
         status, _ = _post_sql(pool, json.dumps({"sql": "SELECT 1 -- " + "x" * (4 << 20)}).encode())
     except (urllib.error.URLError, OSError) as exc:  # the server closed while the body was being sent

@@ -7,7 +7,7 @@ import orjson
 from agents.scheduler.core import Scheduler
 from schemas.envelope import encode, envelope
 from schemas.events import JobRequested, QuotaSet, Rejected, ReservationRequested
-from streams.core import gateway, job_view
+from streams.folds import gateway, job_view
 from tests.builders import Clock, inventory
 
 ALICE = gateway.Principal("alice", "tenant", "acme")

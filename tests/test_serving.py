@@ -20,7 +20,7 @@ from schemas.events import (
     ReplicaUnready, ServiceDeclared, ServiceScaled,
 )
 from schemas.program import Serve
-from streams.core.serving import FULL_WEIGHT, Endpoints, LoadFold, quantile_ms
+from streams.folds.serving import FULL_WEIGHT, Endpoints, LoadFold, quantile_ms
 
 VLLM = """# HELP vllm:num_requests_running Number of requests currently running on GPU.
 # TYPE vllm:num_requests_running gauge

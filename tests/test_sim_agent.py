@@ -14,7 +14,7 @@ from schemas.events import (
     MigrateJob, MigReconfigure, NodeInventory, PlaceJob, PreemptJob, ReleaseJob, ResizeJob,
 )
 from schemas.topics import INVENTORY, JOB_EVENTS, TELEMETRY
-from streams.core.node_view import evolve
+from streams.folds.node_view import evolve
 from tests.builders import Clock
 from tests.virtual_clock import run_virtual
 

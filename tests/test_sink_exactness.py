@@ -24,7 +24,7 @@ from schemas.envelope import decode, encode, envelope
 from schemas.events import JobRequested, QuotaChanged, QuotaSet, Tier, UsageAccrued
 from schemas.routing import route
 from schemas.topics import LEDGER
-from streams.sink import Sink, batch_rows
+from streams.edge.sink import Sink, batch_rows
 
 # ---------------------------------------------------------------- (b) no broker: outages and repeated batches
 
@@ -132,7 +132,7 @@ def test_same_batch_twice_same_token_writes_rows_once_without_final(tmp_path, fr
 
 
 def _write_batch(sink: Sink, topic: str, partition: int, msgs) -> None:
-    """Sink.run's retry loop for one (tp, msgs). Uses `Sink.write_batch` once streams/sink.py has it (the proposed
+    """Sink.run's retry loop for one (tp, msgs). Uses `Sink.write_batch` once streams/edge/sink.py has it (the proposed
     extraction); until then a line-for-line copy of the loop inside Sink.run."""
     import asyncio
 

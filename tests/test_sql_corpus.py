@@ -353,11 +353,11 @@ def test_a_text_over_the_limit_is_refused_before_any_session(tmp_path):
 
 
 def test_a_body_over_the_limit_is_refused_while_it_is_read():
-    """streams.api.read_body on a real aiohttp server: a 4 MB body answers 413 without being read whole."""
+    """streams.edge.api.read_body on a real aiohttp server: a 4 MB body answers 413 without being read whole."""
     from aiohttp import ClientSession, web
     from aiohttp.test_utils import TestServer
 
-    from streams import api
+    from streams.edge import api
 
     seen: dict = {}
 

@@ -1,4 +1,4 @@
-"""Telemetry folded in batches (streams/telemetry.py, issue #16 item 3).
+"""Telemetry folded in batches (streams/edge/telemetry.py, issue #16 item 3).
 
 (a) The pure batch fold (`node_view.fold_telemetry`) gives the view of folding the same records one by one, however
     a partition's records are cut into batches, from any view the other sources made, with duplicates and stale
@@ -24,9 +24,9 @@ from hypothesis import strategies as st
 
 from schemas.envelope import encode, envelope
 from schemas.events import GpuSample, GpuTelemetry, JobRequested, NodeHeartbeat, NodeLiveness
-from streams.core import node_view
-from streams.core.liveness import Liveness
-from streams.telemetry import TelemetryFold
+from streams.folds import node_view
+from streams.folds.liveness import Liveness
+from streams.edge.telemetry import TelemetryFold
 from tests.builders import inventory
 from tests.test_fold_properties import CARDS, delivery, fold, payloads_for, per_source_streams
 
@@ -358,7 +358,7 @@ def test_a_rebalance_stops_writes_and_forgets_the_partitions():
 
 
 def test_minutes_get_each_new_record_at_its_own_log_time_and_a_record_read_again_is_not_counted_twice():
-    from streams.core.telemetry_history import TelemetryMinutes
+    from streams.folds.telemetry_history import TelemetryMinutes
 
     w = FakeWorker()
     _with_inventory(w)

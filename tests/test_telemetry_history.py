@@ -1,4 +1,4 @@
-"""Telemetry history (streams/core/telemetry_history.py): per card and minute on the log's time, each job's part of a card,
+"""Telemetry history (streams/folds/telemetry_history.py): per card and minute on the log's time, each job's part of a card,
 rows for ClickHouse, and the tables and view behind the dashboards (infra/ddl.sql) on the embedded engine."""
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from schemas.envelope import encode, envelope
 from schemas.events import GpuSample, GpuTelemetry
 from schemas.routing import route
 from schemas.topics import TELEMETRY_MINUTES
-from streams.core.rows import COLUMNS, rows_for
-from streams.core.telemetry_history import TelemetryMinutes
+from streams.folds.rows import COLUMNS, rows_for
+from streams.folds.telemetry_history import TelemetryMinutes
 
 T0 = int(time.time()) // 60 * 60_000  # a minute boundary, recent enough for the tables' 30-day TTL
 
@@ -93,7 +93,7 @@ def test_rows_route_and_the_tables_behind_the_dashboards(tmp_path):
     split = dict(client.query("SELECT workload, sum(util_permille) FROM gpupool.telemetry_by_job "
                               "GROUP BY workload").result_rows)
     assert split == {"training": 800, "inference": 400}
-    from streams.api import POOL_UTIL_SQL, TELEMETRY_GROUPS, TELEMETRY_SQL
+    from streams.edge.api import POOL_UTIL_SQL, TELEMETRY_GROUPS, TELEMETRY_SQL
 
     sql = TELEMETRY_SQL.replace("{group}", TELEMETRY_GROUPS["tenant"]).replace("{where}", "1")
     by_tenant = {r[1]: r[2] for r in client.query(sql, parameters={"since": 0}).result_rows}

@@ -11,7 +11,7 @@ from agents.cli.output import emit, parse_time  # noqa: F401 - used by the demo 
 from infra import config as config_mod
 from infra import security
 from pydantic import ValidationError
-from streams.api import BILLING_GROUPS
+from streams.edge.api import BILLING_GROUPS
 
 FORMATS = ["table", "json", "csv"]
 
@@ -340,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
         return _dispatch(args)(cfg, args)
     except ValidationError as exc:
         # a request the schema refuses (a negative --compute, a malformed id): say which field and why, no traceback
-        from streams.core.gateway import printable
+        from streams.folds.gateway import printable
 
         def said(e) -> str:  # an id's pattern as the rule it keeps; what was given cut and escaped
             msg = ("not an id (letters, digits, punctuation and symbols only: no white space, control or format "

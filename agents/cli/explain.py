@@ -7,7 +7,7 @@ import re
 import shlex
 
 from agents.cli.output import duration, mib, when
-from streams.core.exits import BACKOFF_BASE_MS, BACKOFF_CAP_MS, exit_label, failure_text
+from streams.folds.exits import BACKOFF_BASE_MS, BACKOFF_CAP_MS, exit_label, failure_text
 
 # an epoch-milliseconds instant in a message ("last at 1796128512698 ms"), said as a time instead
 _EPOCH_MS = re.compile(r"\b(1\d{12})(?: ?ms)?\b")

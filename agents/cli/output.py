@@ -4,7 +4,9 @@ from __future__ import annotations
 import csv
 import io
 import json
-from datetime import datetime, timezone
+from datetime import datetime
+
+from agents.client import parse_time  # noqa: F401 - the CLI's commands read times with it
 
 
 def emit(columns, rows, fmt: str) -> None:
@@ -23,21 +25,6 @@ def emit(columns, rows, fmt: str) -> None:
         print("  ".join(str(c).ljust(w) for c, w in zip(columns, widths)).rstrip())
         for r in rows:
             print("  ".join(str(v).ljust(w) for v, w in zip(r, widths)).rstrip())
-
-
-def parse_time(s: str | None) -> int | None:
-    """ISO 8601 (UTC unless it says otherwise) or epoch milliseconds -> epoch milliseconds."""
-    if s is None:
-        return None
-    if s.isdigit():
-        return int(s)
-    try:
-        dt = datetime.fromisoformat(s)
-    except ValueError:
-        raise SystemExit(f"time {s!r}: ISO 8601 (2026-12-01T09:00) or epoch milliseconds") from None
-    if dt.tzinfo is None:
-        dt = dt.replace(tzinfo=timezone.utc)
-    return int(dt.timestamp() * 1000)
 
 
 def when(ms: int | None) -> str:

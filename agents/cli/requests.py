@@ -11,6 +11,7 @@ from pathlib import Path
 import yaml
 
 from agents.cli.output import parse_time
+from agents.client import price_rows
 from agents.client import Client
 
 
@@ -387,40 +388,6 @@ def cmd_node_change(cfg, args) -> int:
 
 
 # ---------------------------------------------------------------- prices
-
-
-def price_rows(text: str, valid_from_ms: int = 0) -> list:
-    """A price book file (YAML: `prices: [{gpu_model, per_gpu_hour, borrowed?, datacenter?, tod_band?, tier?}]`) as
-    price.set requests; a one-line error naming the row and field otherwise."""
-    from pydantic import ValidationError
-
-    from schemas.events import PriceSet
-    from schemas.gpu_models import MODELS
-
-    try:
-        doc = yaml.safe_load(text) or {}
-    except yaml.YAMLError as exc:
-        raise SystemExit(f"price book: not YAML: {exc}") from None
-    rows = doc.get("prices") if isinstance(doc, dict) else None
-    if not isinstance(rows, list) or not rows:
-        raise SystemExit("price book: a `prices:` list of rows is needed")
-    out = []
-    for i, row in enumerate(rows, 1):
-        if not isinstance(row, dict):
-            raise SystemExit(f"price book row {i}: a mapping, not {row!r}")
-        row = dict(row)
-        price = row.pop("per_gpu_hour", None)
-        if not isinstance(price, (int, float)) or price < 0:
-            raise SystemExit(f"price book row {i}: per_gpu_hour must be a number >= 0, not {price!r}")
-        if row.get("gpu_model") not in MODELS:
-            raise SystemExit(f"price book row {i}: gpu_model {row.get('gpu_model')!r} is not a known card model "
-                             f"({', '.join(sorted(MODELS))})")
-        try:
-            out.append(PriceSet(micro_per_gpu_hour=round(price * 1_000_000), valid_from_ms=valid_from_ms, **row))
-        except ValidationError as exc:
-            first = exc.errors()[0]
-            raise SystemExit(f"price book row {i}: {'.'.join(str(p) for p in first['loc'])}: {first['msg']}") from None
-    return out
 
 
 def cmd_prices_change(cfg, args) -> int:

@@ -341,7 +341,7 @@ def cmd_kafka(cfg, args) -> int:
 def cmd_worker(cfg, args) -> int:
     from faust.worker import Worker as FaustWorker
 
-    from streams.app import Worker
+    from streams.edge.app import Worker
 
     os.umask(0o077)  # what the worker writes (the embedded ClickHouse's parts, Faust's data): its user's only
     conn = security.kafka_conn(cfg, security.SERVICE)

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from agents.node.shares import GpuMemoryUsage, usage_by_job
 from schemas.events import GpuCard, GpuHealth, GpuSample, GpuTelemetry, MigInstance, NodeInventory
 from schemas.gpu_models import MIG_MEMORY_SLICES, MODELS
-from streams.core.node_view import FATAL_XIDS
+from streams.folds.node_view import FATAL_XIDS
 
 log = logging.getLogger("gpupool.nvml")
 

@@ -16,7 +16,7 @@ from agents.scheduler.preemption import Victim, plan_for
 from agents.scheduler.scoring import Workload
 from schemas.envelope import envelope
 from schemas.events import JobRequested, PlaceJob, Reason, ReleaseJob
-from streams.core import node_view
+from streams.folds import node_view
 
 PLUGIN = "Autoscaler"
 

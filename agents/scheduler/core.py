@@ -43,9 +43,9 @@ from schemas.events import (
     PlaceJob, PreemptJob, QuotaRejected, QuotaSet, Reason, Rejected, ReleaseJob, ResizeJob, SchedulerTick, Tier,
     UsageAccrued,
 )
-from streams.core import node_view
-from streams.core.exits import backoff_ms, failure_text
-from streams.core.gateway import SOURCE_PREFIX as GATEWAY_PREFIX
+from streams.folds import node_view
+from streams.folds.exits import backoff_ms, failure_text
+from streams.folds.gateway import SOURCE_PREFIX as GATEWAY_PREFIX
 
 SOURCE = "scheduler"
 # How long a finished job is remembered (its Ended record, its commands, its own sources' dedupe entries), in log
@@ -605,7 +605,7 @@ class Scheduler:
     def _retry(self, out: list[Envelope], env: Envelope, rec: JobRecord, p: JobFailed) -> None:
         """A run failed and the job has a retry left (Kubernetes' backoffLimit, Slurm's --requeue): the run ends as a
         stop does (`_end_run`: billed to its failure, released), and the job waits out a back-off in log time
-        (streams/core/exits.backoff_ms: 10 s doubling per failure, at most 5 min) before it is placed again,
+        (streams/folds/exits.backoff_ms: 10 s doubling per failure, at most 5 min) before it is placed again,
         resuming from its last checkpoint. Its reason says which run failed, why, and when it is tried again; a
         move under way is called off (the job no longer runs to be moved)."""
         self._end_run(out, env, rec, "Failed", "")

@@ -12,7 +12,7 @@ the scheduler's state. What it decides it *yields* as actions, which the schedul
   quota and billing are the ordinary ones. The live agent publishes it; when it comes back through the scheduler
   input, the per-source seq dedupe drops it, and a replay of the input reproduces every decision;
 - `LoadSample(inference.load)`: a service-level sample the autoscaler folded from its replicas' scrapes
-  (`replica.metrics`, streams/core/serving.py): emitted with source "autoscaler" like a Request, then decided on
+  (`replica.metrics`, streams/folds/serving.py): emitted with source "autoscaler" like a Request, then decided on
   as any `inference.load`;
 - `Resize` (a vertical boost or its revert: `cmd.resize`), `Charge` (a boost's extra compute held in or given back to
   the quota ledger), `Backfill` (a cycle now).
@@ -37,7 +37,7 @@ from schemas.events import (
     Reason, ReplicaMetrics, ReplicaReady, ReplicaUnready, SchedulerTick, ServiceDeclared, ServiceRemoved,
     ServiceScaled, Tier,
 )
-from streams.core.serving import LoadFold
+from streams.folds.serving import LoadFold
 from schemas.gpu_models import model, share_for
 
 SOURCE = "autoscaler"

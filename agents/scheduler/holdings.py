@@ -6,7 +6,7 @@ reservation holds, which are never sent), the node facts (inventory, cordon, liv
 job facts that change a run (`job.started`) -- and keeps every index derived from the node views and the job records
 there, nowhere else:
 
-- the node views (`streams/core/node_view.evolve`, the fold the Faust table and the audit run too) and the node index
+- the node views (`streams/folds/node_view.evolve`, the fold the Faust table and the audit run too) and the node index
   (which nodes can take what: `node_index.py`);
 - the victim index (which nodes hold work of which claim: `victims.py`);
 - per tier, how many jobs hold capacity; per tenant and project, what the holders of each claim group hold (the
@@ -34,7 +34,7 @@ from schemas.events import (
     TIER_RANK, GpuHealth, JobRequested, JobStarted, MigrateJob, MigReconfigure, NodeCordon, NodeInventory,
     NodeAdmitted, NodeLiveness, NodeRemoved, PlaceJob, PreemptJob, ReleaseJob, ResizeJob, Tier,
 )
-from streams.core import node_view
+from streams.folds import node_view
 
 HOLDING = ("placed", "running", "stopping", "migrating")  # states in which a job holds capacity on its nodes
 VIEW_LOG = 8192  # node view changes kept in Holdings.view_log
@@ -404,7 +404,7 @@ class Holdings:
                     rec.placement = rec.parts[0]
                     self._train(rec, p.node, sum(a.milli for a in p.assignments))
             case MigrateJob():
-                self._fold(p.to_node, env)  # the target holds the job's cards from now on (streams/core/node_view.py)
+                self._fold(p.to_node, env)  # the target holds the job's cards from now on (streams/folds/node_view.py)
                 rec = self.jobs.get(p.job_id)
                 if rec is not None and self._current(rec, p.attempt) and rec.state in ("placed", "running"):
                     rec.migration, rec.stop_cause = p, "Migrate"

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 from schemas.gpu_models import MIG_COMPUTE_SLICES, mig_profile, model
-from streams.core.node_view import NodeView
+from streams.folds.node_view import NodeView
 
 SHARE_BUCKETS = 11  # coarse tenths of a card (0..10) that order the share states: tightest tenth first
 

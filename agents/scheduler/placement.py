@@ -15,7 +15,7 @@ from schemas.events import Assignment, GpuCard, JobRequested, MigInstance, NodeI
 from schemas.gpu_models import (
     MIG_COMPUTE_SLICES, MIG_MEMORY_SLICES, MODELS, mig_profile, mig_share_milli, model, share_for, version_tuple,
 )
-from streams.core.node_view import CardFree, NodeView
+from streams.folds.node_view import CardFree, NodeView
 
 
 @dataclass(frozen=True)

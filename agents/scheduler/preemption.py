@@ -24,7 +24,7 @@ from agents.scheduler.placement import _NO_CONSTRAINTS, FILTERS, _card_allowed, 
 from schemas.envelope import envelope
 from schemas.events import JobRequested, PlaceJob, ReleaseJob
 from schemas.gpu_models import model, share_for
-from streams.core import node_view
+from streams.folds import node_view
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 Used by the FGD-protocol replay (agents/sim/fgd_protocol.py); the live scheduler does not import this module: its
 score (agents/scheduler/scoring.py) applies the `gpupool` policy's terms to its own typical job shapes in pure
 integer Python. FGD's measure itself (``TypicalPod``, ``FragIndex``, ``fragmentation``) lives in
-agents/scheduler/fgd_measure.py, shared with the cluster metrics.
+streams/folds/fgd_measure.py, shared with the cluster metrics.
 
 Pure module: stdlib + numpy only, no I/O, no clock, no global random state.
 Every random choice uses a ``numpy.random.Generator`` handed in by the caller,
@@ -33,7 +33,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from agents.scheduler.fgd_measure import GPU_MILLI, FragIndex, TypicalPod
+from streams.folds.fgd_measure import GPU_MILLI, FragIndex, TypicalPod
 
 DEFAULT_POLICY = "gpupool"
 # The product policy and its ablations:

@@ -20,7 +20,7 @@ from schemas.routing import at_home
 from schemas.topics import (
     COMMANDS, DECISIONS, INVENTORY, JOB_EVENTS, JOB_LOGS, JOB_REQUESTS, LEDGER, NODE_CONTROL, TELEMETRY_MINUTES,
 )
-from streams.core.rows import COLUMNS, TABLES, rows_for
+from streams.folds.rows import COLUMNS, TABLES, rows_for
 
 log = logging.getLogger("gpupool.sink")
 GROUP = "gpupool-sink"

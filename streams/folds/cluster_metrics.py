@@ -10,10 +10,10 @@ from __future__ import annotations
 from collections import Counter
 from typing import Iterable
 
-from agents.scheduler.fgd_measure import TypicalPod, fragmentation
+from streams.folds.fgd_measure import TypicalPod, fragmentation
 from schemas.events import JobRequested
 from schemas.gpu_models import model, share_for
-from streams.core.node_view import NodeView
+from streams.folds.node_view import NodeView
 
 
 def typical_from_requests(requests: Iterable[JobRequested], coverage_pct: int = 95) -> tuple[TypicalPod, ...]:

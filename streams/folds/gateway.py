@@ -1,4 +1,4 @@
-"""The gateway: where a person's request becomes a fact. Pure; the worker's inbox consumer (streams/app.py) calls it.
+"""The gateway: where a person's request becomes a fact. Pure; the worker's inbox consumer (streams/edge/app.py) calls it.
 
 A request arrives on its principal's inbox topic (`gpupool.in.NAME`), which only that principal may write, so the
 topic says who sent it; the registry (principals topic) says the principal's role and tenant. The gateway then
@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 from pydantic import TypeAdapter, ValidationError
 
-from schemas.envelope import DecodeError, Envelope, envelope
+from schemas.envelope import SCHEMA_VERSION, DecodeError, Envelope, envelope, json_object
+from schemas.upcasters import upcast
 from schemas.events import ID_MAX, KINDS, Ident, PrincipalRegistered, PrincipalRemoved, Reason, Rejected, RequestRejected
 from schemas.routing import home, key_of
 
@@ -62,7 +63,7 @@ class Principal:
     role: str
     tenant: str | None = None
     token_sha256: str = ""
-    nodes: tuple[str, ...] = ()  # node role: the nodes it speaks for (streams/core/node_relay.py)
+    nodes: tuple[str, ...] = ()  # node role: the nodes it speaks for (streams/folds/node_relay.py)
     auto_admit: bool = False
 
 
@@ -103,9 +104,6 @@ def _request_doc(raw: bytes | None) -> tuple[dict, dict]:
     """(what the client claimed about itself, the payload) of what it sent: a whole envelope (any supported
     version, upcast) or just the payload (`{"kind": ...}`). Only the payload is validated, by admit(): the
     envelope's fields are the client's claims, kept as data when they have the right type."""
-    from schemas.envelope import SCHEMA_VERSION, json_object
-    from schemas.upcasters import upcast
-
     doc = json_object(raw)
     if "payload" not in doc:
         return {}, doc

@@ -23,7 +23,7 @@ from schemas.events import (
     JobCancelled, JobCheckpointed, JobCompleted, JobFailed, JobInterrupted, JobPending, JobRequested,
     JobScaleRequested, JobStarted, JobStopped, Reason, Rejected,
 )
-from streams.core.exits import failure_text
+from streams.folds.exits import failure_text
 
 TERMINAL = frozenset({"completed", "failed", "cancelled", "rejected"})
 CLOSED = frozenset({"cancelled", "rejected"})  # said by a request or a decision, not by a run

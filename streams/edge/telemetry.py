@@ -24,7 +24,7 @@ agent keeps:
 * **The cyclic collector** waits while one `getmany`'s records are folded and is enabled again once they are freed
   (`_fold_batches`): young collections over a batch's live records cost as much as decoding them.
 * **Derived facts** are as before: a card with a new fault gives `gpu.health` (node control), a node heard again
-  after a silence gives `node.liveness` alive; the liveness judge (streams/app.py, streams/core/liveness.py) learns from
+  after a silence gives `node.liveness` alive; the liveness judge (streams/edge/app.py, streams/folds/liveness.py) learns from
   here which node was heard when, in log time, and how far each partition is read.
 * **Per-minute history** (docs/observability.md): the samples of each node's new records of a batch go, in runs of
   one minute of log time, to the worker's `telemetry_history.TelemetryMinutes`; the minutes they close are published
@@ -44,8 +44,8 @@ from schemas.envelope import DecodeError, decode_telemetry, encode, envelope
 from schemas.events import GpuHealth, GpuSample, GpuTelemetry, NodeLiveness
 from schemas.routing import at_home, route
 from schemas.topics import INVENTORY, TELEMETRY
-from streams.core import node_view
-from streams.core.liveness import alive_again, liveness_source
+from streams.folds import node_view
+from streams.folds.liveness import alive_again, liveness_source
 
 log = logging.getLogger("gpupool.telemetry")
 GROUP = "gpupool-telemetry"
@@ -140,7 +140,7 @@ class TelemetryFold:
                 self.positions[tp.partition] = start
                 self.w.liveness.start[tp.partition] = start
             if not self.partitions:
-                from streams.scheduler_agent import tune_gc
+                from streams.edge.scheduler_agent import tune_gc
 
                 tune_gc()  # what exists now (Faust, the recovered table) is long-lived: out of the collector's sight
             self.partitions = want
@@ -283,7 +283,7 @@ class TelemetryFold:
                                       causation_id=env.event_id))
         if alive_again(before, after, env):
             # above the view's last liveness fact (the "silent" it answers, whoever wrote it): never dropped as older,
-            # so the scheduler learns it too (streams/core/liveness.py)
+            # so the scheduler learns it too (streams/folds/liveness.py)
             source = liveness_source(node)
             await w.send(envelope(NodeLiveness(node=node, alive=True, last_heartbeat_ms=after.last_heartbeat_ms),
                                   source=source, seq=w.liveness.next_seq(node, log_ms, after.applied.get(source, -1)),

@@ -1,4 +1,4 @@
-"""The node relay: where a node agent's report becomes a fact. Pure; the worker's relay task (streams/app.py) calls it.
+"""The node relay: where a node agent's report becomes a fact. Pure; the worker's relay task (streams/edge/app.py) calls it.
 
 A node agent writes only to its principal's channel (`gpupool.node.NAME`), which only that principal may write, so
 the topic says who sent a record; the registry (principals topic) says which nodes the principal speaks for

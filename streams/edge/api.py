@@ -15,9 +15,11 @@ import threading
 
 import orjson
 
-from infra import sql_guard
+from infra import security, sql_guard
+from infra.kafka_admin import Acl
+from infra.principals import acls_for
 from infra.security import same_token
-from streams.core.gateway import Principal
+from streams.folds.gateway import KINDS_BY_ROLE, Principal
 
 ALL_READERS = ("tenant", "operator", "finance", "auditor", "service")
 # path -> (method, roles allowed, what it answers): the table docs/security.md shows and the tests walk
@@ -545,7 +547,7 @@ FROM gpupool.events FINAL WHERE kind IN ('service.declared', 'service.removed') 
 GROUP BY service_id ORDER BY service_id
 """
 
-# What the endpoints fold reads of one service (streams/core/serving.py): its declarations and elastic actions, and
+# What the endpoints fold reads of one service (streams/folds/serving.py): its declarations and elastic actions, and
 # its replicas' placements, stops, the nodes' readiness reports and the runs' ends; replica ids are "SERVICE/rN"; the
 # inventories of the nodes they were placed on (the address each node advertises for itself).
 ENDPOINTS_SQL = """
@@ -575,7 +577,7 @@ def ramp_ms(params: dict) -> int:
 def endpoints_doc(service: str, rows: list[list], now_ms: int, ramp: int) -> dict:
     """The endpoints fold over one service's rows, read at `now_ms` with weights ramped over `ramp` ms."""
     from schemas.events import KINDS
-    from streams.core.serving import Endpoints
+    from streams.folds.serving import Endpoints
 
     e = Endpoints()
     for at, kind, payload in rows:
@@ -939,3 +941,31 @@ async def answer(path: str, principal: Principal, params: dict, body: bytes, run
         if principal.role == "tenant":
             return redact(doc, principal.tenant)
     return doc
+
+
+def access_table() -> str:
+    """The table of docs/security.md: each role's rights on Kafka (from infra.principals.acls_for), the requests the gateway takes
+    from it, and the HTTP endpoints it may use; tests/test_security.py checks the doc shows exactly this."""
+    def ops(acls: list[Acl], *wanted: str, permission: str = "allow") -> str:
+        names = sorted({(a.name + ("*" if a.pattern == "prefixed" else ""))
+                        for a in acls if a.resource == "topic" and a.permission == permission
+                        and (a.operation in wanted or a.operation == "all")})
+        return ", ".join(f"`{n.replace('NAME', 'NAME')}`" for n in names) or "-"
+
+    rows = ["| role | writes (Kafka) | reads (Kafka) | requests the gateway takes | HTTP endpoints |",
+            "|---|---|---|---|---|"]
+    for role in security.ROLES:
+        acls = acls_for("NAME", role)
+        kinds = ", ".join(f"`{k}`" for k in sorted(KINDS_BY_ROLE.get(role, ()))) or "-"
+        http = ", ".join(f"`{p}`" for p, (_, roles, _) in ENDPOINTS.items() if role in roles) or "-"
+        extra = []
+        if any(a.resource == "cluster" and a.operation == "alter" for a in acls):
+            extra.append("cluster ALTER (SCRAM users, ACLs)")
+        groups = sorted({a.name + ("*" if a.pattern == "prefixed" else "") for a in acls if a.resource == "group"})
+        if groups:
+            extra.append("groups " + ", ".join(f"`{g}`" for g in groups))
+        denied = ops(acls, "read", permission="deny")
+        reads = ops(acls, "read") + (f" but not {denied}" if denied != "-" else "") + (
+            "; " + "; ".join(extra) if extra else "")
+        rows.append(f"| `{role}` | {ops(acls, 'write')} | {reads} | {kinds} | {http} |")
+    return "\n".join(rows) + "\n"

@@ -1,5 +1,5 @@
 """Whether a node is silent, judged on the log's time, never on the worker's wall clock. Pure; the worker's liveness
-timer calls it (streams/app.py).
+timer calls it (streams/edge/app.py).
 
 A node is silent when the telemetry partition it writes to has been read, in log time (the broker's append time),
 `misses` heartbeat intervals past the node's latest heartbeat there. How far a partition is read, in log time, is

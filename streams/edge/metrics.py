@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, disable_cre
 from prometheus_client.core import GaugeMetricFamily, CounterMetricFamily
 
 from schemas.envelope import Envelope
-from streams.core.node_view import NodeView
+from streams.folds.node_view import NodeView
 
 # Latency buckets in seconds: from a decision within a tick to a wait of an hour.
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900, 3600)
@@ -184,7 +184,7 @@ def _gauge(name: str, doc: str, labels: Iterable[str] = ()) -> GaugeMetricFamily
 
 def fleet_families(views: list[NodeView]) -> list[GaugeMetricFamily]:
     """Capacity, allocation and free GPUs by card model and data center; nodes by state; cards by health."""
-    from streams.api import node_state
+    from streams.edge.api import node_state
 
     cap = _gauge("gpupool_gpu_capacity", "GPUs in the pool (healthy or not), by card model and data center",
                  ["gpu_model", "datacenter"])

@@ -402,6 +402,6 @@ def _settle(view, telemetry, faults, applied, heartbeat) -> NodeView:
 def durable_change(before: NodeView | None, after: NodeView) -> bool:
     """Whether telemetry changed what the node view must not lose in a crash: a card's health (a new fault), the
     node's liveness, or a view that did not exist. The latest samples and heartbeat alone are written to the
-    changelog at a bounded interval instead (streams/telemetry.py)."""
+    changelog at a bounded interval instead (streams/edge/telemetry.py)."""
     return before is None or after.faults != before.faults or after.alive != before.alive \
         or after.inventory is not before.inventory

@@ -24,10 +24,10 @@ from schemas.topics import (
     NODE_CHANNEL_PREFIX, NODE_CONTROL, NODE_VIEW_CHANGELOG, PRINCIPALS, SCHEDULER_INPUT, TELEMETRY, TELEMETRY_MINUTES,
     channel_owner, inbox_owner,
 )
-from streams import api, codec, metrics, ui
-from streams.core import cluster_metrics, gateway, job_view, node_relay, node_view, telemetry_history
-from streams.core.liveness import Liveness, alive_again, forward_to_scheduler, liveness_source
-from streams.telemetry import TelemetryFold
+from streams.edge import api, codec, metrics, ui
+from streams.folds import cluster_metrics, gateway, job_view, node_relay, node_view, telemetry_history
+from streams.folds.liveness import Liveness, alive_again, forward_to_scheduler, liveness_source
+from streams.edge.telemetry import TelemetryFold
 
 log = logging.getLogger("gpupool.worker")
 
@@ -138,7 +138,7 @@ class Worker:
         self.node_table.value_serializer = "node-view"
         self.job_table.value_serializer = "job-view"
         raw = dict(key_serializer="raw", value_serializer="raw")
-        # telemetry is folded in batches by its own task (streams/telemetry.py), on the same table partitions
+        # telemetry is folded in batches by its own task (streams/edge/telemetry.py), on the same table partitions
         self.node_topics = self.app.topic(INVENTORY.name, COMMANDS.name, NODE_CONTROL.name, **raw)
         self.job_topics = self.app.topic(JOB_REQUESTS.name, JOB_EVENTS.name, DECISIONS.name, **raw)
         self.ledger_topic = self.app.topic(LEDGER.name, **raw)
@@ -155,7 +155,7 @@ class Worker:
                             for s in (INVENTORY, TELEMETRY, JOB_EVENTS, NODE_CONTROL, JOB_REQUESTS, DECISIONS,
                                       LEDGER, TELEMETRY_MINUTES)}
         self.metrics = metrics.WorkerMetrics()
-        # per card and minute, on the log's time of the telemetry records (streams/core/telemetry_history.py)
+        # per card and minute, on the log's time of the telemetry records (streams/folds/telemetry_history.py)
         self.minutes = telemetry_history.TelemetryMinutes(job_info=self._job_info)
         self.app.agent(self.node_topics, name="fold-nodes")(self._each(self.fold_node))
         self.app.agent(self.job_topics, name="fold-jobs")(self._each(self.fold_job))
@@ -174,11 +174,11 @@ class Worker:
         self.registry_ready = asyncio.Event()  # the registry was read to its end once: the API can authenticate
         self.scheduler = self.sink = None
         if with_scheduler:
-            from streams.scheduler_agent import SchedulerAgent
+            from streams.edge.scheduler_agent import SchedulerAgent
             self.scheduler = SchedulerAgent(cfg, self.conn)
             self.app.task(self.scheduler.run)
         if with_sink:
-            from streams.sink import Sink
+            from streams.edge.sink import Sink
             self.sink = Sink(cfg, self.conn)
             self.app.task(self.sink.run)
         # chDB: one process per data path, so only the worker with the sink answers from ClickHouse
@@ -347,7 +347,7 @@ class Worker:
 
     async def run_node_relay(self) -> None:
         """Every node principal's channel (`gpupool.node.*`, found by pattern as principals are added), in order per
-        channel: each record checked by streams/core/node_relay.py and relayed to its home topic, or dead-lettered.
+        channel: each record checked by streams/folds/node_relay.py and relayed to its home topic, or dead-lettered.
         Outputs are produced before the channel offset is committed; a re-run relays the same bytes again, which the
         folds drop as duplicates (per-source sequence numbers)."""
         from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
@@ -562,12 +562,12 @@ class Worker:
         env, before, after = folded
         if env.kind in NODE_FACTS_FOR_SCHEDULER and forward_to_scheduler(env, after):
             # a "silent" the view already disproves (a newer heartbeat was folded before it was read back) stays
-            # here: the scheduler's readiness is the view's (streams/core/liveness.py)
+            # here: the scheduler's readiness is the view's (streams/folds/liveness.py)
             await self.scheduler_input.send(key=env.source.encode(), value=event.value)
         if alive_again(before, after, env):
             # alive again: an inventory from a node that was silent (a later position than the silence; its
             # silence counts from this record now, not from its last heartbeat before it went silent), or a
-            # "silent" the view disproves, answered (streams/core/liveness.py)
+            # "silent" the view disproves, answered (streams/folds/liveness.py)
             log_ms = round(event.message.timestamp * 1000)
             if env.kind != "node.liveness":
                 self.liveness.revived(after.node, partition_of(after.node.encode(), TELEMETRY.partitions), log_ms)
@@ -622,7 +622,7 @@ class Worker:
     async def _telemetry_ends(self) -> dict[int, int | None]:
         """How far each telemetry partition this worker owns goes, asked of the broker now (after the probe of the
         log's clock). Not the highwater of the telemetry task's last fetch: a worker that is busy or was paused
-        fetched that seconds before the probe, and what came since is not silence (streams/core/liveness.py)."""
+        fetched that seconds before the probe, and what came since is not silence (streams/folds/liveness.py)."""
         consumer = self.telemetry.consumer
         assigned = consumer.assignment() if consumer is not None else set()
         tps = [tp for p in sorted(self.telemetry.partitions) if (tp := _tp(TELEMETRY.name, p)) in assigned]
@@ -652,7 +652,7 @@ class Worker:
         return None if any(c is None for c in clocks) else min(clocks)
 
     async def check_liveness(self):
-        """Judge silence on log time (streams/core/liveness.py): no stall of this worker, of the broker or of a query
+        """Judge silence on log time (streams/folds/liveness.py): no stall of this worker, of the broker or of a query
         makes a live node look dead. Each worker judges the nodes of the telemetry partitions it owns."""
         try:
             log_now = await self._log_now()
@@ -788,7 +788,7 @@ class Worker:
             envelope(SchedulerTick(now_ms=t, grace_s=self._grace, rendezvous_ports=self.cfg.rendezvous_ports),
                      source="ticker", seq=t, time_ms=t)))
 
-    # ---------------------------------------------------------------- HTTP API (streams/api.py)
+    # ---------------------------------------------------------------- HTTP API (streams/edge/api.py)
 
     def _register_pages(self) -> None:
         worker = self

@@ -2,7 +2,7 @@
 
 Exclusivity comes from Kafka: the scheduler input has one partition, and only the member of consumer group
 `gpupool-scheduler` that owns it decides. On taking ownership it rebuilds its state from the latest snapshot at or
-below the group's committed offset (streams/scheduler_snapshot.py), replaying only the input after it up to the
+below the group's committed offset (streams/edge/scheduler_snapshot.py), replaying only the input after it up to the
 committed offset, without emitting (the outputs of those records are already in the log), then goes live. The
 rebuild yields to the event loop as it goes, so the worker's other agents (folds, sink, API) go on meanwhile. While
 live it writes a snapshot every N input records or T s of log time, after the offsets it covers are committed.
@@ -21,7 +21,7 @@ from infra.kafka_client import stop_consumer
 from aiokafka.abc import ConsumerRebalanceListener
 from aiokafka.errors import CommitFailedError, IllegalStateError, RebalanceInProgressError
 
-from streams import scheduler_snapshot as snapshot
+from streams.edge import scheduler_snapshot as snapshot
 from agents.scheduler.core import Scheduler, live_config, replay, step_contained
 from infra.config import Config
 from schemas.envelope import DecodeError, decode_fast, encode

@@ -74,9 +74,9 @@ STATE_SEMANTICS = 3  # 2: a standing memo says by how much (claims.within_by), t
 
 
 def _state_sources() -> list[Path]:
-    """The sources whose classes make up the state: the scheduler's, the views the stream core folds, the events."""
-    root = Path(__file__).resolve().parents[1]
-    return (sorted((root / "agents" / "scheduler").glob("*.py")) + sorted((root / "streams" / "core").glob("*.py"))
+    """The sources whose classes make up the state: the scheduler's, the views the stream folds fold, the events."""
+    root = Path(__file__).resolve().parents[2]
+    return (sorted((root / "agents" / "scheduler").glob("*.py")) + sorted((root / "streams" / "folds").glob("*.py"))
             + [root / "schemas" / "events.py", root / "schemas" / "envelope.py"])
 
 

@@ -9,8 +9,8 @@ import orjson
 from faust.serializers import codecs
 from pydantic import TypeAdapter
 
-from streams.core.job_view import JobView
-from streams.core.node_view import NodeView
+from streams.folds.job_view import JobView
+from streams.folds.node_view import NodeView
 
 
 NODE_VIEW = TypeAdapter(NodeView)
