@@ -66,7 +66,8 @@ test: kafka browser podman nginx
 	$(BIN)/python -m pytest -q -p no:cacheprovider --ignore=tests/acceptance --ignore=tests/test_demo.py -m "not chaos" tests
 
 # the fast target: unit, property and scenario tests, no broker and no browser (tests/conftest.py fails a test that
-# starts either without the `broker` mark). `make test` stays the whole suite; .ci/run calls that.
+# starts either without the `broker` mark); its property tests draw a quarter of their examples (tests/conftest.py).
+# `make test` stays the whole suite, every example; .ci/run calls that.
 check: $(STAMP) podman
 	GPUPOOL_CHECK=1 $(BIN)/python -m pytest -q -p no:cacheprovider -n auto --ignore=tests/acceptance --ignore=tests/test_demo.py -m "not chaos and not broker" tests
 
