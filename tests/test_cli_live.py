@@ -55,7 +55,8 @@ def test_cancel_a_running_job_and_read_its_history(pool):
 def test_node_commands_cordon_drain_and_show(pool):
     listing = cli(pool, "node", "list")
     assert "node-000" in listing and "ready" in listing and "A100-80GB x4" in listing
-    cli(pool, "node", "cordon", "node-001", "--reason", "firmware")
+    said = cli(pool, "node", "cordon", "node-001", "--reason", "firmware")
+    assert said.strip() == "node-001: cordoned", said  # the command says what it did: the node's new state
     wait_for(lambda: "cordoned" in cli(pool, "node", "list"), 30, "node-001 cordoned", pool)
     # a cordoned node has no GPUs free to take work (as `gpupool cluster` counts): its idle ones are said apart
     rows = {line.split()[0]: line for line in cli(pool, "node", "list").splitlines()[1:]}
@@ -70,9 +71,9 @@ def test_node_commands_cordon_drain_and_show(pool):
     assert "acme/while-cordoned" in show and "card 0 A100-80GB" in show
     doc = json.loads(cli(pool, "node", "show", "node-000", "--format", "json"))
     assert any("acme/while-cordoned" in g["holders"] for g in doc["cards"])
-    cli(pool, "node", "drain", "node-000")
+    assert cli(pool, "node", "drain", "node-000").strip() == "node-000: draining"
     wait_for(lambda: "draining" in cli(pool, "node", "list"), 30, "node-000 draining", pool)
-    cli(pool, "node", "uncordon", "node-000", "node-001")
+    assert cli(pool, "node", "uncordon", "node-000", "node-001").split() == ["node-000:", "ready", "node-001:", "ready"]
     wait_for(lambda: cli(pool, "node", "list").count("ready") == 2, 30, "both ready again", pool)
     actors = {(r["kind"], r["actor"]) for r in pool.query(
         "SELECT kind, actor FROM gpupool.events FINAL WHERE kind = 'node.cordon'")}

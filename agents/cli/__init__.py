@@ -206,8 +206,8 @@ def parser() -> argparse.ArgumentParser:
     pr.add_argument("--valid-from", help="ISO time or epoch ms (default: now)")
     fmt(pr)
     us = add("user", None, help="principals: add NAME --role ROLE [--tenant T] [--node NODE [--auto-admit]] | list | "
-                                "remove NAME")
-    us.add_argument("action", choices=["add", "list", "remove"])
+                                "remove NAME | token NAME (print the HTTP token stored for NAME)")
+    us.add_argument("action", choices=["add", "list", "remove", "token"])
     us.add_argument("name", nargs="?")
     us.add_argument("--role", choices=list(security.ROLES))
     us.add_argument("--tenant", help="the tenant of a tenant principal")

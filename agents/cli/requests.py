@@ -381,9 +381,44 @@ def node_request(action: str, node: str, reason: str, revoke: bool = False):
     raise SystemExit(f"node {action}: one of cordon, uncordon, drain, remove, admit")
 
 
+# the state a node shows (streams/edge/api.node_state) once each change is applied
+_NODE_STATE_AFTER = {"cordon": ("cordoned", "draining"), "drain": ("draining",), "remove": ("removed",),
+                     "uncordon": ("ready", "not-admitted", "down", "no-inventory"), "admit": ("ready", "cordoned",
+                     "draining", "down", "no-inventory"), "revoke": ("not-admitted",)}
+
+
+def node_states(c: Client) -> dict[str, str]:
+    return {n["node"]: n["state"] for n in c.api("/api/nodes")["nodes"]}
+
+
 def cmd_node_change(cfg, args) -> int:
+    """Sends the change, then reads the nodes back until each shows it (a few seconds: the worker folds the log) and
+    prints each node's new state, or the state it still shows when the wait is over."""
     c = Client(cfg)
-    c.send([node_request(args.action, n, args.reason or "", getattr(args, "revoke", False)) for n in args.nodes])
+    revoke = getattr(args, "revoke", False)
+    c.send([node_request(args.action, n, args.reason or "", revoke) for n in args.nodes])
+    want = _NODE_STATE_AFTER.get("revoke" if args.action == "admit" and revoke else args.action)
+    if want is None:
+        return 0
+    deadline = time.monotonic() + float(getattr(args, "wait", 20) or 20)
+    while True:
+        try:
+            states = node_states(c)
+        except SystemExit:  # the worker's API is away: the change is on the log all the same
+            print(f"{args.action}: sent; the worker's API does not answer, so the new state is not read back")
+            return 0
+        pending = [n for n in args.nodes if states.get(n) not in want]
+        if not pending or time.monotonic() >= deadline:
+            break
+        time.sleep(0.25)
+    for n in args.nodes:
+        state = states.get(n)
+        if state is None:
+            print(f"{n}: {args.action} sent; the pool has not heard of this node (yet)")
+        elif n in pending:
+            print(f"{n}: {args.action} sent; the node still shows {state}")
+        else:
+            print(f"{n}: {state}")
     return 0
 
 
