@@ -339,6 +339,14 @@ def cmd_service(cfg, args) -> int:
             serve=None if args.port is None else Serve(port=args.port, readiness_path=args.readiness_path,
                                                        metrics=args.metrics, metrics_path=args.metrics_path))
     c.send([payload])
+    if args.action == "remove":
+        print(f"service {args.service_id}: removal sent (its replicas stop, each with its grace)")
+        return 0
+    p = payload
+    boost = f", boosted to {p.boost_compute_milli} milli-CU at a peak" if p.boost_compute_milli else ""
+    print(f"service {p.tenant}/{p.service_id.split('/')[-1]} declared: replicas of {p.replica_compute_milli} milli-CU "
+          f"and {p.replica_memory_mib} MiB{boost}, {p.replica_qps} requests/s each, {p.min_replicas} to "
+          f"{p.max_replicas} replicas, scaled from its load (`gpupool service endpoints {args.service_id}`)")
     return 0
 
 
