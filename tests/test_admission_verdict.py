@@ -36,3 +36,19 @@ def test_the_early_verdict_is_the_full_one(spec, job):
                                         datacenter=dc, driver=driver), 0)
     kinds = list(fleet.kinds.values())
     assert _never_fits(job, kinds) == _verdict(job, kinds)
+
+
+def test_a_mig_slice_on_a_pool_without_a_card_in_mig_mode_never_fits():
+    """isolation mig on a pool whose cards are all out of MIG mode is rejected at once (NoMigCard), like any request
+    no node could hold; one card in MIG mode anywhere, of a model the request allows, makes it possible."""
+    job = JobRequested(job_id="j", tenant="t", compute_milli=100, gpu_memory_mib=5 * 1024, isolation="mig")
+    plain = Fleet()
+    for i, m in enumerate(("A100-80GB", "H100-80GB", "T4")):
+        plain.update(f"n{i}", make_node(f"n{i}", m, 4), 0)
+    (why,) = plain.never_fits(job)
+    assert why.code == "NoMigCard" and "3 nodes" in why.message
+    assert plain.never_fits(job.model_copy(update={"isolation": None})) is None  # a share would do
+    plain.update("mig", make_node("mig", "A100-80GB", 1, mig=["1g.10gb"]), 0)
+    assert plain.never_fits(job) is None
+    only_t4 = job.model_copy(update={"constraints": Constraints(models=("T4",))})
+    assert plain.never_fits(only_t4)[0].code == "NoMigCard"  # the MIG card is not one the request allows

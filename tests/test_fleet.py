@@ -221,3 +221,15 @@ def test_names_and_versions_may_be_numbers_and_a_missing_file_is_one_line(tmp_pa
     bad.write_text("sn,cpu_milli,memory_mib,gpu,model\nx,64000,1024,2,K80\n")
     with pytest.raises(ValueError, match=r"line 2: model: unknown card model 'K80'"):
         fleet.load(str(bad))
+
+
+def test_the_default_fleet_has_every_kind_of_isolation():
+    """`gpupool up`'s default fleet: demo:4 and a node whose A100s are in MIG mode, so a request for a MIG slice can
+    be placed on a fresh stack (README)."""
+    from agents.node.fleet import default_fleet, demo_fleet, load
+
+    nodes = load("default")
+    assert [n.node for n in nodes[:4]] == [n.node for n in demo_fleet(4)]
+    mig = [g for n in nodes for g in n.gpus if g.mig_enabled]
+    assert {g.model for g in mig} == {"A100-80GB"} and len(mig) == 2
+    assert nodes == default_fleet()

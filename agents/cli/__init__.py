@@ -83,7 +83,9 @@ def parser() -> argparse.ArgumentParser:
     a.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1:PORT (default: "
                    "$GPUPOOL_AGENT_METRICS_PORT, else none)")
     u = add("up", stack.cmd_up, help="start broker, worker and a simulated fleet in the background, supervised")
-    u.add_argument("--simulate", metavar="FLEET", default="demo:4", help="fleet to simulate ('' for none)")
+    u.add_argument("--simulate", metavar="FLEET", default="default",
+                   help="fleet to simulate: a fleet file, demo:N, or default (demo:4 and a node of two A100s in MIG "
+                        "mode); '' for none")
     u.add_argument("--brokers", type=int, default=None,
                    help="local Kafka brokers: 1, or a KRaft cluster of N on loopback (replication min(3, N), "
                         "min.insync.replicas 2 from 3); remembered for this home")

@@ -343,7 +343,7 @@ def cmd_service(cfg, args) -> int:
         print(f"service {args.service_id}: removal sent (its replicas stop, each with its grace)")
         return 0
     p = payload
-    boost = f", boosted to {p.boost_compute_milli} milli-CU at a peak" if p.boost_compute_milli else ""
+    boost = f" (+{p.boost_compute_milli} milli-CU each at a peak)" if p.boost_compute_milli else ""
     print(f"service {p.tenant}/{p.service_id.split('/')[-1]} declared: replicas of {p.replica_compute_milli} milli-CU "
           f"and {p.replica_memory_mib} MiB{boost}, {p.replica_qps} requests/s each, {p.min_replicas} to "
           f"{p.max_replicas} replicas, scaled from its load (`gpupool service endpoints {args.service_id}`)")

@@ -213,7 +213,9 @@ def from_openb_csv(path: str | Path, limit: int | None = None, nodes_per_rack: i
 
 
 def load(spec: str) -> list[NodeInventory]:
-    """A fleet file (.yaml/.yml/.csv) or `demo:N` for N mixed nodes."""
+    """A fleet file (.yaml/.yml/.csv), `demo:N` for N mixed nodes, or `default` (what `gpupool up` simulates)."""
+    if spec == "default":
+        return default_fleet()
     if spec.startswith("demo:"):
         n = spec.split(":", 1)[1]
         if not n.isdigit() or int(n) < 1:
@@ -231,10 +233,17 @@ def demo_fleet(n: int) -> list[NodeInventory]:
                       datacenter="dc-0") for i in range(n)]
 
 
+def default_fleet() -> list[NodeInventory]:
+    """`gpupool up`'s fleet: demo:4 (A100, H100, A10 and T4 nodes) and a node of two A100s in MIG mode (3g.40gb,
+    2g.20gb and two 1g.10gb instances each), so that every kind of isolation a request may ask for exists."""
+    return demo_fleet(4) + [make_node("node-004", "A100-80GB", 2, rack="rack-2", datacenter="dc-0",
+                                      mig=["3g.40gb", "2g.20gb", "1g.10gb", "1g.10gb"])]
+
+
 def load_faults(spec: str) -> list[str]:
     """The scenario faults of a fleet YAML (`faults: [{at: 10, fault: "ecc:node-1:0"}]`) as `fault@at` strings, in the
     form SimFleetAgent.inject takes; none for `demo:N` and CSV fleets."""
-    if spec.startswith("demo:") or spec.endswith(".csv"):
+    if spec == "default" or spec.startswith("demo:") or spec.endswith(".csv"):
         return []
     doc = _document(spec)
     out = []

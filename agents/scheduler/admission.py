@@ -4,7 +4,7 @@ reason (Slurm: "Requested node configuration is not available"), instead of wait
 "Could ever" is judged against every node's full inventory, whatever is in use: its cards (model, compute
 capability, driver, CUDA), host CPU and memory, rack and data center. Nodes that are down, cordoned or have a faulty
 card count as possible (they may come back); removed nodes do not. MIG layouts are not held against a request (an
-operator can change them). The judgement follows placement's rules: a request that fits one card of an allowed model
+operator can change them), but a request for a MIG slice (isolation mig) needs a card in MIG mode somewhere. The judgement follows placement's rules: a request that fits one card of an allowed model
 on a node with the host CPU and memory; else, for a gang, the whole cards of one model it needs within its spread
 (one node, one rack, one data center, anywhere, as `max_spread` / `interconnect` allow), host CPU and memory counted
 per card as placement counts them; else, for an offline gang, cards of several models within the spread.
@@ -35,7 +35,7 @@ def _kind(inv: NodeInventory) -> tuple:
     so two nodes alike but for names are one kind)."""
     domains: dict[str | None, int] = {}
     cards = tuple(sorted((g.model, g.compute_capability, g.driver_version, g.cuda_version,
-                          domains.setdefault(g.nvlink_domain, len(domains)) if g.nvlink_domain else -1)
+                          domains.setdefault(g.nvlink_domain, len(domains)) if g.nvlink_domain else -1, g.mig_enabled)
                          for g in inv.gpus))
     return (inv.datacenter, inv.rack, inv.cpu_milli, inv.memory_mib, cards)
 
@@ -76,7 +76,7 @@ class Fleet:
         if not self.kinds:
             return None
         key = (job.compute_milli, job.gpu_memory_mib, job.cpu_milli, job.memory_mib, job.gang,
-               job.tier == Tier.OFFLINE, job.constraints)
+               job.tier == Tier.OFFLINE, job.constraints, job.isolation_asked == "mig")
         if key not in self._verdicts:
             self._verdicts[key] = _never_fits(job, list(self.kinds.values()))
         return self._verdicts[key]
@@ -85,8 +85,8 @@ class Fleet:
 def _never_fits(job: JobRequested, kinds: list[list]) -> tuple[Reason, ...] | None:
     # most requests fit one card, or one node, of the first node kinds: said without reading every kind (the
     # verdict below says the same: None once a usable kind with the host room has a card that holds the job, or,
-    # for a gang, the cards of one model it needs)
-    for _, inv in kinds:
+    # for a gang, the cards of one model it needs); a hardware slice is judged by the full reading
+    for _, inv in kinds if job.isolation_asked != "mig" else ():
         if inv.cpu_milli < job.cpu_milli or inv.memory_mib < job.memory_mib:
             continue
         allowed = [g for g in inv.gpus if gpu_allowed(g, job)]
@@ -119,6 +119,11 @@ def _verdict(job: JobRequested, kinds: list[list]) -> tuple[Reason, ...] | None:
             continue
         usable.append((count, inv, allowed))
     nodes = sum(k[0] for k in kinds)
+    if usable and job.isolation_asked == "mig" and not any(g.mig_enabled for _, _, cards in usable for g in cards):
+        # only a card in MIG mode gives a hardware slice (placement.fit_cards: NoMigCard); the pool has none
+        return (Reason(code="NoMigCard", plugin=PLUGIN, data={"nodes": nodes}, message=(
+            f"isolation mig asks for a MIG slice, and no card the request allows on the pool's {nodes} nodes is in "
+            f"MIG mode (an operator enables MIG on an A100/H100/H200 and its node reports the layout)")),)
     if not usable:
         return (Reason(code="NoNodeMatches", plugin=PLUGIN, data={"nodes": nodes, **rejected}, message=(
             f"no node of the pool's {nodes} matches the constraints: "
