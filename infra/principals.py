@@ -18,7 +18,7 @@ from schemas.topics import (
 )
 
 GROUP_PREFIX_SERVICE = "gpupool"  # gpupool (Faust), gpupool-scheduler, gpupool-sink, gpupool-gateway, ...
-GROUP_PREFIX_NODE = "gpupool-agent"  # gpupool-agent-NODE (NVML), gpupool-agent-sim (simulated fleets)
+GROUP_PREFIX_NODE = "gpupool-agent"  # gpupool-agent-NODE (NVML), gpupool-agent-sim-... (a simulated fleet)
 
 
 

@@ -371,7 +371,7 @@ def cmd_agent(cfg, args) -> int:
         return run_nvml_agent(cfg, args)
     try:
         agent = SimFleetAgent.from_spec(cfg, args.simulate, telemetry_interval_s=args.interval,
-                                        group_id=args.group or "gpupool-agent-sim", faults=args.fault or [],
+                                        group_id=args.group or None, faults=args.fault or [],
                                         principal=args.principal, control=Path(args.control) if args.control else None)
     except (OSError, ValueError) as exc:  # a bad fleet file or fault: one line naming it
         raise SystemExit(f"gpupool agent: {exc}") from None

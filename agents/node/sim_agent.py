@@ -43,6 +43,7 @@ stopped with its tier's grace period (GPUPOOL_GRACE_S) first.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import ipaddress
 import logging
 import os
@@ -140,9 +141,16 @@ class Fault:
             f"@{self.at_s:g}" if self.at_s is not None else "")
 
 
+def sim_group(nodes) -> str:
+    """`gpupool-agent-sim-FIRST-DIGEST`: one group per fleet (its nodes' names), within the node role's ACL prefix."""
+    names = sorted(nodes)
+    digest = hashlib.blake2b("\n".join(names).encode(), digest_size=4).hexdigest()
+    return f"gpupool-agent-sim-{names[0] if names else 'none'}-{digest}"[:200]
+
+
 class SimFleetAgent:
     def __init__(self, cfg: Config, inventories: list[NodeInventory], *, telemetry_interval_s: float = 1.0,
-                 group_id: str = "gpupool-agent-sim", faults: list[str] | tuple[str, ...] = (), producer=None,
+                 group_id: str | None = None, faults: list[str] | tuple[str, ...] = (), producer=None,
                  speedup: float = 1.0, principal: str | None = None, control: Path | None = None,
                  ctx: NodeContext | None = None, output: Output | None = None):
         if speedup <= 0:
@@ -159,7 +167,10 @@ class SimFleetAgent:
         self.nodes = {inv.node: SimNode(inv if inv.address else inv.model_copy(update={"address": loopback(i)}))
                       for i, inv in enumerate(inventories)}
         self.interval = telemetry_interval_s
-        self.group_id = group_id
+        # the fleet's own consumer group for commands: two fleets started on one pool (`gpupool up`'s and one added
+        # later with `gpupool agent --simulate`) must not share one, or each would take the other's partitions and
+        # drop the commands of nodes it does not run
+        self.group_id = group_id or sim_group(self.nodes)
         # the node principal every node reports as (None: each node's own, agents/node/channels.py): it writes only
         # its channel, which the worker relays; with a producer given (the tests'), records go to their home topics
         self.principal = principal
