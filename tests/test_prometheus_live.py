@@ -3,7 +3,8 @@ with a config as the docs give it (the worker's /metrics with an auditor princip
 node agent's loopback endpoint without one), scrape interval 1 s, the shipped alerting rules loaded, scrapes a live
 worker and a simulated node agent; the series are read back through its query API. Without a token (or with a
 tenant's) the worker's target is down and /api/v1/targets says why. The rules are evaluated on what was scraped: the
-tenant at its quota and the card with uncorrected ECC errors are seen by their alerts."""
+tenant at its quota, the card with uncorrected ECC errors and the node lost (faults injected through the simulated
+agent's control file) are seen by their alerts."""
 from __future__ import annotations
 
 import json
@@ -191,3 +192,9 @@ def test_the_shipped_rules_are_evaluated_on_what_was_scraped(pool, prom):
     # and nothing about what is well: node-a's cards, the nodes, the scheduler
     assert not prom.query('ALERTS{alertname="GpupoolCardUnhealthy",node="node-a"}')
     assert not prom.query('ALERTS{alertname=~"GpupoolNodeLost|GpupoolNoLiveScheduler"}')
+    # node-b lost: the worker states it down, and the alert names it
+    with open(pool.faults, "a") as f:
+        f.write("lose:node-b\n")
+    prom.wait('gpupool_node_state{job="gpupool",node="node-b",state="down"} == 1', "node-b down")
+    lost = prom.wait('ALERTS{alertname="GpupoolNodeLost"}', "GpupoolNodeLost for node-b")
+    assert {r["metric"]["node"] for r in lost} == {"node-b"}, lost
