@@ -181,7 +181,8 @@ def test_the_shipped_rules_are_evaluated_on_what_was_scraped(pool, prom):
     assert at_quota[0]["metric"]["alertstate"] in ("pending", "firing")
     # a fault once Prometheus has stored node-b's card without errors: the card counts uncorrected ECC errors (the
     # agent) and goes out of service (the worker)
-    prom.wait('gpupool_node_gpu_ecc_errors_total{node="node-b",type="uncorrected"} == 0', "node-b's card without errors")
+    prom.wait('gpupool_node_gpu_ecc_errors_total{node="node-b",type="uncorrected"} == 0',
+              "node-b's card without errors")
     assert prom.value('gpupool_card_healthy{job="gpupool",node="node-b"}') == 1
     with open(pool.faults, "a") as f:
         f.write("ecc:node-b:0\n")
