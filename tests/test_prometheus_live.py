@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import urllib.parse
 import urllib.request
 
@@ -43,7 +44,13 @@ def pool(tmp_path_factory, broker_mode, libs_home):
         s.faults = home / "faults"  # the agent applies each line appended (`gpupool agent inject`)
         s.faults.write_text("")
         s.start_agent(str(fleet), "--control", str(s.faults))
-        s.prom_token = s.add_user("prom", "auditor").token  # as `gpupool user add prom --role auditor --show-token`
+        # the token as docs/observability.md makes it: `gpupool user add prom --role auditor --show-token | sed ...`
+        out = subprocess.run([sys.executable, "-m", "agents.cli", "user", "add", "prom", "--role", "auditor",
+                              "--show-token"], capture_output=True, text=True, timeout=120, env={**os.environ, **s.env})
+        assert out.returncode == 0, out.stdout + out.stderr
+        s.prom_token = "".join(line.removeprefix("HTTP token: ") for line in out.stdout.splitlines()
+                               if line.startswith("HTTP token: "))
+        assert s.prom_token, out.stdout
         s.tenant_token = s.add_user("alice", "tenant", "acme").token
         quotas(s, "acme", compute=1000)  # one compute unit: one A100
         wait_for(lambda: s.client().api("/cluster/")["nodes"] == 2, 90, "the fleet", s)
