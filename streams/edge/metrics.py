@@ -195,13 +195,12 @@ def fleet_families(views: list[NodeView]) -> list[GaugeMetricFamily]:
     free = _gauge("gpupool_gpu_free", "GPUs free on healthy cards of schedulable nodes, by card model and data "
                   "center", ["gpu_model", "datacenter"])
     nodes = _gauge("gpupool_nodes", "Nodes by state (ready, cordoned, draining, down, not-admitted, no-inventory, "
-                   "removed)",
-                   ["state"])
+                   "removed)", ["state"])
     cards = _gauge("gpupool_cards", "Cards by health", ["health"])
     node_st = _gauge("gpupool_node_state", "1 for each node, labelled with its state (ready, cordoned, draining, "
                      "down, not-admitted, no-inventory, removed): the node a `down` alert names", ["node", "state"])
-    card_ok = _gauge("gpupool_card_healthy", "1 for a card in service, 0 for one out of service (a fatal XID, "
-                     "uncorrected ECC errors, lost from the node's inventory), by node, card and card model",
+    card_ok = _gauge("gpupool_card_healthy", "1 for a card in service, 0 for one out of service (a fatal XID or "
+                     "uncorrected ECC errors, until an operator clears it), by node, card and card model",
                      ["node", "gpu", "gpu_model"])
     totals: dict[tuple[str, str], list[int]] = {}
     states: dict[str, int] = {}
