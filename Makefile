@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test check chaos acceptance install kafka browser podman nginx up down bench clean
+.PHONY: demo test check chaos acceptance install kafka browser podman nginx prometheus up down bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -62,13 +62,27 @@ nginx:
 	else echo "WARNING: no nginx and no apt-get as root: install Debian's nginx-light (or set GPUPOOL_NGINX to an"; \
 	  echo "         nginx binary); the serving router's tests fail without one"; fi
 
-test: kafka browser podman nginx
+# The alerting rules (infra/prometheus/) are unit-tested with promtool, and a live test has Debian's prometheus
+# scrape the worker and a node agent (tests/test_prometheus_live.py). Installed here when missing: with apt-get as
+# root; otherwise this says what to install and those tests fail saying the same.
+prometheus:
+	@if { command -v prometheus && command -v promtool; } >/dev/null 2>&1 || \
+	  { [ -n "$$GPUPOOL_PROMETHEUS" ] && [ -n "$$GPUPOOL_PROMTOOL" ]; }; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	  echo "installing Debian's prometheus for the alerting rules' and the scrape's tests (apt-get)"; \
+	  (apt-get install -y -qq --no-install-recommends prometheus >/dev/null 2>&1 || \
+	   (apt-get update -qq && apt-get install -y -qq --no-install-recommends prometheus >/dev/null)) || \
+	  echo "WARNING: apt-get could not install prometheus; the Prometheus tests will fail (set GPUPOOL_PROMETHEUS)"; \
+	else echo "WARNING: no prometheus/promtool and no apt-get as root: install Debian's prometheus (or set"; \
+	  echo "         GPUPOOL_PROMETHEUS and GPUPOOL_PROMTOOL); the Prometheus tests fail without them"; fi
+
+test: kafka browser podman nginx prometheus
 	$(BIN)/python -m pytest -q -p no:cacheprovider --ignore=tests/acceptance --ignore=tests/test_demo.py -m "not chaos" tests
 
 # the fast target: unit, property and scenario tests, no broker and no browser (tests/conftest.py fails a test that
 # starts either without the `broker` mark); its property tests draw a quarter of their examples (tests/conftest.py).
 # `make test` stays the whole suite, every example; .ci/run calls that.
-check: $(STAMP) podman
+check: $(STAMP) podman prometheus
 	GPUPOOL_CHECK=1 $(BIN)/python -m pytest -q -p no:cacheprovider -n auto --ignore=tests/acceptance --ignore=tests/test_demo.py -m "not chaos and not broker" tests
 
 # the fault tests of docs/reliability.md: a local 3-broker KRaft cluster, two workers, kill -9, a broker down,

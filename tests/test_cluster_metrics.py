@@ -71,3 +71,37 @@ def test_a_removed_node_is_listed_as_removed_and_leaves_the_pools_capacity():
     capacity = {s.labels["gpu_model"]: s.value for f in fleet_families([va, vb]) if f.name.endswith("gpu_capacity")
                 for s in f.samples}
     assert capacity == {"A100-80GB": 2.0}, capacity
+
+
+def test_the_node_and_card_series_an_alert_names_are_per_node_and_per_card():
+    """The alerting rules (infra/prometheus/alerts.yml) name the node that is down and the card out of service:
+    `gpupool_node_state{node,state}` is 1 for each node in its state, `gpupool_card_healthy{node,gpu,gpu_model}` 1
+    or 0 per card; the fleet counts by state include `not-admitted` (a state `node_state` gives)."""
+    from schemas.events import GpuHealth, NodeAdmitted, NodeLiveness
+    from streams.edge.metrics import NODE_STATES, fleet_families
+
+    c = Clock()
+    a = inventory("a", model="A100-80GB", gpus=2)
+    b = inventory("b", model="T4", gpus=1)
+    n = inventory("n", model="T4", gpus=1)
+    va = evolve(evolve(None, c.env(a, "a/inventory")), c.env(NodeLiveness(node="a", alive=True,
+                                                                          last_heartbeat_ms=c.now), "liveness"))
+    va = evolve(va, c.env(GpuHealth(node="a", gpu_uuid=a.gpus[1].uuid, healthy=False, reason="Xid 79"), "a/health"))
+    vb = evolve(evolve(None, c.env(b, "b/inventory")), c.env(NodeLiveness(node="b", alive=True,
+                                                                          last_heartbeat_ms=c.now), "liveness"))
+    vb = evolve(vb, c.env(NodeLiveness(node="b", alive=False, last_heartbeat_ms=c.now + 1), "liveness", dt=10))
+    vn = evolve(evolve(None, c.env(n, "n/inventory")), c.env(NodeLiveness(node="n", alive=True,
+                                                                          last_heartbeat_ms=c.now), "liveness"))
+    vn = evolve(vn, c.env(NodeAdmitted(node="n", admitted=False), "operator"))
+    fams = {f.name: f for f in fleet_families([va, vb, vn])}
+    state = {(s.labels["node"], s.labels["state"]): s.value for s in fams["gpupool_node_state"].samples}
+    assert state == {("a", "ready"): 1, ("b", "down"): 1, ("n", "not-admitted"): 1}, state
+    health = {(s.labels["node"], s.labels["gpu"], s.labels["gpu_model"]): s.value
+              for s in fams["gpupool_card_healthy"].samples}
+    assert health == {("a", a.gpus[0].uuid, "A100-80GB"): 1, ("a", a.gpus[1].uuid, "A100-80GB"): 0,
+                      ("b", b.gpus[0].uuid, "T4"): 1, ("n", n.gpus[0].uuid, "T4"): 1}, health
+    counts = {s.labels["state"]: s.value for s in fams["gpupool_nodes"].samples}
+    assert set(counts) == set(NODE_STATES)
+    assert (counts["ready"], counts["down"], counts["not-admitted"], counts["cordoned"]) == (1, 1, 1, 0), counts
+    cards = {s.labels["health"]: s.value for s in fams["gpupool_cards"].samples}
+    assert cards == {"healthy": 3, "unhealthy": 1}, cards

@@ -19,6 +19,8 @@ from streams.folds.node_view import NodeView
 # Latency buckets in seconds: from a decision within a tick to a wait of an hour.
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900, 3600)
 TIERS = ("inference", "online-training", "offline")
+# every state streams.edge.api.node_state gives (each a gpupool_nodes series, 0 when no node is in it)
+NODE_STATES = ("ready", "cordoned", "draining", "down", "not-admitted", "no-inventory", "removed")
 EARLY_PLACEMENTS = 10_000  # placements held for their request at most (WorkerMetrics._placed_early)
 
 
@@ -192,15 +194,21 @@ def fleet_families(views: list[NodeView]) -> list[GaugeMetricFamily]:
                    "model and data center", ["gpu_model", "datacenter"])
     free = _gauge("gpupool_gpu_free", "GPUs free on healthy cards of schedulable nodes, by card model and data "
                   "center", ["gpu_model", "datacenter"])
-    nodes = _gauge("gpupool_nodes", "Nodes by state (ready, cordoned, draining, down, no-inventory, removed)",
-                   ["state"])
+    nodes = _gauge("gpupool_nodes", "Nodes by state (ready, cordoned, draining, down, not-admitted, no-inventory, "
+                   "removed)", ["state"])
     cards = _gauge("gpupool_cards", "Cards by health", ["health"])
+    node_st = _gauge("gpupool_node_state", "1 for each node, labelled with its state (ready, cordoned, draining, "
+                     "down, not-admitted, no-inventory, removed): the node a `down` alert names", ["node", "state"])
+    card_ok = _gauge("gpupool_card_healthy", "1 for a card in service, 0 for one out of service (a fatal XID or "
+                     "uncorrected ECC errors, until an operator clears it), by node, card and card model",
+                     ["node", "gpu", "gpu_model"])
     totals: dict[tuple[str, str], list[int]] = {}
     states: dict[str, int] = {}
     healthy = unhealthy = 0
     for v in views:
         st = node_state(v)
         states[st] = states.get(st, 0) + 1
+        node_st.add_metric([v.node, st], 1)
         if v.inventory is None or v.removed:
             continue  # a removed node's cards left the pool (cluster_metrics.metrics alike)
         dc = v.inventory.datacenter
@@ -212,15 +220,16 @@ def fleet_families(views: list[NodeView]) -> list[GaugeMetricFamily]:
                 t[2] += c.milli
             healthy += c.healthy
             unhealthy += not c.healthy
+            card_ok.add_metric([v.node, c.uuid, c.model], 1 if c.healthy else 0)
     for (m, dc), (c, a, f) in sorted(totals.items()):
         cap.add_metric([m, dc], c / 1000)
         alloc.add_metric([m, dc], a / 1000)
         free.add_metric([m, dc], f / 1000)
-    for st in ("ready", "cordoned", "draining", "down", "no-inventory", "removed"):
+    for st in NODE_STATES:
         nodes.add_metric([st], states.get(st, 0))
     cards.add_metric(["healthy"], healthy)
     cards.add_metric(["unhealthy"], unhealthy)
-    return [cap, alloc, free, nodes, cards]
+    return [cap, alloc, free, nodes, cards, node_st, card_ok]
 
 
 class _Scraped:
