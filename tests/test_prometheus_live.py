@@ -44,12 +44,16 @@ def pool(tmp_path_factory, broker_mode, libs_home):
         s.faults = home / "faults"  # the agent applies each line appended (`gpupool agent inject`)
         s.faults.write_text("")
         s.start_agent(str(fleet), "--control", str(s.faults))
-        # the token as docs/observability.md makes it: `gpupool user add prom --role auditor --show-token | sed ...`
-        out = subprocess.run([sys.executable, "-m", "agents.cli", "user", "add", "prom", "--role", "auditor",
-                              "--show-token"], capture_output=True, text=True, timeout=120, env={**os.environ, **s.env})
+        # the token as docs/observability.md makes it: `gpupool user add prom --role auditor`, then
+        # `gpupool user token prom > /etc/prometheus/gpupool.token`
+        env = {**os.environ, **s.env}
+        out = subprocess.run([sys.executable, "-m", "agents.cli", "user", "add", "prom", "--role", "auditor"],
+                             capture_output=True, text=True, timeout=120, env=env)
         assert out.returncode == 0, out.stdout + out.stderr
-        s.prom_token = "".join(line.removeprefix("HTTP token: ") for line in out.stdout.splitlines()
-                               if line.startswith("HTTP token: "))
+        out = subprocess.run([sys.executable, "-m", "agents.cli", "user", "token", "prom"], capture_output=True,
+                             text=True, timeout=120, env=env)
+        assert out.returncode == 0, out.stdout + out.stderr
+        s.prom_token = out.stdout.strip()
         assert s.prom_token, out.stdout
         s.tenant_token = s.add_user("alice", "tenant", "acme").token
         quotas(s, "acme", compute=1000)  # one compute unit: one A100
