@@ -35,7 +35,7 @@ def history(n_records: int, nodes: int, snapshot_at: int, seed: int = 7, on_reco
     `on_record(i, env, log_ms, outputs, scheduler)`: called after each record is stepped, instead of keeping the
     envelopes (bench/audit_segments.py streams them to files)."""
     from agents.node import fleet
-    from agents.scheduler.elastic import ElasticScheduler
+    from agents.scheduler.core import ElasticScheduler
     from schemas.envelope import envelope
     from schemas.events import JobCompleted, JobRequested, JobStarted, QuotaSet, SchedulerTick, Tier
 

@@ -18,7 +18,8 @@ import pytest
 
 from agents.node.fleet import make_node
 from agents.scheduler.autoscaler import DailyCurve, Sample, ShareMeter, assess, replicas_for, share_ok
-from agents.scheduler.elastic import ElasticConfig, ElasticScheduler
+from agents.scheduler.core import ElasticScheduler
+from agents.scheduler.elastic import ElasticConfig
 from agents.scheduler.quota import open_ledger
 from schemas.envelope import envelope
 from schemas.events import (

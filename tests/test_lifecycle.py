@@ -5,7 +5,8 @@ placed instead of asking again and again."""
 from __future__ import annotations
 
 from agents.scheduler.core import Scheduler, replay
-from agents.scheduler.elastic import ElasticConfig, ElasticScheduler
+from agents.scheduler.core import ElasticScheduler
+from agents.scheduler.elastic import ElasticConfig
 from agents.scheduler.quota import Ledger, held, open_ledger
 from schemas.events import (
     InferenceLoad, JobCompleted, JobStarted, JobStopped, QuotaSet, SchedulerTick, ServiceDeclared,

@@ -2118,6 +2118,12 @@ _STOPPABLE = frozenset({"placed", "running"})  # states a job may be stopped in 
 _SAME_EPOCH = frozenset({"job.requested", "job.started", "job.checkpointed", "scheduler.tick"})
 
 
+def ElasticScheduler(elastic: ElasticConfig = ElasticConfig(), **kw) -> Scheduler:  # noqa: N802 - the name callers know
+    """The scheduler with the autoscaler component (what the live agent runs): `Scheduler(elastic=..., **kw)`. It
+    lives here, not in elastic.py: core imports elastic, never the other way round."""
+    return Scheduler(elastic=elastic, **kw)
+
+
 def live_config() -> dict:
     """The live scheduler agent's configuration: the autoscaler component, the product's ledger (a tenant without a
     quota gets 0). The audit replays with it, and any replay of the live log must: the same configuration decides

@@ -777,9 +777,3 @@ class Autoscaler:
         """(non-inference milli-GPU x ms, pool milli-GPU x ms) over the last window_ms."""
         return self.share.integral(self.now_ms - self.cfg.window_ms, self.now_ms)
 
-
-def ElasticScheduler(elastic: ElasticConfig = ElasticConfig(), **kw):  # noqa: N802 - the name callers know
-    """The scheduler with the autoscaler component (what the live agent runs): `Scheduler(elastic=..., **kw)`."""
-    from agents.scheduler.core import Scheduler
-
-    return Scheduler(elastic=elastic, **kw)
