@@ -22,7 +22,10 @@ from agents.scheduler.elastic import (
     SERVICE_KINDS, SOURCE as AUTOSCALER, Autoscaler, Backfill, Charge, Emit, LoadSample, Request,
 )
 from agents.scheduler.elastic import ElasticConfig, Resize
-from agents.scheduler.holdings import Holdings, JobRecord, fingerprint, rebuilt
+from agents.scheduler.holdings import (
+    ChargeFreed, ExpireFreed, Holdings, JobRecord, Nominate, Park, RechargeFreed, Reclose, UnchargeFreed, Unpark,
+    UnparkAll, Woke, fingerprint, rebuilt,
+)
 from agents.scheduler.node_index import cards_needed
 from agents.scheduler.placement import DEFAULT_CANDIDATES, MigPlan, Placement, Unschedulable, place
 from agents.scheduler.placement import allowed_models, fit_cards
@@ -123,20 +126,17 @@ class Scheduler:
         self.out_seq = out_seq
         self.arrivals = 0
         self.workload = Workload()
-        # Jobs nominated on nodes (kube-scheduler's nominatedNodeName): what their victims free there is theirs; jobs
-        # of the same or a lower claim do not take it in the meantime (or preemption would thrash).
-        self.nominations: dict[str, JobRecord] = {}
-        # What preemption freed, per node: node -> (the claim it was freed for, until when in log time, for whom).
+        # Jobs nominated on nodes (kube-scheduler's nominatedNodeName, `Holdings.nominations`): what their victims
+        # free there is theirs; jobs of the same or a lower claim do not take it in the meantime (or preemption would
+        # thrash).
+        # What preemption freed, per node (`Holdings.freed_for`): node -> (the claim it was freed for, until when in
+        # log time, for whom).
         # What a plan frees beyond what its job needs stays with that claim while the plan's victims are in their
         # quiet window (from the plan to victim_quiet_ms after its job took its node) and its job waits for or holds
         # it: a job in its own quiet window whose claim is not above it does not take it (`_barred`), so a requeued
         # victim cannot take the leftover and make the next request of that claim stop someone for it -- the chain
         # is charged to its origin (#14 item 2). Other work may take it; once the job that freed it lets go of its
-        # holding (ends, is stopped) it is free capacity like any.
-        self.freed_for: dict[str, tuple[Claim, int, str]] = {}
-        self._charged_by: dict[str, tuple[str, ...]] = {}  # job -> the nodes freed for it (freed_for)
-        self._barred_cache: dict[Claim, frozenset[str]] = {}  # claim -> the nodes barred to quiet jobs of it
-        self._barred_until = -1 << 62  # the cache holds until the first charge in it expires
+        # holding (ends, is stopped) it is free capacity like any. Both change only by `Holdings.apply`.
         # node -> (its view, facts kept while that view object is current): the claim search's (_plan_nodes)
         self._node_memo: dict[str, tuple[node_view.NodeView, dict]] = {}
         self.book = Book()
@@ -149,23 +149,15 @@ class Scheduler:
         self._full_epoch = -1
         self._full_ms = -1 << 62
         self._admit_memo: tuple[int, dict] = (-1, {})  # (ledger version, question -> Ledger.admit's answer)
-        # Parked jobs (kube-scheduler's unschedulable pods, Kueue's inadmissible workloads): a waiting job in its
-        # quiet window (it may stop nobody) whose last attempt no node took stays out of the cycle's queue until
-        # something may give it room (`_wake`); its last reasons stand meanwhile. job -> (the nodes closed to it in
-        # that attempt, its tier); the same jobs by their closed nodes; (quiet window's end, job), a heap.
-        self.parked: dict[str, tuple[frozenset[str], Tier, int]] = {}  # (closed nodes, tier, cycle parked in)
-        self._parked_by: dict[frozenset[str], dict[str, None]] = {}
-        self._parked_of: dict[str, dict[str, None]] = {}  # tenant -> its parked jobs
+        # Parked jobs (kube-scheduler's unschedulable pods, Kueue's inadmissible workloads, `Holdings.parked`): a
+        # waiting job in its quiet window (it may stop nobody) whose last attempt no node took stays out of the
+        # cycle's queue until something may give it room (`_wake`); its last reasons stand meanwhile.
         # a parked job woken in a full cycle is tried at its place in the queue's order at the cycle's start: its
         # standing then is read from its tenant's sums as they were (`_settle` marks their versions, claims.standing_at)
         self._unsettled: set[str] = set()  # tenants with parked jobs whose sums have not moved in this cycle
         self._settled_at: dict[str, dict] = {}  # tenant -> its sums' versions at this cycle's start, once they moved
-        self._park_until: list[tuple[int, str]] = []
-        self._unclosed: set[str] = set()  # nodes that may no longer be closed to a parked job (claims, bars ended)
         self._park_mark = (0, 0)  # (node epoch, quota version) the parked jobs were parked under
         self._flush = False  # the timed full cycle: every parked job is tried again
-        self._claims: tuple[int, frozenset[str]] = (-1, frozenset())  # (nominations' version, their claimed nodes)
-        self._nominations_version = 0
         # Usage accrues while jobs run: on the first tick usage_tick_ms of log time after the last accrual, every
         # running job is billed [accrued_ms, now) (and at its end, the rest), so a bill includes running work.
         self._usage_ms: int | None = None
@@ -184,6 +176,9 @@ class Scheduler:
     running = property(lambda self: self.h.running)
     held_by_tier = property(lambda self: self.h.held_by_tier)
     ended = property(lambda self: self.h.ended)
+    parked = property(lambda self: self.h.parked)
+    nominations = property(lambda self: self.h.nominations)
+    freed_for = property(lambda self: self.h.freed_for)
 
     def state_of(self, job_id: str) -> str | None:
         """A job's state: its record's while it is live, "done" while it is remembered as finished, else None."""
@@ -380,7 +375,7 @@ class Scheduler:
                         data={"pending": self.h.pending_of[p.tenant], "max_pending": self.max_pending}),)), env)
                 else:
                     self.arrivals += 1
-                    self._unpark(p.job_id)  # a forgotten job's id again: an old entry says nothing of it
+                    self.h.apply(Unpark(p.job_id))  # a forgotten job's id again: an old entry says nothing of it
                     rec = JobRecord(request=p, arrival=self.arrivals)
                     self.h.add_job(rec)
                     self.workload.observe(p)
@@ -833,7 +828,7 @@ class Scheduler:
         h = self.h
         i, last = 0, None
         while True:
-            if full and (h.opened or self._unclosed) and self.parked:
+            if full and (h.opened or h.unclosed) and h.parked:
                 # A parked job keeps its place in the queue's order: one that something in this cycle woke (a
                 # nominated job ahead took its node, ending its claim) is tried where a cycle over the whole queue
                 # would try it -- if that place is still ahead (else it is tried in the next cycle, as it would be)
@@ -919,28 +914,8 @@ class Scheduler:
         if not standing and barred != self._barred(rec, True):
             return
         r = rec.request
-        closed = self._claimed_from(rec) | barred
-        self.parked[r.job_id] = (closed, r.tier, self.cycle)
-        self._parked_by.setdefault(closed, {})[r.job_id] = None
-        self._parked_of.setdefault(r.tenant, {})[r.job_id] = None
-        heapq.heappush(self._park_until, (quiet_until(rec.preempted_at, self.preemption), r.job_id))
-
-    def _unpark(self, job_id: str) -> int | None:
-        got = self.parked.pop(job_id, None)
-        if got is not None:
-            same = self._parked_by[got[0]]
-            del same[job_id]
-            if not same:
-                del self._parked_by[got[0]]
-            rec = self.jobs.get(job_id)
-            tenant = rec.request.tenant if rec is not None else next(t for t, js in self._parked_of.items()
-                                                                      if job_id in js)
-            mine = self._parked_of[tenant]
-            del mine[job_id]
-            if not mine:
-                del self._parked_of[tenant]
-            return got[2]
-        return None
+        self.h.apply(Park(r.job_id, r.tenant, self._claimed_from(rec) | barred, r.tier, self.cycle,
+                          quiet_until(rec.preempted_at, self.preemption)))
 
     def _park_places(self) -> None:
         """At a full cycle's start: each parked job's place in the queue's order as it stands now (`_queue_key`) is
@@ -948,12 +923,12 @@ class Scheduler:
         they are -- or, should the cycle have changed them first, as they were at the cycle's start: `_settle`
         marks their versions just before the first change (and keeps the changes since in their logs)."""
         self._end_settled()
-        self._unsettled.update(self._parked_of)
+        self._unsettled.update(self.h.parked_of)
 
     def _settle(self, tenant: str) -> None:
         """Before this cycle first changes `tenant`'s sums: the versions its parked jobs' places are read at."""
         self._unsettled.discard(tenant)
-        if tenant not in self._parked_of:
+        if tenant not in self.h.parked_of:
             return
         at = self._settled_at[tenant] = {}
         for key, s in self.h.sums.items():
@@ -1004,61 +979,51 @@ class Scheduler:
         all; a new request under its id is never parked: `_handle` unparks it.) Returns the jobs woken: job -> the
         cycle it was parked in."""
         h = self.h
-        self._expire_charges()
+        h.apply(ExpireFreed(self.now_ms))
         mark = (self.node_epoch, self.ledger.quota_version)
-        parked = self.parked
+        parked = h.parked
         woken: dict[str, int] = {}
         if parked:
             if self._flush or mark != self._park_mark:
                 woken = {j: p[2] for j, p in parked.items()}
-                for d in (parked, self._parked_by, self._parked_of):
-                    d.clear()
-                self._park_until.clear()
+                h.apply(UnparkAll())
             else:
-                heap = self._park_until
+                heap = h.park_until
                 while heap and heap[0][0] <= self.now_ms:
                     j = heapq.heappop(heap)[1]
-                    got = self._unpark(j)
+                    got = parked.get(j)
                     if got is not None:
-                        woken[j] = got
+                        h.apply(Unpark(j))
+                        woken[j] = got[2]
                 opened = h.opened
                 if opened:
                     claimed = None
-                    for closed in [c for c in self._parked_by if not opened <= c]:
+                    for closed in [c for c in h.parked_by if not opened <= c]:
                         extra = opened - closed
-                        claimed = self._claimed_all() if claimed is None else claimed
+                        claimed = h.claimed_all() if claimed is None else claimed
                         if extra <= claimed:
                             # every node that opened for them is claimed by a nominated job, ahead of every job
                             # not nominated: still closed to them. They stay parked, closed to those nodes too, so
-                            # the claim's end wakes them (`_unclosed`) -- a stop on a node its preemptor claims
+                            # the claim's end wakes them (`unclosed`) -- a stop on a node its preemptor claims
                             # woke every victim parked before the claim, to fail and park again
-                            self._reclose(closed, closed | extra)
+                            h.apply(Reclose(closed, closed | extra))
                             continue
-                        for j in list(self._parked_by[closed]):
-                            woken[j] = self._unpark(j)
-                if self._unclosed:
-                    claimed = self._claimed_all()
-                    for closed in [c for c in self._parked_by if not c.isdisjoint(self._unclosed)]:
-                        left = [n for n in closed & self._unclosed if n not in claimed]
+                        for j in list(h.parked_by[closed]):
+                            woken[j] = parked[j][2]
+                            h.apply(Unpark(j))
+                if h.unclosed:
+                    claimed = h.claimed_all()
+                    for closed in [c for c in h.parked_by if not c.isdisjoint(h.unclosed)]:
+                        left = [n for n in closed & h.unclosed if n not in claimed]
                         tiers = {t for t in Tier if any(not self._barred_at_best(n, t) for n in left)}
                         if tiers:
-                            for j in [j for j in self._parked_by[closed] if parked[j][1] in tiers]:
-                                woken[j] = self._unpark(j)
-        h.opened.clear()
-        self._unclosed.clear()
+                            for j in [j for j in h.parked_by[closed] if parked[j][1] in tiers]:
+                                woken[j] = parked[j][2]
+                                h.apply(Unpark(j))
+        h.apply(Woke())
         self._flush = False
         self._park_mark = mark
         return woken
-
-    def _reclose(self, closed: frozenset[str], wider: frozenset[str]) -> None:
-        """The jobs parked closed to `closed` are closed to `wider` now (a superset): what wakes them follows."""
-        moved = self._parked_by.pop(closed)
-        into = self._parked_by.setdefault(wider, {})
-        parked = self.parked
-        for j in moved:
-            into[j] = None
-            p = parked[j]
-            parked[j] = (wider, p[1], p[2])
 
     def _barred_at_best(self, node: str, tier: Tier) -> bool:
         """Whether `node` is barred to quiet jobs of this tier even when they stand within quota (`_barred`)."""
@@ -1775,62 +1740,25 @@ class Scheduler:
     def _charge(self, rec: JobRecord, key: Claim) -> None:
         """The nodes `rec` claims (a plan's) are freed for its claim `key` until the quiet window of victims stopped
         now ends (`_recharge` moves it on when it takes its node); a node freed for several keeps the strongest."""
-        self._uncharge(rec)  # a plan made again: what the last one freed is not kept for it
-        until = self.now_ms + self.preemption.victim_quiet_ms
-        for n in rec.claim:
-            old = self.freed_for.get(n)
-            k = old[0] if old is not None and old[1] > self.now_ms and old[0] > key else key
-            self.freed_for[n] = (k, until, rec.request.job_id)
-        self._charged_by[rec.request.job_id] = rec.claim
-        self._barred_cache.clear()
-        self._barred_until = min(self._barred_until, until)
+        self.h.apply(ChargeFreed(rec.request.job_id, rec.claim, key, self.now_ms,
+                                 self.now_ms + self.preemption.victim_quiet_ms))
 
     def _recharge(self, rec: JobRecord) -> None:
         """`rec` took its node: its victims have stopped, their quiet windows run to victim_quiet_ms from now, and so
         does what they freed for it."""
-        until = self.now_ms + self.preemption.victim_quiet_ms
-        for n in self._charged_by.get(rec.request.job_id, ()):
-            old = self.freed_for.get(n)
-            if old is not None and old[2] == rec.request.job_id:
-                self.freed_for[n] = (old[0], until, old[2])
+        self.h.apply(RechargeFreed(rec.request.job_id, self.now_ms + self.preemption.victim_quiet_ms))
 
     def _uncharge(self, rec: JobRecord) -> None:
-        nodes = self._charged_by.pop(rec.request.job_id, None)
-        if nodes is None:
-            return
-        for n in nodes:
-            old = self.freed_for.get(n)
-            if old is not None and old[2] == rec.request.job_id:
-                del self.freed_for[n]
-                self._unclosed.add(n)
-        self._barred_cache.clear()
+        self.h.apply(UnchargeFreed(rec.request.job_id))
 
     def _barred(self, rec: JobRecord, standing: bool) -> frozenset[str]:
         """Nodes a job in its quiet window (`standing`: its standing now) may not take from: preemption freed them,
         less than the victims' quiet window ago, for a claim at least as strong as its own (`freed_for`) -- the next
         request of that claim would stop someone else for it (one of equal claim cannot stop it)."""
-        if not self.freed_for:
+        if not self.h.freed_for:
             return frozenset()
-        self._expire_charges()
-        mine = claim(standing, rec.request.tier, rec.reserved)
-        got = self._barred_cache.get(mine)
-        if got is None:
-            got = self._barred_cache[mine] = frozenset(n for n, f in self.freed_for.items() if mine <= f[0])
-        return got
-
-    def _expire_charges(self) -> None:
-        """A charge expired (`_charge`): drop those, and what was worked out from them. Done at the start of every
-        full cycle, so that when a charge goes does not hang on which waiting jobs were tried."""
-        now = self.now_ms
-        if now < self._barred_until or not self.freed_for:
-            return
-        gone = [n for n, f in self.freed_for.items() if f[1] <= now]
-        self._unclosed.update(gone)
-        self.freed_for = {n: f for n, f in self.freed_for.items() if f[1] > now}
-        self._charged_by = {j: ns for j, ns in self._charged_by.items()
-                            if any(self.freed_for.get(n, ("", 0, ""))[2] == j for n in ns)}
-        self._barred_cache.clear()
-        self._barred_until = min((f[1] for f in self.freed_for.values()), default=1 << 62)
+        self.h.apply(ExpireFreed(self.now_ms))
+        return self.h.barred(claim(standing, rec.request.tier, rec.reserved))
 
     def _stop_for(self, out: list[Envelope], cause: Envelope, rec: JobRecord, victims) -> None:
         r = rec.request
@@ -1951,31 +1879,17 @@ class Scheduler:
         return any(self.state_of(v) in ("stopping", "migrating") for v in rec.nominated[1])
 
     def _nominate(self, rec: JobRecord, nominated, claim: tuple[str, ...] = ()) -> None:
-        self._unclosed.update(rec.claim)
-        self._nominations_version += 1
-        rec.nominated, rec.claim = nominated, claim if nominated is not None else ()
-        if nominated is None:
-            self.nominations.pop(rec.request.job_id, None)
-        else:
-            self.nominations[rec.request.job_id] = rec
+        self.h.apply(Nominate(rec.request.job_id, nominated, claim))
 
     def _claimed_from(self, rec: JobRecord) -> frozenset[str]:
         """Nodes `rec` may not take from: claimed by a nominated job ahead of it in the queue."""
         if not self.nominations:
             return frozenset()
         if rec.nominated is None:  # every nominated job is ahead of one that is not (`_queue_key`)
-            return self._claimed_all()
+            return self.h.claimed_all()
         mine = self._queue_key(rec)
         return frozenset(n for o in self.nominations.values() if o is not rec and self._queue_key(o) < mine
                          for n in o.claim)
-
-    def _claimed_all(self) -> frozenset[str]:
-        """Every node a nominated job claims."""
-        v, got = self._claims
-        if v != self._nominations_version:
-            got = frozenset(n for o in self.nominations.values() for n in o.claim)
-            self._claims = (self._nominations_version, got)
-        return got
 
     def _freed_by_stops(self, rec: JobRecord) -> tuple[str, tuple[str, ...]] | None:
         """A node where `rec` fits once the jobs stopping there are gone and the jobs nominated to it have taken

@@ -25,6 +25,7 @@ import heapq
 from array import array
 from dataclasses import dataclass, field
 from hashlib import blake2b
+from typing import NamedTuple
 
 from agents.scheduler.node_index import NodeIndex
 from agents.scheduler.quota import held
@@ -249,6 +250,78 @@ class Sums:
         return base, tm, tmem
 
 
+# ---------------------------------------------------------------- the scheduler's own changes
+# Besides the commands and facts it folds, the scheduler changes its bookkeeping of waiting jobs -- which are parked,
+# which are nominated on nodes, which nodes preemption freed for whom -- and it does so only by applying one of these
+# typed changes (`Holdings.apply`), so each piece of that bookkeeping has one writer and what is derived from it
+# (`parked_by`, `parked_of`, `nominations`, `freed_by`) is kept in step there: `rebuilt` must reproduce it
+# (tests/test_holdings_waits.py).
+
+class Park(NamedTuple):
+    """A waiting job in its quiet window that no node took leaves the queue (core.Scheduler._park): closed to the
+    nodes `closed` (claimed by a nominated job ahead of it, or barred to it), parked in cycle `cycle`, its quiet
+    window ending at `until` (log time)."""
+    job_id: str
+    tenant: str
+    closed: frozenset
+    tier: Tier
+    cycle: int
+    until: int
+
+
+class Unpark(NamedTuple):
+    """A parked job goes back to the queue (or its id is requested anew); nothing if it is not parked."""
+    job_id: str
+
+
+class UnparkAll(NamedTuple):
+    """Every parked job goes back to the queue (the timed full cycle, a node's facts or a quota changed)."""
+
+
+class Reclose(NamedTuple):
+    """The jobs parked closed to `closed` are closed to `wider` (a superset) from now on."""
+    closed: frozenset
+    wider: frozenset
+
+
+class Woke(NamedTuple):
+    """The scheduler read `opened` and `unclosed` (core.Scheduler._wake): both start afresh."""
+
+
+class Nominate(NamedTuple):
+    """A job is nominated on a node, waiting for `nominated` = (node, victims), the nodes `claim` kept for it; or,
+    `nominated` None, no longer. The nodes it claimed before are no longer closed to parked jobs (`unclosed`)."""
+    job_id: str
+    nominated: tuple | None
+    claim: tuple = ()
+
+
+class ChargeFreed(NamedTuple):
+    """What preemption frees on `nodes` is kept for claim `key` (claims.Claim) until `until`, charged to `job_id`
+    (core.Scheduler._charge): a node already kept for a stronger claim that has not expired keeps that claim."""
+    job_id: str
+    nodes: tuple
+    key: tuple
+    now_ms: int
+    until: int
+
+
+class RechargeFreed(NamedTuple):
+    """`job_id` took its node: what is still kept for it is kept until `until`."""
+    job_id: str
+    until: int
+
+
+class UnchargeFreed(NamedTuple):
+    """`job_id` lets go of what was freed for it: those nodes are free capacity like any (and `unclosed`)."""
+    job_id: str
+
+
+class ExpireFreed(NamedTuple):
+    """The charges whose time is up at `now_ms` go (and their nodes are `unclosed`)."""
+    now_ms: int
+
+
 class Holdings:
     """The scheduler's node views and job records, and everything derived from them; `apply` is the only write."""
 
@@ -287,6 +360,27 @@ class Holdings:
         # may be stopped on a node is kept while its view object and this count stay the same (a job's state can
         # change without its node's view: a move leaves the node it stops on as it is until the stop)
         self.node_jobs: dict[str, int] = {}
+        # Parked jobs (kube-scheduler's unschedulable pods, Kueue's inadmissible workloads): job -> (the nodes closed
+        # to it in its last attempt, its tier, the cycle it was parked in, its tenant); the same jobs by their closed
+        # nodes and by tenant; (quiet window's end, job), a heap whose entries may be stale (`Park`, `Unpark`)
+        self.parked: dict[str, tuple[frozenset[str], Tier, int, str]] = {}
+        self.parked_by: dict[frozenset[str], dict[str, None]] = {}
+        self.parked_of: dict[str, dict[str, None]] = {}
+        self.park_until: list[tuple[int, str]] = []
+        # nodes that may no longer be closed to a parked job (a claim or a charge ended) since the scheduler last
+        # read them (`Woke`)
+        self.unclosed: set[str] = set()
+        # Jobs nominated on nodes (kube-scheduler's nominatedNodeName): job -> its record, exactly the records whose
+        # `nominated` is set (`Nominate` writes both); the version moves on every change (the claimed nodes' memo)
+        self.nominations: dict[str, JobRecord] = {}
+        self.nominations_version = 0
+        self.claims_memo: tuple[int, frozenset[str]] = (-1, frozenset())  # (version, every node a nomination claims)
+        # What preemption freed, per node: node -> (the claim it was kept for, until when in log time, for whom),
+        # and its inverse, job -> the nodes kept for it (`ChargeFreed` .. `ExpireFreed`)
+        self.freed_for: dict[str, tuple[tuple, int, str]] = {}
+        self.freed_by: dict[str, dict[str, None]] = {}
+        self.barred_memo: dict[tuple, frozenset[str]] = {}  # claim -> the nodes kept for it or a stronger one
+        self.barred_until = -1 << 62  # the memo holds until the first charge in it expires (a lower bound)
 
     # ---------------------------------------------------------------- the write path
 
@@ -326,6 +420,8 @@ class Holdings:
             self.stopping.discard(j)
         if state == "done":
             self.done_now.append(rec)
+            if rec.nominated is not None:  # a finished job claims nothing (a reservation's hold ended while nominated)
+                self._nominate(Nominate(j, None))
 
     def checkpointed(self, rec: JobRecord, checkpoint: str, at_ms: int) -> None:
         """A run's checkpoint: what it resumes from, and from when it would lose work if stopped."""
@@ -364,9 +460,14 @@ class Holdings:
                 gone.append((j, t))
         return gone
 
-    def apply(self, env: Envelope, fact_ms: int | None = None) -> None:
-        """Fold one command, node fact or job fact into the holdings and every index. `fact_ms`: a job fact's time
-        as the scheduler takes it (the node's own time, never later than the log's)."""
+    def apply(self, env, fact_ms: int | None = None) -> None:
+        """Fold one command, node fact or job fact (an Envelope) or one of the scheduler's own changes (`Park` ..
+        `ExpireFreed`) into the holdings and every index. `fact_ms`: a job fact's time as the scheduler takes it
+        (the node's own time, never later than the log's)."""
+        own = _OWN.get(type(env))
+        if own is not None:
+            own(self, env)
+            return
         p = env.payload
         match p:
             case NodeInventory() | NodeCordon() | NodeLiveness() | GpuHealth() | NodeRemoved() | NodeAdmitted():
@@ -521,6 +622,122 @@ class Holdings:
         if milli:
             self.train_held[key] = milli
 
+
+    # ---------------------------------------------------------------- the scheduler's own changes (apply's)
+
+    def _park(self, c: Park) -> None:
+        self.parked[c.job_id] = (c.closed, c.tier, c.cycle, c.tenant)
+        self.parked_by.setdefault(c.closed, {})[c.job_id] = None
+        self.parked_of.setdefault(c.tenant, {})[c.job_id] = None
+        heapq.heappush(self.park_until, (c.until, c.job_id))
+
+    def _unpark(self, c: Unpark) -> None:
+        got = self.parked.pop(c.job_id, None)
+        if got is None:
+            return
+        closed, _, _, tenant = got
+        for index, key in ((self.parked_by, closed), (self.parked_of, tenant)):
+            same = index[key]
+            del same[c.job_id]
+            if not same:
+                del index[key]
+
+    def _unpark_all(self, c: UnparkAll) -> None:
+        for d in (self.parked, self.parked_by, self.parked_of):
+            d.clear()
+        self.park_until.clear()
+
+    def _reclose(self, c: Reclose) -> None:
+        moved = self.parked_by.pop(c.closed)
+        into = self.parked_by.setdefault(c.wider, {})
+        parked = self.parked
+        for j in moved:
+            into[j] = None
+            p = parked[j]
+            parked[j] = (c.wider, p[1], p[2], p[3])
+
+    def _woke(self, c: Woke) -> None:
+        self.opened.clear()
+        self.unclosed.clear()
+
+    def _nominate(self, c: Nominate) -> None:
+        rec = self.jobs[c.job_id]
+        self.unclosed.update(rec.claim)
+        self.nominations_version += 1
+        rec.nominated, rec.claim = c.nominated, c.claim if c.nominated is not None else ()
+        if c.nominated is None:
+            self.nominations.pop(c.job_id, None)
+        else:
+            self.nominations[c.job_id] = rec
+
+    def _charge_freed(self, c: ChargeFreed) -> None:
+        self._uncharge_freed(UnchargeFreed(c.job_id))  # a plan made again: what the last one freed is not kept
+        mine = None
+        for n in c.nodes:
+            old = self.freed_for.get(n)
+            k = old[0] if old is not None and old[1] > c.now_ms and old[0] > c.key else c.key
+            if old is not None and old[2] != c.job_id:
+                self._unown(old[2], n)
+            self.freed_for[n] = (k, c.until, c.job_id)
+            if mine is None:
+                mine = self.freed_by.setdefault(c.job_id, {})
+            mine[n] = None
+        self.barred_memo.clear()
+        self.barred_until = min(self.barred_until, c.until)
+
+    def _unown(self, job_id: str, node: str) -> None:
+        nodes = self.freed_by[job_id]
+        del nodes[node]
+        if not nodes:
+            del self.freed_by[job_id]
+
+    def _recharge_freed(self, c: RechargeFreed) -> None:
+        for n in self.freed_by.get(c.job_id, ()):
+            old = self.freed_for[n]
+            self.freed_for[n] = (old[0], c.until, old[2])
+
+    def _uncharge_freed(self, c: UnchargeFreed) -> None:
+        nodes = self.freed_by.pop(c.job_id, None)
+        if nodes is None:
+            return
+        for n in nodes:
+            del self.freed_for[n]
+            self.unclosed.add(n)
+        self.barred_memo.clear()
+
+    def _expire_freed(self, c: ExpireFreed) -> None:
+        now = c.now_ms
+        if now < self.barred_until or not self.freed_for:
+            return
+        for n, f in list(self.freed_for.items()):
+            if f[1] <= now:
+                self.unclosed.add(n)
+                del self.freed_for[n]
+                self._unown(f[2], n)
+        self.barred_memo.clear()
+        self.barred_until = min((f[1] for f in self.freed_for.values()), default=1 << 62)
+
+    def barred(self, mine: tuple) -> frozenset[str]:
+        """The nodes kept for a claim at least as strong as `mine` (charges expired first: `ExpireFreed`)."""
+        got = self.barred_memo.get(mine)
+        if got is None:
+            got = self.barred_memo[mine] = frozenset(n for n, f in self.freed_for.items() if mine <= f[0])
+        return got
+
+    def claimed_all(self) -> frozenset[str]:
+        """Every node a nominated job claims."""
+        v, got = self.claims_memo
+        if v != self.nominations_version:
+            got = frozenset(n for o in self.nominations.values() for n in o.claim)
+            self.claims_memo = (self.nominations_version, got)
+        return got
+
+    def waits_state(self) -> tuple:
+        """What `rebuilt` must reproduce of the scheduler's own bookkeeping (for the tests)."""
+        return ({k: dict(v) for k, v in self.parked_by.items()}, {k: dict(v) for k, v in self.parked_of.items()},
+                {j: r.request.job_id for j, r in self.nominations.items()},
+                {j: dict(ns) for j, ns in self.freed_by.items()})
+
     # ---------------------------------------------------------------- reading
 
     @property
@@ -552,10 +769,30 @@ class Holdings:
                 {k: dict(v) for k, v in self.index.buckets.items() if v})
 
 
-def rebuilt(nodes: dict[str, node_view.NodeView], jobs: dict[str, JobRecord]) -> Holdings:
-    """The derived state read afresh from the node views and the job records (what `apply` must have kept)."""
+
+_OWN = {
+    Park: Holdings._park, Unpark: Holdings._unpark, UnparkAll: Holdings._unpark_all, Reclose: Holdings._reclose,
+    Woke: Holdings._woke, Nominate: Holdings._nominate, ChargeFreed: Holdings._charge_freed,
+    RechargeFreed: Holdings._recharge_freed, UnchargeFreed: Holdings._uncharge_freed,
+    ExpireFreed: Holdings._expire_freed,
+}
+
+def rebuilt(nodes: dict[str, node_view.NodeView], jobs: dict[str, JobRecord], parked: dict | None = None,
+            freed_for: dict | None = None) -> Holdings:
+    """The derived state read afresh from the node views and the job records (what `apply` must have kept), and of
+    the scheduler's bookkeeping from its facts: the parked jobs (`Holdings.parked`), the nominations (the records'
+    `nominated`) and what preemption freed for whom (`Holdings.freed_for`)."""
     h = Holdings()
     h.nodes, h.jobs = dict(nodes), jobs
+    for j, (closed, tier, cycle, tenant) in (parked or {}).items():
+        h.parked[j] = (closed, tier, cycle, tenant)
+        h.parked_by.setdefault(closed, {})[j] = None
+        h.parked_of.setdefault(tenant, {})[j] = None
+    for n, f in (freed_for or {}).items():
+        h.freed_for[n] = f
+        h.freed_by.setdefault(f[2], {})[n] = None
+    h.barred_until = min((f[1] for f in h.freed_for.values()), default=1 << 62)
+    h.nominations = {j: rec for j, rec in jobs.items() if rec.nominated is not None}
     for name, view in nodes.items():
         h.index.update(view)
         cap = pool_milli(view)
