@@ -78,3 +78,42 @@ def test_the_cycle_check_finds_a_planted_cycle(tmp_path):
     assert ("core", True) in g["elastic"]
     got = cycle(g)
     assert got is not None and "core" in got and "elastic" in got
+
+
+def _record_writes(path: Path) -> list[tuple[int, str]]:
+    """(line, field) of every assignment to a JobRecord field of something other than `self` in one module, and
+    of every dataclasses.replace call (a record rebuilt with changes)."""
+    from dataclasses import fields
+
+    from agents.scheduler.holdings import JobRecord
+
+    names = {f.name for f in fields(JobRecord)}
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        targets = node.targets if isinstance(node, ast.Assign) else \
+            [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+        for t in targets:
+            for e in t.elts if isinstance(t, ast.Tuple) else [t]:
+                if isinstance(e, ast.Attribute) and e.attr in names and \
+                        not (isinstance(e.value, ast.Name) and e.value.id == "self"):
+                    out.append((e.lineno, e.attr))
+                if isinstance(e, ast.Subscript) and isinstance(e.value, ast.Attribute) and e.value.attr == "commands":
+                    out.append((e.lineno, "commands[]"))
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "replace" and \
+                node.args and isinstance(node.args[0], ast.Name) and node.args[0].id in ("rec", "record", "o"):
+            out.append((node.lineno, "replace"))
+    return out
+
+
+def test_job_records_change_only_in_holdings():
+    """#34 item 2: a JobRecord changes in one place -- Holdings (`apply`, `set_phase`, `note`, `commanded`,
+    `checkpointed`, the `Nominate` change); the policy and its helpers never assign a record's field."""
+    found = {p.name: w for p in sorted(PKG.glob("*.py")) if p.name != "holdings.py" for w in [_record_writes(p)] if w}
+    assert found == {}
+
+
+def test_the_record_write_check_finds_a_planted_write(tmp_path):
+    p = tmp_path / "policy.py"
+    p.write_text("def f(rec, s):\n    rec.failures += 1\n    s.jobs['j'].phase = 'done'\n"
+                 "    rec.commands['c1'] = 1\n    a, rec.node = 1, 'n'\n")
+    assert sorted(_record_writes(p)) == [(2, "failures"), (3, "phase"), (4, "commands[]"), (5, "node")]

@@ -226,7 +226,7 @@ def _places_as_at_the_cycles_start(fleet, quota, reqs):
     def places(self):
         self.h.scheduler_under_test = self
         self.ref_keys = {j: self._queue_key(self.jobs[j]) for j in self.parked
-                         if j in self.jobs and self.jobs[j].state == "pending"}
+                         if j in self.jobs and self.jobs[j].phase == "pending"}
         real_places(self)
 
     def woken(self):

@@ -48,6 +48,7 @@ from schemas.events import (
 )
 from streams.core import node_view
 from streams.core.exits import backoff_ms, failure_text
+from streams.core.job_view import failure_ends
 from streams.core.gateway import SOURCE_PREFIX as GATEWAY_PREFIX
 
 SOURCE = "scheduler"
@@ -180,11 +181,13 @@ class Scheduler:
     nominations = property(lambda self: self.h.nominations)
     freed_for = property(lambda self: self.h.freed_for)
 
-    def state_of(self, job_id: str) -> str | None:
-        """A job's state: its record's while it is live, "done" while it is remembered as finished, else None."""
+    def phase_of(self, job_id: str) -> str | None:
+        """A job's phase in the scheduler's bookkeeping (holdings.PHASES, not the job's state as users see it:
+        streams/core/job_view.py decides that): its record's while it is live, "done" while it is remembered as
+        finished, else None."""
         rec = self.jobs.get(job_id)
         if rec is not None:
-            return rec.state
+            return rec.phase
         return "done" if job_id in self.h.ended else None
 
     # ---------------------------------------------------------------- emitting
@@ -204,7 +207,7 @@ class Scheduler:
 
     def _command(self, out: list[Envelope], payload, cause: Envelope) -> None:
         """Emit a command about one run of a job, and remember which run (its attempt) it concerns."""
-        self.jobs[payload.job_id].commands[payload.command_id] = payload.attempt
+        self.h.commanded(self.jobs[payload.job_id], payload.command_id, payload.attempt)
         self._emit(out, payload, cause)
 
     # ---------------------------------------------------------------- input
@@ -242,7 +245,7 @@ class Scheduler:
         h = self.h
         for rec in h.done_now:
             j = rec.request.job_id
-            if h.jobs.get(j) is rec and rec.state == "done":
+            if h.jobs.get(j) is rec and rec.phase == "done":
                 self.unsure.pop(j, None)
                 h.bury(rec, None if self.retain_ms is None else max(self.now_ms, rec.said_ms) + self.retain_ms)
         h.done_now.clear()
@@ -273,14 +276,14 @@ class Scheduler:
         own = own_source(env.source, j)
         rec = self.jobs.get(j)
         if rec is not None:
-            rec.said_ms = max(rec.said_ms, t)
+            self.h.note(rec, said_ms=max(rec.said_ms, t))
             if own and env.source not in rec.sources:
-                rec.sources += (env.source,)
+                self.h.note(rec, sources=rec.sources + (env.source,))
             return
         e = self.h.ended.get(j)
         if e is not None:
-            if own and env.source not in e.sources:
-                e.sources += (env.source,)
+            if own:
+                self.h.ended_source(j, env.source)
             if self.retain_ms is not None:
                 self.h.keep_until(j, t + self.retain_ms)
         elif own and self.retain_ms is not None:  # about a job nobody remembers: its source's entry goes in time too
@@ -394,7 +397,7 @@ class Scheduler:
                     self._ended_report(out, env, p, runs=True)
                 elif self._superseded(out, env, rec, p.node, p.command_id, runs=True):
                     pass
-                elif rec.state in ("placed", "stopping", "migrating") and rec.started_ms < 0 and rec.hold is None \
+                elif rec.phase in ("placed", "stopping", "migrating") and rec.started_ms < 0 and rec.hold is None \
                         and any(part.command_id == p.command_id for part in rec.parts):
                     # billed from its start, also when it was told to stop before the node said it started
                     self.h.apply(env, self._fact_ms(env))
@@ -404,7 +407,7 @@ class Scheduler:
                     self._ended_report(out, env, p, runs=True)
                 elif self._superseded(out, env, rec, p.node, p.command_id, runs=True):
                     pass
-                elif rec.state in ("running", "stopping", "migrating"):
+                elif rec.phase in ("running", "stopping", "migrating"):
                     self.h.checkpointed(rec, p.checkpoint or rec.checkpoint, self._fact_ms(env))
             case JobCompleted() | JobFailed():
                 rec = self.jobs.get(p.job_id)
@@ -414,8 +417,9 @@ class Scheduler:
                 elif not self._superseded(out, env, rec, p.node, p.command_id, runs=False):
                     if isinstance(p, JobCompleted) and not self._gang_complete(rec, p):
                         return  # a part of a gang is done; the others still run (docs/jobs.md, "Gangs")
-                    if isinstance(p, JobFailed) and rec.hold is None and rec.failures < rec.request.retries:
-                        self._retry(out, env, rec, p)  # a retry left: requeued after a back-off
+                    if isinstance(p, JobFailed) and rec.hold is None and \
+                            not failure_ends(rec.failures + 1, rec.request.retries):
+                        self._retry(out, env, rec, p)  # a retry left (job_view's rule): requeued after a back-off
                     else:
                         self._finish(out, env, p.job_id, self._fact_ms(env))
                     self._cycle(out, env)
@@ -470,7 +474,7 @@ class Scheduler:
         """Bill the run from where it was last billed to `end_ms` (default: now), one line per node. Intervals
         follow each other: the end never goes back before what a tick already billed, and a tick bills nothing
         twice. The first line of a run is written even when empty (a run that ended where it started)."""
-        if rec.state not in ("running", "stopping", "migrating") or rec.placement is None or rec.started_ms < 0:
+        if rec.phase not in ("running", "stopping", "migrating") or rec.placement is None or rec.started_ms < 0:
             return
         start = rec.accrued_ms
         end = max(self.now_ms if end_ms is None else end_ms, start)
@@ -487,13 +491,13 @@ class Scheduler:
                 datacenter=inv.datacenter if inv else "", start_ms=start, end_ms=end, gpu_milli=milli,
                 gpu_milli_ms=milli * (end - start), borrowed=pl.borrowed, cu_milli=cu, cu_milli_ms=cu * (end - start),
                 reserved=rec.reserved, attempt=rec.attempt), env)
-        rec.accrued_ms = end
+        self.h.note(rec, accrued_ms=end)
 
     def _release(self, out: list[Envelope], env: Envelope, rec: JobRecord, why: str) -> None:
         """Release every part the run holds (a hold's only in the scheduler's own view: it was never sent), and give
         its quota back."""
         self._uncharge(rec)  # it lets go of what was freed for it
-        rec.completed_parts = ()  # the run's parts that completed (a gang's): the next run starts counting anew
+        self.h.note(rec, completed_parts=())  # the run's parts that completed (a gang's): the next counts anew
         if rec.placement is None:
             return
         if self._unsettled:
@@ -514,12 +518,12 @@ class Scheduler:
 
     def _finish(self, out: list[Envelope], env: Envelope, job_id: str, end_ms: int) -> None:
         rec = self.jobs.get(job_id)
-        if rec is None or rec.state == "done":
+        if rec is None or rec.phase == "done":
             return
         self._uncharge(rec)  # what its victims freed is nobody's in particular now
         self._accrue(out, env, rec, end_ms)
         self._release(out, env, rec, {"job.cancelled": "Cancelled", "job.failed": "Failed"}.get(env.kind, "Completed"))
-        self.h.set_state(rec, "done")
+        self.h.set_phase(rec, "done")
         self.unsure.pop(job_id, None)
         self._nominate(rec, None)
 
@@ -535,7 +539,7 @@ class Scheduler:
         if i is None:
             return True
         if i not in rec.completed_parts:
-            rec.completed_parts = tuple(sorted(rec.completed_parts + (i,)))
+            self.h.note(rec, completed_parts=tuple(sorted(rec.completed_parts + (i,))))
         return len(rec.completed_parts) == len(rec.parts)
 
     def _rendezvous(self, r: JobRequested, master: str) -> tuple[str, int]:
@@ -573,20 +577,19 @@ class Scheduler:
         stop the scheduler asked for to make room is a preemption (it counts towards protection); one for a drain
         or a removal, or the agent's own (shutdown, restart), is an interruption."""
         rec = self.jobs.get(p.job_id)
-        if rec is None or rec.state not in ("placed", "running", "stopping", "migrating"):
+        if rec is None or rec.phase not in ("placed", "running", "stopping", "migrating"):
             return
-        move = rec.migration if rec.state == "migrating" else None
-        preempted = rec.state == "stopping" and not rec.stop_cause
+        move = rec.migration if rec.phase == "migrating" else None
+        preempted = rec.phase == "stopping" and not rec.stop_cause
         self._end_run(out, env, rec, "Stopped", p.checkpoint)
         if move is not None:
             # moved, not preempted: it resumes from its checkpoint on the planned node, before anything else
-            rec.migration = None
+            self.h.note(rec, migration=None)
             self._nominate(rec, (move.to_node, ()), (move.to_node,))
         elif preempted:
-            rec.preemptions += 1
-            rec.preempted_at = rec.preempted_at + (self.now_ms,)
+            self.h.note(rec, preemptions=rec.preemptions + 1, preempted_at=rec.preempted_at + (self.now_ms,))
         else:
-            rec.interruptions += 1
+            self.h.note(rec, interruptions=rec.interruptions + 1)
 
     def _end_run(self, out: list[Envelope], env: Envelope, rec: JobRecord, why: str, checkpoint: str) -> None:
         """A run its node ended while the job goes on (stopped after a checkpoint, or failed with a retry left):
@@ -594,8 +597,8 @@ class Scheduler:
         pending again to resume from `checkpoint`, else its last one."""
         self._accrue(out, env, rec, self._fact_ms(env))
         self._release(out, env, rec, why)
-        rec.checkpoint, rec.stop_cause = checkpoint or rec.checkpoint, ""
-        self.h.set_state(rec, "pending")
+        self.h.note(rec, checkpoint=checkpoint or rec.checkpoint, stop_cause="")
+        self.h.set_phase(rec, "pending")
 
     def _retry(self, out: list[Envelope], env: Envelope, rec: JobRecord, p: JobFailed) -> None:
         """A run failed and the job has a retry left (Kubernetes' backoffLimit, Slurm's --requeue): the run ends as a
@@ -604,11 +607,9 @@ class Scheduler:
         resuming from its last checkpoint. Its reason says which run failed, why, and when it is tried again; a
         move under way is called off (the job no longer runs to be moved)."""
         self._end_run(out, env, rec, "Failed", "")
-        rec.migration = None
         self._nominate(rec, None)
-        rec.failures += 1
-        wait = backoff_ms(rec.failures)
-        rec.retry_at = self.now_ms + wait
+        wait = backoff_ms(rec.failures + 1)
+        self.h.note(rec, migration=None, failures=rec.failures + 1, retry_at=self.now_ms + wait)
         heapq.heappush(self._backoff, (rec.retry_at, rec.request.job_id))
         runs, why = rec.request.retries + 1, failure_text(p.code, p.reason, p.exit_code, p.signal)
         data: dict[str, int | str] = {"failures": rec.failures, "retries": rec.request.retries, "attempt": rec.attempt,
@@ -629,7 +630,7 @@ class Scheduler:
         while heap and heap[0][0] <= self.now_ms:
             at, j = heapq.heappop(heap)
             rec = self.jobs.get(j)
-            if rec is not None and rec.state == "pending" and rec.retry_at == at:
+            if rec is not None and rec.phase == "pending" and rec.retry_at == at:
                 self.epoch += 1
 
     def _superseded(self, out: list[Envelope], env: Envelope, rec: JobRecord, node: str, command_id: str | None,
@@ -642,11 +643,11 @@ class Scheduler:
         attempt = rec.commands.get(command_id) if command_id else None
         if attempt is None:
             return False
-        if attempt == rec.attempt and rec.placement is not None and rec.state in (
+        if attempt == rec.attempt and rec.placement is not None and rec.phase in (
                 "placed", "running", "stopping", "migrating"):
             return False
         if runs and node:
-            self._stop_superseded(out, env, rec.request.job_id, node, attempt, rec.attempt, rec.state)
+            self._stop_superseded(out, env, rec.request.job_id, node, attempt, rec.attempt, rec.phase)
         return True
 
     def _stop_superseded(self, out: list[Envelope], env: Envelope, job_id: str, node: str, attempt: int,
@@ -709,7 +710,7 @@ class Scheduler:
         out = []
         for j, h in view.allocations.items():
             rec = self.jobs.get(j)
-            if rec is None or rec.state not in ("placed", "running", "stopping", "migrating"):
+            if rec is None or rec.phase not in ("placed", "running", "stopping", "migrating"):
                 continue
             if cards is None or any(a.gpu_uuid in cards for a in h.slices):
                 out.append(rec)
@@ -732,9 +733,9 @@ class Scheduler:
                                            billed_to_ms=max(billed, 0), checkpoint=rec.checkpoint, reasons=reasons,
                                            commands=tuple(part.command_id for part in rec.parts)), env)
             self._release(out, env, rec, code)
-            rec.stop_cause = ""
-            self.h.set_state(rec, "pending")
-            rec.interruptions += 1
+            self.h.note(rec, stop_cause="")
+            self.h.set_phase(rec, "pending")
+            self.h.note(rec, interruptions=rec.interruptions + 1)
 
     def _move_off(self, out: list[Envelope], env: Envelope, node: str, code: str, why: str) -> None:
         """Checkpoint-and-move every job off the node (a drain, a removal): each is told to checkpoint and stop
@@ -742,7 +743,7 @@ class Scheduler:
         elsewhere; nothing new comes to the node meanwhile (it is cordoned or removed). A reservation's hold is held
         again elsewhere at once."""
         for rec in self._on_node(node):
-            if rec.state == "stopping":
+            if rec.phase == "stopping":
                 continue  # already told to stop
             if rec.hold is not None:
                 self._hold_again(out, env, rec, code)
@@ -757,7 +758,7 @@ class Scheduler:
         """A reservation's hold on a node that failed or leaves: released, and queued to be held elsewhere."""
         self._release(out, env, rec, why)
         rec.hold.status = "queued"
-        self.h.set_state(rec, "pending")
+        self.h.set_phase(rec, "pending")
 
     # ---------------------------------------------------------------- admission against the fleet
 
@@ -779,7 +780,7 @@ class Scheduler:
             self.unsure[rec.request.job_id] = None
             return False
         self.unsure.pop(rec.request.job_id, None)
-        self.h.set_state(rec, "done")
+        self.h.set_phase(rec, "done")
         self._nominate(rec, None)
         self._emit(out, Rejected(job_id=rec.request.job_id, code="unsatisfiable", reasons=(Reason(
             code="Unsatisfiable", plugin="Admission",
@@ -790,7 +791,7 @@ class Scheduler:
     def _judge_pending(self, out: list[Envelope], env: Envelope, job_ids) -> None:
         for j in job_ids:
             rec = self.jobs.get(j)
-            if rec is not None and rec.state == "pending" and rec.hold is None and rec.nominated is None:
+            if rec is not None and rec.phase == "pending" and rec.hold is None and rec.nominated is None:
                 self._judge(out, env, rec)
             else:
                 self.unsure.pop(j, None)
@@ -815,7 +816,7 @@ class Scheduler:
         self._reservation_windows(out, cause)
         full = False
         if only is not None and self.epoch == self._full_epoch:
-            queue = [(self._queue_key(only), only)] if only.state == "pending" else []
+            queue = [(self._queue_key(only), only)] if only.phase == "pending" else []
         else:
             self._wake()
             self._park_places()
@@ -846,7 +847,7 @@ class Scheduler:
                 node, card = rec.mig_wait
                 if card in self.nodes[node].mig_pending and self.nodes[node].schedulable:
                     continue  # the card is being carved for it; nothing new to say
-                rec.mig_wait = None
+                self.h.note(rec, mig_wait=None)
             quota = self._admit(rec)
             if quota.blocked:
                 self._unnominate_blocked(rec)
@@ -874,7 +875,7 @@ class Scheduler:
                 result = place(self.index, self.nodes, r, self.workload, self.candidates,
                                prefer=rec.nominated[0] if rec.nominated else None, exclude=exclude, barred=barred)
                 if rec.nominated is None and isinstance(result, Unschedulable):
-                    rec.miss_memo = (self.h.view_seq, exclude | barred, self.node_epoch, result.seen)
+                    self.h.note(rec, miss_memo=(self.h.view_seq, exclude | barred, self.node_epoch, result.seen))
             if isinstance(result, MigPlan):
                 self._reconfigure(out, cause, rec, result)
                 continue
@@ -965,7 +966,7 @@ class Scheduler:
         out = []
         for j, cycle in self._wake().items():
             rec = self.jobs.get(j)
-            if cycle != self.cycle and rec is not None and rec.state == "pending":
+            if cycle != self.cycle and rec is not None and rec.phase == "pending":
                 out.append((self._parked_key(rec), rec))
         return out
 
@@ -1075,7 +1076,7 @@ class Scheduler:
         if not m[1] <= closed or self.h.views_changed_since(m[0], closed):
             return None
         self.workload.fleet(self.index)  # as `place` would have (a no-op while the hosts stand still)
-        rec.miss_memo = (self.h.view_seq, closed, m[2], m[3])
+        self.h.note(rec, miss_memo=(self.h.view_seq, closed, m[2], m[3]))
         r = rec.request
         return Unschedulable(explain=lambda never: place(self.index, self.nodes, r, self.workload, self.candidates,
                                                          exclude=exclude, barred=barred).reasons_for(never),
@@ -1118,7 +1119,7 @@ class Scheduler:
         mine = None
         kept: dict | None = None
         for o in self.nominations.values():
-            if o is rec or o.request.tenant != t or o.state != "pending" or o.reserved or o.hold is not None \
+            if o is rec or o.request.tenant != t or o.phase != "pending" or o.reserved or o.hold is not None \
                     or o.nominated is None or not o.nominated[1]:
                 continue
             if not self._victims_stopping(o):
@@ -1146,7 +1147,7 @@ class Scheduler:
               holding: tuple[int, int]) -> None:
         r = rec.request
         if rec.hold is None:
-            rec.attempt += 1
+            self.h.note(rec, attempt=rec.attempt + 1)
         gang = len(result.parts)
         nodes = tuple(p.node for p in result.parts) if gang > 1 else ()
         # a program's parts meet at rank 0's node (a stand-in without a program needs no rendezvous)
@@ -1197,7 +1198,7 @@ class Scheduler:
         for b in self.book.closing(self.now_ms):
             self._end_hold(out, cause, b, "expired", (Reason(code="WindowPassed", plugin="Reservation"),))
         for b in self.book.opening(self.now_ms):
-            if b.hold_id not in self.jobs or self.jobs[b.hold_id].state == "done":
+            if b.hold_id not in self.jobs or self.jobs[b.hold_id].phase == "done":
                 self.arrivals += 1
                 self.h.add_job(JobRecord(request=b.hold_request(), arrival=self.arrivals, hold=b))
                 b.status = "queued"
@@ -1206,11 +1207,11 @@ class Scheduler:
     def _end_hold(self, out: list[Envelope], cause: Envelope, b: Booking, status: str,
                   reasons: tuple[Reason, ...], node: str = "") -> None:
         rec = self.jobs.get(b.hold_id)
-        if rec is not None and rec.state != "done":
+        if rec is not None and rec.phase != "done":
             if rec.placement is not None:
                 node = node or rec.node
                 self._release(out, cause, rec, status)
-            self.h.set_state(rec, "done")
+            self.h.set_phase(rec, "done")
         b.status = status
         self._emit(out, ReservationDecided(reservation_id=b.request.reservation_id, status=status, node=node,
                                            reasons=reasons), cause)
@@ -1221,10 +1222,10 @@ class Scheduler:
         if b is None or b.request.tenant != rec.request.tenant or b.status not in LIVE:
             return
         hold = self.jobs.get(b.hold_id)
-        node = hold.node if hold is not None and hold.state == "placed" else ""
+        node = hold.node if hold is not None and hold.phase == "placed" else ""
         self._end_hold(out, cause, b, "used", (Reason(code="UsedBy", plugin="Reservation",
                                                       data={"job_id": rec.request.job_id}),), node)
-        rec.reserved = True  # the booked capacity is the tenant's own: charged as reserved, billed as such
+        self.h.note(rec, reserved=True)  # the booked capacity is the tenant's own: charged as reserved, billed as such
         if node:
             self._nominate(rec, (node, ()), (node,))
 
@@ -1235,7 +1236,7 @@ class Scheduler:
             reasons=(Reason(code="MigCarve", plugin="GpuFit", nodes=(plan.node,),
                             message=f"new {plan.profile} instance in idle slices for {rec.request.job_id}",
                             data={"for_job": rec.request.job_id, "profile": plan.profile}),)), cause)
-        rec.mig_wait = (plan.node, plan.gpu_uuid)
+        self.h.note(rec, mig_wait=(plan.node, plan.gpu_uuid))
         self._pending(out, cause, rec, (Reason(
             code="MigReconfiguring", plugin="GpuFit", nodes=(plan.node,),
             message=f"waiting for {plan.node} to create a {plan.profile} instance"),))
@@ -1266,7 +1267,7 @@ class Scheduler:
     def _victim(self, o, node: str, search, rule: str) -> Victim:
         """`o` as a candidate victim on `node` by this rule (`_rule`): its tier, whether it stands as borrowed, the
         work it would lose."""
-        since = max(o.started_ms, o.checkpoint_ms) if o.state == "running" else self.now_ms
+        since = max(o.started_ms, o.checkpoint_ms) if o.phase == "running" else self.now_ms
         return Victim(o.request.job_id, node, TIER_RANK[o.request.tier],
                       rule == "reclaim" or not search.victim_claim(o, search.mine)[0], max(0, self.now_ms - since),
                       rule)
@@ -1360,7 +1361,7 @@ class Scheduler:
         out = []
         for j, below in self._judged_on(view, search, key):
             other = jobs[j]
-            if other.state not in _STOPPABLE or other.placement is None:
+            if other.phase not in _STOPPABLE or other.placement is None:
                 continue
             if other.preempted_at and protected(other.preempted_at, now, cfg):
                 continue  # what `_rule` asks first
@@ -1636,7 +1637,7 @@ class Scheduler:
                               (o.request.tenant, o.request.project, o.group)) for o, rule in pairs)
                 # since when each would lose work if stopped (a start, a checkpoint and a state change each move
                 # the node's count, Holdings.node_jobs, and so the pairs kept): NO_LOSS while it does not run
-                sinces = tuple(max(o.started_ms, o.checkpoint_ms) if o.state == "running" else _NO_LOSS
+                sinces = tuple(max(o.started_ms, o.checkpoint_ms) if o.phase == "running" else _NO_LOSS
                                for _, o, _, _, _ in rows)
                 accounts: dict[tuple, list[int]] = {}
                 for _, o, _, rule, k in rows:
@@ -1734,7 +1735,7 @@ class Scheduler:
                      message=f"stopped for another job at {rec.preempted_at[-1]} ms: it preempts nothing until "
                              f"{until} ms, and meanwhile takes free capacity that preemption did not free for "
                              f"stronger work")
-        rec.quiet_memo = (rec.preempted_at, until, why)
+        self.h.note(rec, quiet_memo=(rec.preempted_at, until, why))
         return why if self.now_ms < until else None
 
     def _charge(self, rec: JobRecord, key: Claim) -> None:
@@ -1775,7 +1776,7 @@ class Scheduler:
         that account's weaker work (claims.py: its own borrowed or lower-tier jobs) until the quota admits it --
         the same claim order as everywhere, inside one tenant: a tenant's inference service displaces its own
         training. True when it waits on such stops (under way, or started now)."""
-        if rec.nominated is not None and any(self.state_of(v) == "stopping" for v in rec.nominated[1]):
+        if rec.nominated is not None and any(self.phase_of(v) == "stopping" for v in rec.nominated[1]):
             return True
         codes = {q.code for q in quota.reasons}
         if not codes & {"QuotaExceeded", "ProjectQuotaExceeded"}:
@@ -1790,7 +1791,7 @@ class Scheduler:
         need, mem = holding if holding else (None, None)
         cands = []
         for o in (self.jobs[j] for j in self._account_holders(r.tenant)):
-            if o is rec or o.state not in ("placed", "running") or o.placement is None or o.hold is not None:
+            if o is rec or o.phase not in ("placed", "running") or o.placement is None or o.hold is not None:
                 continue
             if project and o.request.project != r.project:
                 continue
@@ -1876,7 +1877,7 @@ class Scheduler:
 
     def _victims_stopping(self, rec: JobRecord) -> bool:
         """Whether any victim the nominated job `rec` waits for is still stopping (or moving)."""
-        return any(self.state_of(v) in ("stopping", "migrating") for v in rec.nominated[1])
+        return any(self.phase_of(v) in ("stopping", "migrating") for v in rec.nominated[1])
 
     def _nominate(self, rec: JobRecord, nominated, claim: tuple[str, ...] = ()) -> None:
         self.h.apply(Nominate(rec.request.job_id, nominated, claim))
@@ -1902,7 +1903,7 @@ class Scheduler:
                 stopping.setdefault(part.node, []).append(j)
         claims: dict[str, list[JobRecord]] = {}
         for o in self.nominations.values():
-            if o.nominated is not None and o.state == "pending" and o is not rec:
+            if o.nominated is not None and o.phase == "pending" and o is not rec:
                 claims.setdefault(o.nominated[0], []).append(o)
         for node in sorted(stopping):
             if node not in claims:  # nobody else waits for this node: arithmetic, no scratch view
@@ -1934,16 +1935,16 @@ class Scheduler:
         # what would free capacity is counted on cards its quota could admit it on
         reasons = result.reasons_for(self._never_admitted_on(rec))
         self._pending(out, cause, rec, reasons + ((quiet,) if quiet is not None else ()))
-        rec.pending_seen = seen
+        self.h.note(rec, pending_seen=seen)
 
     def _pending(self, out: list[Envelope], cause: Envelope, rec: JobRecord, reasons: tuple[Reason, ...]) -> None:
-        rec.pending_seen = None  # told something else than an unplaced attempt's reasons (_unplaced)
+        self.h.note(rec, pending_seen=None)  # told something else than an unplaced attempt's reasons (_unplaced)
         # a quota's reason is said again when the cap that blocks it moves (an operator's change is seen to take),
         # not when what is used moves
         codes = tuple(f"{r.plugin}:{r.code}" if r.plugin != "Quota" or "cap_milli" not in r.data
                       else f"{r.plugin}:{r.code}:{r.data['cap_milli']}" for r in reasons)
         if codes != rec.pending_codes:  # say it once per change, not every cycle
-            rec.pending_codes = codes
+            self.h.note(rec, pending_codes=codes)
             self._emit(out, JobPending(job_id=rec.request.job_id, reasons=reasons), cause)
 
     def card_model(self, node: str, gpu_uuid: str) -> str:

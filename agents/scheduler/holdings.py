@@ -11,7 +11,7 @@ there, nowhere else:
 - the victim index (which nodes hold work of which claim: `victims.py`);
 - per tier, how many jobs hold capacity; per tenant and project, what the holders of each claim group hold (the
   claim order's standings, `claims.py`);
-- which jobs are pending, placed, running, stopping (`set_state` is the one writer of a record's state: `apply`
+- which jobs are pending, placed, running, stopping (`set_phase` is the one writer of a record's phase: `apply`
   moves a job to placed, running and stopping, the scheduler's policy moves it back to pending or to done);
 - the training share's tally: milli-GPU held by non-inference work and the pool's milli-GPU (docs/elastic.md).
 
@@ -37,7 +37,13 @@ from schemas.events import (
 )
 from streams.core import node_view
 
-HOLDING = ("placed", "running", "stopping", "migrating")  # states in which a job holds capacity on its nodes
+# A job record's phase: the scheduler's own bookkeeping of where a job is in its placement -- waiting in the queue,
+# placed (told to start), running (its node said it started), told to stop or to move, done (nothing more is billed,
+# released or charged for it). It is not the job's state as users see it (completed, failed, cancelled, ...): that
+# is decided by streams/core/job_view.py alone, from the job's events, and the scheduler asks job_view's rules where
+# it needs one (`job_view.failure_ends`: whether a failed run ends the job).
+PHASES = ("pending", "placed", "running", "stopping", "migrating", "done")
+HOLDING = ("placed", "running", "stopping", "migrating")  # phases in which a job holds capacity on its nodes
 VIEW_LOG = 8192  # node view changes kept in Holdings.view_log
 MOVES_WINDOW_MS = 3600_000  # defrag.HOUR_MS: the window of the disruption budget
 SUMS_LOG = 32  # latest changes a Sums keeps (Sums.log): a standing older than those is worked out again
@@ -56,7 +62,9 @@ def group(tier: Tier, reserved: bool) -> int:
 class JobRecord:
     request: JobRequested
     arrival: int
-    state: str = "pending"  # pending | placed | running | stopping | migrating | done (set_state writes it)
+    # where the scheduler's placement bookkeeping has the job (PHASES; `Holdings.set_phase` writes it): not the job's
+    # state as users see it, which streams/core/job_view.py alone decides from the job's events
+    phase: str = "pending"
     node: str = ""
     placement: PlaceJob | None = None  # the first part (the only one unless a gang spans nodes)
     parts: tuple[PlaceJob, ...] = ()
@@ -96,6 +104,14 @@ class JobRecord:
     @property
     def group(self) -> int:
         return group(self.request.tier, self.reserved or self.hold is not None)
+
+
+# the JobRecord fields the policy writes through `Holdings.note` (the others: `apply`, `set_phase`, `Nominate`)
+NOTED = frozenset({
+    "said_ms", "sources", "accrued_ms", "completed_parts", "migration", "preemptions", "preempted_at", "interruptions",
+    "checkpoint", "stop_cause", "failures", "retry_at", "mig_wait", "miss_memo", "attempt", "reserved", "quiet_memo",
+    "pending_seen", "pending_codes", "standing_memo",
+})
 
 
 @dataclass(slots=True)
@@ -331,7 +347,7 @@ class Holdings:
         self.index = NodeIndex()
         self.victims = VictimIndex()
         self.held_by_tier: dict[int, int] = {}  # tier rank -> jobs holding capacity (holds aside)
-        self.pending: set[str] = set()  # jobs in state "pending": the cycle's queue
+        self.pending: set[str] = set()  # jobs in phase "pending": the cycle's queue
         self.pending_of: dict[str, int] = {}  # tenant -> how many of its jobs are pending (the cap's count)
         self.stopping: set[str] = set()  # jobs told to checkpoint and stop (or move), not yet stopped
         self.migrated: dict[str, list[int]] = {}  # tenant -> when its jobs were told to move (the disruption budget)
@@ -356,8 +372,8 @@ class Holdings:
         # refused as stale): (until_ms, source, job id), their dedupe entries dropped then unless the job is known
         self.strays: list[tuple[int, str, str]] = []
         self.done_now: list[JobRecord] = []  # records set to done in the step under way (buried at its end)
-        # node -> how many times the state or placement of a job holding capacity there changed: what is kept of who
-        # may be stopped on a node is kept while its view object and this count stay the same (a job's state can
+        # node -> how many times the phase or placement of a job holding capacity there changed: what is kept of who
+        # may be stopped on a node is kept while its view object and this count stay the same (a job's phase can
         # change without its node's view: a move leaves the node it stops on as it is until the stop)
         self.node_jobs: dict[str, int] = {}
         # Parked jobs (kube-scheduler's unschedulable pods, Kueue's inadmissible workloads): job -> (the nodes closed
@@ -391,7 +407,7 @@ class Holdings:
         if t is not None:
             rec.commands, rec.sources = dict(t.commands), t.sources
         self.jobs[rec.request.job_id] = rec
-        rec.state = "pending"
+        rec.phase = "pending"
         self._pending(rec, True)
 
     def _pending(self, rec: JobRecord, pending: bool) -> None:
@@ -408,10 +424,10 @@ class Holdings:
             else:
                 del self.pending_of[tenant]
 
-    def set_state(self, rec: JobRecord, state: str) -> None:
-        """The one writer of a record's state; keeps the pending and stopping sets."""
+    def set_phase(self, rec: JobRecord, phase: str) -> None:
+        """The one writer of a record's phase; keeps the pending and stopping sets."""
         j = rec.request.job_id
-        rec.state = state
+        state = rec.phase = phase
         self._moved(rec)
         self._pending(rec, state == "pending")
         if state in ("stopping", "migrating"):
@@ -422,6 +438,21 @@ class Holdings:
             self.done_now.append(rec)
             if rec.nominated is not None:  # a finished job claims nothing (a reservation's hold ended while nominated)
                 self._nominate(Nominate(j, None))
+
+    def note(self, rec: JobRecord, **fields) -> None:
+        """The policy's writes to a job record's own bookkeeping: its counts (attempt, failures, preemptions,
+        interruptions), back-off, checkpoint and stop cause, what it waits for (a MIG carve), what it was told
+        (pending_codes, pending_seen), billing (accrued_ms), whether it is reserved, and the memos kept on it. Every
+        JobRecord field written outside `apply` is written here, `set_phase`, `checkpointed` or by `Nominate`:
+        `NOTED` names the fields; the phase, the placement and the nomination have their own writers."""
+        for k, v in fields.items():
+            if k not in NOTED:
+                raise AttributeError(f"JobRecord.{k} is not written by Holdings.note")
+            setattr(rec, k, v)
+
+    def commanded(self, rec: JobRecord, command_id: str, attempt: int) -> None:
+        """A command about one run of the job was sent: which run (attempt) it concerns."""
+        rec.commands[command_id] = attempt
 
     def checkpointed(self, rec: JobRecord, checkpoint: str, at_ms: int) -> None:
         """A run's checkpoint: what it resumes from, and from when it would lose work if stopped."""
@@ -440,6 +471,12 @@ class Holdings:
         self.ended[j] = Ended(fingerprint(rec.request), rec.attempt, rec.commands, rec.sources, until_ms)
         if until_ms is not None:
             heapq.heappush(self.expiry, (until_ms, j))
+
+    def ended_source(self, job_id: str, source: str) -> None:
+        """One of a finished job's own sources spoke of it: its dedupe entry goes when the job is forgotten."""
+        t = self.ended[job_id]
+        if source not in t.sources:
+            t.sources += (source,)
 
     def keep_until(self, job_id: str, until_ms: int) -> None:
         """A record about a finished job arrived: it is kept until `until_ms` at least."""
@@ -482,10 +519,10 @@ class Holdings:
             case PreemptJob():
                 self._fold(p.node, env)
                 rec = self.jobs.get(p.job_id)
-                if rec is not None and self._current(rec, p.attempt) and rec.state in ("placed", "running"):
+                if rec is not None and self._current(rec, p.attempt) and rec.phase in ("placed", "running"):
                     code = p.reasons[0].code if p.reasons else ""
                     rec.stop_cause = "" if code == "PreemptedFor" else code
-                    self.set_state(rec, "stopping")
+                    self.set_phase(rec, "stopping")
             case ResizeJob():
                 self._fold(p.node, env)
                 rec = self.jobs.get(p.job_id)
@@ -507,7 +544,7 @@ class Holdings:
             case MigrateJob():
                 self._fold(p.to_node, env)  # the target holds the job's cards from now on (streams/core/node_view.py)
                 rec = self.jobs.get(p.job_id)
-                if rec is not None and self._current(rec, p.attempt) and rec.state in ("placed", "running"):
+                if rec is not None and self._current(rec, p.attempt) and rec.phase in ("placed", "running"):
                     rec.migration, rec.stop_cause = p, "Migrate"
                     rec.migrations += 1
                     rec.migrated_at += (env.event_time_ms,)
@@ -517,15 +554,15 @@ class Holdings:
                     # never goes back): older ones never count again
                     while moved[0] <= env.event_time_ms - MOVES_WINDOW_MS:
                         del moved[0]
-                    self.set_state(rec, "migrating")
+                    self.set_phase(rec, "migrating")
             case MigReconfigure():
                 self._fold(p.node, env)
             case JobStarted():
                 rec = self.jobs[p.job_id]
                 rec.started_ms = rec.accrued_ms = env.event_time_ms if fact_ms is None else fact_ms
                 self._moved(rec)  # the work it would lose if stopped counts from here
-                if rec.state == "placed":
-                    self.set_state(rec, "running")
+                if rec.phase == "placed":
+                    self.set_phase(rec, "running")
                 self.running[p.job_id] = None
 
     def _current(self, rec: JobRecord, attempt: int) -> bool:
@@ -563,7 +600,7 @@ class Holdings:
                 rank = TIER_RANK[rec.request.tier]
                 self.held_by_tier[rank] = self.held_by_tier.get(rank, 0) + 1
             rec.pending_codes, rec.pending_seen = (), None
-            self.set_state(rec, "placed")
+            self.set_phase(rec, "placed")
         if rec.hold is None:
             self._train(rec, p.node, sum(a.milli for a in p.assignments))
 
@@ -753,7 +790,7 @@ class Holdings:
         return any(n not in closed for n in self.view_log[seq - self.view_base:])
 
     def holding(self, rec: JobRecord) -> bool:
-        return rec.state in HOLDING and rec.placement is not None
+        return rec.phase in HOLDING and rec.placement is not None
 
     def card_model(self, node: str, gpu_uuid: str) -> str:
         inv = self.nodes[node].inventory
@@ -800,16 +837,16 @@ def rebuilt(nodes: dict[str, node_view.NodeView], jobs: dict[str, JobRecord], pa
         h.cap_milli += cap
     h.victims.sync(h.nodes, jobs)
     for j, rec in jobs.items():
-        if rec.state == "pending":
+        if rec.phase == "pending":
             h._pending(rec, True)
-        if rec.state in ("stopping", "migrating"):
+        if rec.phase in ("stopping", "migrating"):
             h.stopping.add(j)
         if rec.placement is None:
             continue
         if rec.hold is None:
             rank = TIER_RANK[rec.request.tier]
             h.held_by_tier[rank] = h.held_by_tier.get(rank, 0) + 1
-        if rec.state in ("running", "stopping", "migrating") and rec.started_ms >= 0:
+        if rec.phase in ("running", "stopping", "migrating") and rec.started_ms >= 0:
             h.running[j] = None
         for part in rec.parts:
             models = {g.uuid: g.model for g in nodes[part.node].cards()}
