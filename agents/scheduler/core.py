@@ -11,7 +11,7 @@ import bisect
 import functools
 import heapq
 import zlib
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from agents.scheduler.admission import Fleet
 from agents.scheduler import defrag
@@ -78,6 +78,39 @@ def own_source(source: str, job_id: str) -> bool:
     """Whether an input source is the job's own: a node agent's reports about it (NODE/job/JOB) or the gateway's
     records of one principal about it (in/OWNER/JOB: one source per principal and routing key, the job id)."""
     return source.endswith("/job/" + job_id) or (source.startswith(GATEWAY_PREFIX) and source.endswith("/" + job_id))
+
+
+@dataclass(slots=True)
+class Attempt:
+    """What the allocate action found for a job it did not decide: its quota blocked it (`quota`, with `holding`
+    when it was what a placement found that the quota refused), or no node took it (`result`, place's
+    Unschedulable); and, as worked out for it, its quiet window's reason, standing, kind and need (the dominance
+    memo's)."""
+    rec: JobRecord
+    quota: Admission | None = None
+    holding: tuple[int, int] | None = None
+    result: object = None
+    quiet: Reason | None = None
+    standing: bool = False
+    kind: tuple | None = None
+    need: tuple = ()
+
+
+class Statement:
+    """What one cycle emits, committed once (Volcano's and KAI's Statement: the session's operations reach the
+    outside world only at `commit`). Each command is applied to the holdings as it is made -- the cycle's later
+    jobs see it, as a Statement's operations change the session at once -- and the envelopes wait in `out` until
+    `commit` hands them, in order, to the step's outputs."""
+    __slots__ = ("out", "cause", "_into")
+
+    def __init__(self, into: list[Envelope], cause: Envelope):
+        self.out: list[Envelope] = []
+        self.cause = cause
+        self._into = into
+
+    def commit(self) -> None:
+        self._into.extend(self.out)
+        self.out = []
 
 
 class Scheduler:
@@ -812,19 +845,15 @@ class Scheduler:
                 0 if r.reserved else 1, 0 if r.preemptions or r.interruptions else 1, r.arrival)
 
     def _cycle(self, out: list[Envelope], cause: Envelope, only: JobRecord | None = None) -> None:
+        """One scheduling cycle, a session in the manner of Volcano's and KAI's (docs/scheduler.md, "A cycle"): the
+        queue's order is taken once at its start (`_open`); each job in it goes through the actions in their fixed
+        order -- allocate, defragment, reclaim, preempt (`ACTIONS`) -- until one decides it, and a job none decides
+        is left waiting, its reasons said (`_leave_waiting`). Everything the cycle emits goes into one `Statement`,
+        which is committed once, at the end, to the step's outputs."""
         self.cycle += 1
-        self._reservation_windows(out, cause)
-        full = False
-        if only is not None and self.epoch == self._full_epoch:
-            queue = [(self._queue_key(only), only)] if only.phase == "pending" else []
-        else:
-            self._wake()
-            self._park_places()
-            parked = self.parked
-            queue = sorted(((self._queue_key(self.jobs[j]), self.jobs[j]) for j in self.pending if j not in parked),
-                           key=_first)
-            self._full_epoch, self._full_ms = self.epoch, self.now_ms
-            full = True
+        stmt = Statement(out, cause)
+        self._reservation_windows(stmt.out, cause)
+        queue, full = self._open(only)
         failed: dict[tuple, list[tuple[tuple[int, ...], tuple]]] = {}  # kind -> (need, (result, quiet)), in order
         h = self.h
         i, last = 0, None
@@ -840,69 +869,120 @@ class Scheduler:
                 break
             last, rec = queue[i]
             i += 1
-            if rec.retry_at > self.now_ms:
-                continue  # a failed run's back-off: not placed again before it ends (_retry); its reason stands
-            r = rec.request
-            if rec.mig_wait is not None:
-                node, card = rec.mig_wait
-                if card in self.nodes[node].mig_pending and self.nodes[node].schedulable:
-                    continue  # the card is being carved for it; nothing new to say
-                self.h.note(rec, mig_wait=None)
-            quota = self._admit(rec)
+            attempt = self._allocate(stmt, rec, failed)
+            if attempt is None:
+                continue  # decided: placed, carving a MIG card for it, or nothing new to say
+            for action in ACTIONS:
+                if action(self, stmt, attempt):
+                    break
+            else:
+                self._leave_waiting(stmt, attempt, failed)
+        stmt.commit()
+        self._end_settled()  # the places are needed in this cycle only
+
+    def _open(self, only: JobRecord | None) -> tuple[list[tuple[tuple, JobRecord]], bool]:
+        """The cycle's queue, in order, taken at its start: `only` alone when nothing moved since the last full
+        cycle, else every pending job not parked (woken ones first back from the parked) -- and whether it is
+        full."""
+        if only is not None and self.epoch == self._full_epoch:
+            return ([(self._queue_key(only), only)] if only.phase == "pending" else []), False
+        self._wake()
+        self._park_places()
+        parked = self.parked
+        queue = sorted(((self._queue_key(self.jobs[j]), self.jobs[j]) for j in self.pending if j not in parked),
+                       key=_first)
+        self._full_epoch, self._full_ms = self.epoch, self.now_ms
+        return queue, True
+
+    def _allocate(self, stmt: Statement, rec: JobRecord, failed: dict) -> Attempt | None:
+        """The allocate action: place the job on free capacity within its quota (`place`; on cheaper cards if what
+        was found holds more than its quota lets it hold). None when that decided it (placed, a MIG carve asked for
+        it, or it waits for one, or waits out a back-off); else what the attempt found, for the next actions."""
+        out, cause = stmt.out, stmt.cause
+        if rec.retry_at > self.now_ms:
+            return None  # a failed run's back-off: not placed again before it ends (_retry); its reason stands
+        r = rec.request
+        if rec.mig_wait is not None:
+            node, card = rec.mig_wait
+            if card in self.nodes[node].mig_pending and self.nodes[node].schedulable:
+                return None  # the card is being carved for it; nothing new to say
+            self.h.note(rec, mig_wait=None)
+        quota = self._admit(rec)
+        if quota.blocked:
+            self._unnominate_blocked(rec)
+            return Attempt(rec, quota=quota, quiet=self._quiet(rec))
+        standing = standing_now(self.h, self.ledger, rec)
+        quiet = self._quiet(rec)
+        kind = (TIER_RANK[r.tier], r.tenant, r.project, standing, r.gang, quiet is not None, r.isolation_asked) \
+            if (r.constraints is _NO_CONSTRAINTS or r.constraints == _NO_CONSTRAINTS) and not rec.reserved else None
+        need = (r.compute_milli, r.gpu_memory_mib, r.cpu_milli, r.memory_mib)
+        dominated = next((why for f, why in failed.get(kind, ()) if _at_least(need, f)),
+                         None) if kind and rec.nominated is None else None
+        if dominated is not None:
+            # It asks for at least as much as a job of the same kind (tier, account, standing: the same claim,
+            # the same preemption candidates) that just failed, and nothing was freed since: it fails too.
+            self._unplaced(out, cause, rec, dominated, None)
+            if quiet is not None:
+                self._park(rec, standing)
+            return None
+        exclude = self._claimed_from(rec)
+        barred = self._barred(rec, standing) if quiet is not None else frozenset()
+        result = self._still_unplaced(rec, exclude, barred) if rec.nominated is None else None
+        if result is None:
+            result = place(self.index, self.nodes, r, self.workload, self.candidates,
+                           prefer=rec.nominated[0] if rec.nominated else None, exclude=exclude, barred=barred)
+            if rec.nominated is None and isinstance(result, Unschedulable):
+                self.h.note(rec, miss_memo=(self.h.view_seq, exclude | barred, self.node_epoch, result.seen))
+        if isinstance(result, MigPlan):
+            self._reconfigure(out, cause, rec, result)
+            return None
+        if not isinstance(result, Placement):
+            return Attempt(rec, result=result, quiet=quiet, standing=standing, kind=kind, need=need)
+        holding = self._holding(result, r)
+        if holding != (r.compute_milli, r.gpu_memory_mib):
+            quota = self._admit(rec, holding)  # charged for what it would hold, not what it asked
+            if quota.blocked and rec.nominated is None:
+                cheaper = self._within_quota(rec, result, holding, exclude, barred)
+                if cheaper is not None:
+                    result, holding, quota = cheaper
             if quota.blocked:
                 self._unnominate_blocked(rec)
-                if self._quiet(rec) is not None or not self._preempt_for_quota(out, cause, rec, quota):
-                    self._pending(out, cause, rec, quota.reasons)
-                continue
-            standing = standing_now(self.h, self.ledger, rec)
-            quiet = self._quiet(rec)
-            kind = (TIER_RANK[r.tier], r.tenant, r.project, standing, r.gang, quiet is not None, r.isolation_asked) \
-                if (r.constraints is _NO_CONSTRAINTS or r.constraints == _NO_CONSTRAINTS) and not rec.reserved else None
-            need = (r.compute_milli, r.gpu_memory_mib, r.cpu_milli, r.memory_mib)
-            dominated = next((why for f, why in failed.get(kind, ()) if _at_least(need, f)),
-                             None) if kind and rec.nominated is None else None
-            if dominated is not None:
-                # It asks for at least as much as a job of the same kind (tier, account, standing: the same claim,
-                # the same preemption candidates) that just failed, and nothing was freed since: it fails too.
-                self._unplaced(out, cause, rec, dominated, None)
-                if quiet is not None:
-                    self._park(rec, standing)
-                continue
-            exclude = self._claimed_from(rec)
-            barred = self._barred(rec, standing) if quiet is not None else frozenset()
-            result = self._still_unplaced(rec, exclude, barred) if rec.nominated is None else None
-            if result is None:
-                result = place(self.index, self.nodes, r, self.workload, self.candidates,
-                               prefer=rec.nominated[0] if rec.nominated else None, exclude=exclude, barred=barred)
-                if rec.nominated is None and isinstance(result, Unschedulable):
-                    self.h.note(rec, miss_memo=(self.h.view_seq, exclude | barred, self.node_epoch, result.seen))
-            if isinstance(result, MigPlan):
-                self._reconfigure(out, cause, rec, result)
-                continue
-            if not isinstance(result, Placement):
-                if rec.nominated is None and quiet is None and self._defragment(out, cause, rec):
-                    continue
-                if quiet is not None or not self._preempt_for(out, cause, rec):
-                    self._unplaced(out, cause, rec, result, quiet)
-                    if kind:
-                        failed.setdefault(kind, []).append((need, (result, quiet)))
-                    if quiet is not None:
-                        self._park(rec, standing)
-                continue
-            holding = self._holding(result, r)
-            if holding != (r.compute_milli, r.gpu_memory_mib):
-                quota = self._admit(rec, holding)  # charged for what it would hold, not what it asked
-                if quota.blocked and rec.nominated is None:
-                    cheaper = self._within_quota(rec, result, holding, exclude, barred)
-                    if cheaper is not None:
-                        result, holding, quota = cheaper
-                if quota.blocked:
-                    self._unnominate_blocked(rec)
-                    if quiet is not None or not self._preempt_for_quota(out, cause, rec, quota, holding):
-                        self._pending(out, cause, rec, quota.reasons)
-                    continue
-            self._bind(out, cause, rec, result, quota, holding)
-        self._end_settled()  # the places are needed in this cycle only
+                return Attempt(rec, quota=quota, quiet=quiet, holding=holding)
+        self._bind(out, cause, rec, result, quota, holding)
+        return None
+
+    def _defragment_action(self, stmt: Statement, a: Attempt) -> bool:
+        """The defragment action: a job no node took although the pool has its cards in total (`_defragment`)."""
+        if a.quota is not None or a.rec.nominated is not None or a.quiet is not None:
+            return False
+        return self._defragment(stmt.out, stmt.cause, a.rec)
+
+    def _reclaim_action(self, stmt: Statement, a: Attempt) -> bool:
+        """The reclaim action: a job its own account's quota keeps waiting stops that account's weaker work
+        (`_preempt_for_quota`); not while it is in its quiet window."""
+        if a.quota is None or a.quiet is not None:
+            return False
+        return self._preempt_for_quota(stmt.out, stmt.cause, a.rec, a.quota, a.holding)
+
+    def _preempt_action(self, stmt: Statement, a: Attempt) -> bool:
+        """The preempt action: a job no node took stops weaker work by the claim order (`_preempt_for`); not while
+        it is in its quiet window."""
+        if a.quota is not None or a.quiet is not None:
+            return False
+        return self._preempt_for(stmt.out, stmt.cause, a.rec)
+
+    def _leave_waiting(self, stmt: Statement, a: Attempt, failed: dict) -> None:
+        """No action decided the job: it waits, told why (its quota's reasons, or what every node said); one in its
+        quiet window that no node took is parked."""
+        rec = a.rec
+        if a.quota is not None:
+            self._pending(stmt.out, stmt.cause, rec, a.quota.reasons)
+            return
+        self._unplaced(stmt.out, stmt.cause, rec, a.result, a.quiet)
+        if a.kind:
+            failed.setdefault(a.kind, []).append((a.need, (a.result, a.quiet)))
+        if a.quiet is not None:
+            self._park(rec, a.standing)
 
     def _park(self, rec: JobRecord, standing: bool) -> None:
         """`rec`, in its quiet window, was not placed: it leaves the queue (`_wake` says when it comes back). Not a
@@ -1952,6 +2032,11 @@ class Scheduler:
 
 
 _NO_CONSTRAINTS = JobRequested.model_fields["constraints"].default
+
+
+# the actions of a cycle after allocate (`Scheduler._allocate`), in their order (Volcano's and KAI's: allocate,
+# then consolidate, reclaim, preempt); each takes the attempt allocate left and says whether it decided the job
+ACTIONS = (Scheduler._defragment_action, Scheduler._reclaim_action, Scheduler._preempt_action)
 
 
 @functools.lru_cache(maxsize=64)
