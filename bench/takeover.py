@@ -35,7 +35,7 @@ def history(n_records: int, nodes: int, snapshot_at: int, seed: int = 7, on_reco
     `on_record(i, env, log_ms, outputs, scheduler)`: called after each record is stepped, instead of keeping the
     envelopes (bench/audit_segments.py streams them to files)."""
     from agents.node import fleet
-    from agents.scheduler.elastic import ElasticScheduler
+    from agents.scheduler.core import ElasticScheduler
     from schemas.envelope import envelope
     from schemas.events import JobCompleted, JobRequested, JobStarted, QuotaSet, SchedulerTick, Tier
 
@@ -189,7 +189,7 @@ def main() -> int:
         # the full canonical comparison (tests/test_scheduler_snapshot.py) is too slow for a state of ~77,000 jobs:
         # compare what decides and bills (every job's record fields that matter, every node's view, the clock)
         def summary(st):
-            return (st.now_ms, st.cycle, {j: (r.state, r.attempt, tuple(p.node for p in r.parts), r.started_ms)
+            return (st.now_ms, st.cycle, {j: (r.phase, r.attempt, tuple(p.node for p in r.parts), r.started_ms)
                                           for j, r in st.jobs.items()},
                     {n: (v.allocations, v.faults, v.applied) for n, v in st.nodes.items()},
                     {j: (e.fingerprint, e.attempt, e.commands, e.sources, e.until_ms) for j, e in st.ended.items()},

@@ -27,8 +27,8 @@ from pathlib import Path
 import yaml
 
 from agents.node.fleet import make_node
-from agents.scheduler.core import Scheduler
-from agents.scheduler.elastic import ElasticConfig, ElasticScheduler
+from agents.scheduler.core import ElasticScheduler, Scheduler
+from agents.scheduler.elastic import ElasticConfig
 from agents.scheduler.preemption import PreemptionConfig
 from agents.scheduler.quota import Ledger
 from schemas.events import (

@@ -283,7 +283,7 @@ def test_the_verdict_names_the_code_an_upgrade_took_over_from():
 
     from agents.audit_log import snap_info
     from agents.audit_segments import code_lines
-    from agents.scheduler.elastic import ElasticScheduler
+    from agents.scheduler.core import ElasticScheduler
     from streams.edge import scheduler_snapshot as snapshot
 
     value = snapshot.dump(ElasticScheduler(), 186, 0, took_over_from="0" * 16)

@@ -137,7 +137,7 @@ def test_a_gang_claims_the_free_cards_it_counts_on_so_its_victims_do_not_take_th
             + [("a", T, (4000, 280), 0), ("a", I, (250, 10), 0)])
     s, clock, log, n = storm_free([(1, 0), (2, 0), (1, 0), (2, 0)], {}, reqs)
     places = {p.node for _, p in log if isinstance(p, PlaceJob) and p.job_id == "j13"}
-    assert len(places) == 3 and s.jobs["j13"].state == "running"
+    assert len(places) == 3 and s.jobs["j13"].phase == "running"
     assert sum(isinstance(p, PreemptJob) for _, p in log) <= 12
 
 
@@ -154,7 +154,7 @@ def test_a_preemptor_is_stopped_back_only_by_reclaim_once_its_own_tenants_strong
              if isinstance(p, PreemptJob)]
     assert ("j7", "j4", "tier") in stops and ("j14", "j1", "tier") in stops
     assert stops[-1] == ("j4", "j7", "reclaim") and stops.count(("j4", "j7", "reclaim")) == 1
-    assert s.jobs["j4"].state == "running" and s.jobs["j7"].state == "pending"
+    assert s.jobs["j4"].phase == "running" and s.jobs["j7"].phase == "pending"
 
 
 def test_a_gang_stopped_on_several_nodes_at_once_is_preempted_once():
@@ -166,7 +166,7 @@ def test_a_gang_stopped_on_several_nodes_at_once_is_preempted_once():
     s, clock, log, n = storm_free([(2, 0), (2, 0), (4, 0), (1, 0)], {}, reqs)
     stops = [(t, p.node) for t, p in log if isinstance(p, PreemptJob) and p.job_id == "j38"]
     assert len(stops) > PreemptionConfig.max_preemptions and len({t for t, _ in stops}) == 1
-    assert s.jobs["j38"].preemptions == 1 and s.jobs["j39"].state == "running"
+    assert s.jobs["j38"].preemptions == 1 and s.jobs["j39"].phase == "running"
 
 
 def storm_free(fleet, quota, reqs):
@@ -241,4 +241,4 @@ def test_quota_freed_for_a_waiting_job_is_not_taken_back_by_its_victims():
     got = [(type(p).__name__, p.job_id) for _, p in log if isinstance(p, (PlaceJob, PreemptJob))]
     assert got == [("PlaceJob", "j1"), ("PlaceJob", "j2"), ("PreemptJob", "j1"), ("PreemptJob", "j2"),
                    ("PlaceJob", "j3")]
-    assert s.jobs["j3"].state == "running" and s.jobs["j1"].state == s.jobs["j2"].state == "pending"
+    assert s.jobs["j3"].phase == "running" and s.jobs["j1"].phase == s.jobs["j2"].phase == "pending"

@@ -43,7 +43,7 @@ def test_a_move_never_takes_a_reclaimed_job_to_the_node_freed_for_its_preemptor(
     assert _placed(out)["globex/g4"].node == x
     # the card beside g4 frees: o may not take it (x was freed for a stronger claim, its quiet window runs)
     feed(JobCancelled(job_id=beside.pop()), "cli/cancel")
-    assert s.jobs["acme/o"].state == "pending"
+    assert s.jobs["acme/o"].phase == "pending"
     feed(JobCancelled(job_id=others[0]), "cli/cancel")  # a card on y frees: o resumes there
     assert _placed(out)["acme/o"].node == y
     feed(JobCancelled(job_id=others[1]), "cli/cancel")  # one free card on each node
@@ -56,7 +56,7 @@ def test_a_move_never_takes_a_reclaimed_job_to_the_node_freed_for_its_preemptor(
         feed(JobStopped(job_id=m.job_id, node=m.from_node, command_id=m.command_id, checkpoint="ckpt:o:2",
                         reason="migrated"), f"{m.from_node}/job")
         rec = s.jobs[m.job_id]
-        assert rec.state in ("placed", "running") and rec.placement.node == m.to_node, (m, rec.state)
+        assert rec.phase in ("placed", "running") and rec.placement.node == m.to_node, (m, rec.phase)
     assert not [m for m in moves if m.job_id == "acme/o" and m.to_node == x], moves
     # instead g5 takes its block by preemption (o is offline, g5 online training) and o waits, saying why
     assert [(o.payload.job_id, o.payload.node) for o in out[n:] if o.kind == "cmd.preempt"] == [("acme/o", y)]

@@ -18,7 +18,8 @@ import pytest
 
 from agents.node.fleet import make_node
 from agents.scheduler.autoscaler import DailyCurve, Sample, ShareMeter, assess, replicas_for, share_ok
-from agents.scheduler.elastic import ElasticConfig, ElasticScheduler
+from agents.scheduler.core import ElasticScheduler
+from agents.scheduler.elastic import ElasticConfig
 from agents.scheduler.quota import open_ledger
 from schemas.envelope import envelope
 from schemas.events import (
@@ -108,7 +109,7 @@ class Pool:
 
     def ready_replicas(self, service: str) -> list[str]:
         svc = self.s.autoscaler.services[service]
-        return [j for j in svc.serving() if self.s.state_of(j) == "running"]
+        return [j for j in svc.serving() if self.s.phase_of(j) == "running"]
 
     def sample(self, service: str, qps: int, replica_qps: int, dt_ms: int) -> list:
         """The service's own load report: capacity from the ready serving replicas (a boost adds its share)."""
@@ -268,7 +269,7 @@ def test_boosted_time_is_billed_at_the_boosted_share_exactly():
     pool.now += 7_000
     end = pool.now
     pool.feed(ServiceRemoved(service_id="chat"), "cli/service/chat")
-    assert pool.s.state_of("chat/r1") == "done"
+    assert pool.s.phase_of("chat/r1") == "done"
     usage = [o.payload for o in pool.outputs if o.payload.kind == "usage.accrued" and o.payload.job_id == "chat/r1"]
     # started at 40 s; base share until the boost, boosted share from then to the end (the usage ticks cut the run
     # into intervals that follow each other; joined by share, they are these two)
@@ -308,7 +309,7 @@ def test_a_boost_is_in_its_accounts_claim_sums_and_leaves_them_with_the_replica(
     assert sum(h.sums[("web", None)].milli) == 300 + 200
     pool.now += 7_000
     pool.feed(ServiceRemoved(service_id="chat"), "cli/service/chat")
-    assert pool.s.state_of("chat/r1") == "done"
+    assert pool.s.phase_of("chat/r1") == "done"
     assert sums(h) == {} == sums(rebuilt(h.nodes, h.jobs))
 
 

@@ -62,7 +62,7 @@ def finished(cls=Scheduler, **kw):
 
 def test_a_finished_job_is_kept_as_a_compact_record():
     s, c, req, place = finished()
-    assert "j" not in s.jobs and s.state_of("j") == "done"
+    assert "j" not in s.jobs and s.phase_of("j") == "done"
     e = s.ended["j"]
     assert isinstance(e, Ended) and e.attempt == 1 and e.commands == {place.command_id: 1}
     assert set(e.sources) == {"in/alice/j", "n1/job/j"} and e.until_ms == s.now_ms + RETAIN_MS
@@ -102,7 +102,7 @@ def test_inputs_about_a_finished_job_give_what_a_kept_record_gave(case, own):
         got.append((dumps(out), dumps(tick)))
         assert (dict(s.ledger.accounts), s.ledger.pool_used_milli) == bill  # nothing billed, charged or released
         assert not [o for o in out if o.kind in ("usage.accrued", "cmd.place", "quota.changed")]
-        assert s.state_of("j") == "done"  # nothing resurrected
+        assert s.phase_of("j") == "done"  # nothing resurrected
     assert got[0] == got[1]
     out = got[0][0]
     kinds = [o["payload"]["kind"] for o in out]
@@ -130,7 +130,7 @@ def test_a_finished_job_is_forgotten_after_the_horizon_and_a_late_duplicate_neve
     s.step(c.env(SchedulerTick(now_ms=last + retain - 1), "ticker", dt=retain - 1))
     assert "j" in s.ended  # not yet
     s.step(c.env(SchedulerTick(now_ms=last + retain), "ticker", dt=1))
-    assert "j" not in s.ended and "j" not in s.jobs and s.state_of("j") is None  # forgotten at last + retain
+    assert "j" not in s.ended and "j" not in s.jobs and s.phase_of("j") is None  # forgotten at last + retain
     assert "in/alice/j" not in s.applied and "n1/job/j" not in s.applied  # with its own sources' entries
     assert set(s.applied) == {"n1/inventory", "ticker"}
     # a late report now is as about a job never seen
@@ -138,7 +138,7 @@ def test_a_finished_job_is_forgotten_after_the_horizon_and_a_late_duplicate_neve
     # the request re-delivered (same source, seq and event time): older than the horizon, so refused, not run
     out = s.step(req)
     assert [(o.kind, o.payload.code) for o in out] == [("job.rejected", "stale_request")]
-    assert s.state_of("j") is None
+    assert s.phase_of("j") is None
     # a new request under the id (made now) is a new job: ids may be used again once forgotten
     out = s.step(c.env(job("j", compute=250), "in/alice/j", dt=1))
     assert [o.kind for o in out if o.kind == "cmd.place"] == ["cmd.place"] and s.jobs["j"].attempt == 1
@@ -176,7 +176,7 @@ def test_the_state_holds_the_live_jobs_and_the_recently_finished(jobs, retain):
                 due.append((c.now + 10, k, JobStarted(job_id=p.job_id, node=p.node, command_id=p.command_id)))
                 due.append((c.now + 10 + dur[p.job_id], k, JobCompleted(job_id=p.job_id, node=p.node,
                                                                        command_id=p.command_id)))
-        assert all(r.state != "done" for r in s.jobs.values())
+        assert all(r.phase != "done" for r in s.jobs.values())
         assert set(s.jobs) == set(s.pending) | {j for j, r in s.jobs.items() if r.placement is not None}
         for j, e in s.ended.items():
             assert e.until_ms > s.now_ms and len(e.commands) <= 2 and len(e.sources) <= 3, (j, e)  # a gang: 2 nodes
@@ -257,10 +257,10 @@ class FinishedJobsMachine(inv.SchedulerMachine):
             for j, r in sorted(a.runs.items()):
                 if a.runs.get(j) is r and r.started and data.draw(st.booleans()):  # not stopped meanwhile
                     rec = self.s.jobs[j]
-                    was = rec.state
+                    was = rec.phase
                     del a.runs[j]
                     self.report(a, JobCompleted(job_id=j, node=name, command_id=r.command_id), dt=500)
-                    if was == "running" and rec.state == "done":
+                    if was == "running" and rec.phase == "done":
                         self.completed[(j, r.attempt)] = self.clock.now
 
     def about_a_finished_job(self, data, kind, own, node):
@@ -289,11 +289,11 @@ class FinishedJobsMachine(inv.SchedulerMachine):
         self.feed(self.clock.env(p, f"{node}/job/{j}" if kind != "cancelled" else "cli/cancel", dt=1))
 
     def teardown(self):
-        live = {j: r for j, r in self.ref.jobs.items() if r.state != "done"}
+        live = {j: r for j, r in self.ref.jobs.items() if r.phase != "done"}
         assert set(live) == set(self.s.jobs)
         a, b = canonical(live), canonical(dict(self.s.jobs))
         assert a == b, first_difference(a, b)
-        assert set(self.s.ended) == {j for j, r in self.ref.jobs.items() if r.state == "done"}
+        assert set(self.s.ended) == {j for j, r in self.ref.jobs.items() if r.phase == "done"}
         assert self.clock.now - 1_000_000 < RETAIN_MS  # nothing forgotten: the comparison is exact
         super().teardown()
 

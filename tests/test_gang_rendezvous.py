@@ -107,7 +107,7 @@ def test_the_gang_completes_when_its_last_part_does_not_its_first():
     for p in parts[:2]:
         out = s.step(c.env(JobCompleted(job_id=p.job_id, node=p.node, command_id=p.command_id, attempt=p.attempt,
                                         part=p.gang_index, parts=3), f"{p.node}/job/{p.job_id}", dt=1000))
-        assert not _releases(out) and s.state_of("t/g") == "running", "the other parts still run"
+        assert not _releases(out) and s.phase_of("t/g") == "running", "the other parts still run"
     # the same part again (a redelivery) does not count twice
     p = parts[1]
     assert not _releases(s.step(c.env(JobCompleted(job_id=p.job_id, node=p.node, command_id=p.command_id,
@@ -118,7 +118,7 @@ def test_the_gang_completes_when_its_last_part_does_not_its_first():
                                     attempt=last.attempt, part=2, parts=3), f"{last.node}/job/t/g", dt=1000))
     rel = _releases(out)
     assert sorted(r.node for r in rel) == sorted(NODES) and {r.reasons[0].code for r in rel} == {"Completed"}
-    assert s.state_of("t/g") == "done"
+    assert s.phase_of("t/g") == "done"
     # billed per part: one line per node, each for the whole run
     usage = [o.payload for o in out if o.kind == "usage.accrued"]
     assert sorted(u.node for u in usage) == sorted(NODES) and len({(u.start_ms, u.end_ms) for u in usage}) == 1
@@ -137,7 +137,7 @@ def test_one_part_failing_stops_every_part_and_requeues_the_gang_once_from_its_c
     rel = _releases(out)
     assert sorted(r.node for r in rel) == sorted(NODES), "every part of the attempt is stopped"
     assert {r.attempt for r in rel} == {1} and {r.reasons[0].code for r in rel} == {"Failed"}
-    assert s.state_of("t/g") == "pending" and s.jobs["t/g"].failures == 1
+    assert s.phase_of("t/g") == "pending" and s.jobs["t/g"].failures == 1
     usage = [o.payload for o in out if o.kind == "usage.accrued"]
     assert sorted(u.node for u in usage) == sorted(NODES), "billed per part up to the failure"
     # the other parts, stopped, fail too as their peer went away: one failed run, not three
@@ -146,7 +146,7 @@ def test_one_part_failing_stops_every_part_and_requeues_the_gang_once_from_its_c
                                       code="ExitCode", exit_code=1, attempt=1, part=p.gang_index),
                             f"{p.node}/job/t/g", dt=10))
         assert not _places(late) and not _releases(late)
-    assert s.jobs["t/g"].failures == 1 and s.state_of("t/g") == "pending"
+    assert s.jobs["t/g"].failures == 1 and s.phase_of("t/g") == "pending"
     again = _places(s.step(c.env(SchedulerTick(now_ms=c.now + 10_000), "ticker", dt=10_000)))
     assert len(again) == 3 and {p.attempt for p in again} == {2}
     assert {p.resume_from for p in again} == {"state-000000010.json"}
@@ -160,7 +160,7 @@ def test_a_part_that_cannot_start_ends_the_run_of_every_part():
     bad = parts[2]
     out = s.step(c.env(JobFailed(job_id="t/g", node=bad.node, command_id=bad.command_id, reason="no podman",
                                  code="StartFailed", attempt=1, part=2), f"{bad.node}/job/t/g", dt=10))
-    assert sorted(r.node for r in _releases(out)) == sorted(NODES) and s.state_of("t/g") == "done"
+    assert sorted(r.node for r in _releases(out)) == sorted(NODES) and s.phase_of("t/g") == "done"
 
 
 def test_a_lost_node_stops_the_other_parts_and_requeues_the_gang():
@@ -172,7 +172,7 @@ def test_a_lost_node_stops_the_other_parts_and_requeues_the_gang():
     assert sorted(r.node for r in _releases(out)) == sorted(NODES)
     (intr,) = [o.payload for o in out if o.kind == "job.interrupted"]
     assert set(intr.commands) == {p.command_id for p in parts}
-    assert s.state_of("t/g") == "pending" and s.jobs["t/g"].failures == 0, "a lost node is no failure"
+    assert s.phase_of("t/g") == "pending" and s.jobs["t/g"].failures == 0, "a lost node is no failure"
 
 
 # ---------------------------------------------------------------- the node side
@@ -271,4 +271,4 @@ def test_a_completion_that_does_not_say_its_parts_ends_the_gang_as_before():
     p = parts[0]
     out = s.step(c.env(JobCompleted(job_id=p.job_id, node=p.node, command_id=p.command_id), f"{p.node}/job/t/g",
                        dt=1000))
-    assert sorted(r.node for r in _releases(out)) == sorted(NODES) and s.state_of("t/g") == "done"
+    assert sorted(r.node for r in _releases(out)) == sorted(NODES) and s.phase_of("t/g") == "done"

@@ -20,12 +20,12 @@ class HoldingsMachine(SchedulerMachine):
     def records_and_views_agree(self):
         h = self.s.h
         for j, rec in h.jobs.items():
-            if rec.state in HOLDING:
+            if rec.phase in HOLDING:
                 assert rec.placement is not None and rec.placement is rec.parts[0], j
                 for part in rec.parts:
                     assert j in h.nodes[part.node].allocations, (j, part.node)
             else:
-                assert rec.placement is None and rec.parts == (), (j, rec.state)
+                assert rec.placement is None and rec.parts == (), (j, rec.phase)
 
 
 HoldingsMachine.TestCase.settings = settings(max_examples=40, stateful_step_count=40, deadline=None)

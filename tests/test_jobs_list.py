@@ -68,7 +68,7 @@ def _faulted_run():
 def test_a_job_interrupted_while_its_node_reports_late_starts_is_listed_pending_like_the_scheduler_says(store):
     client, sink = store
     s, logged = _faulted_run()
-    assert s.state_of("t/j") == "pending"
+    assert s.phase_of("t/j") == "pending"
     _store(sink, logged)
     sql, params = jobs_sql(None)
     res = client.query(sql, parameters=params)
@@ -118,7 +118,7 @@ def test_a_late_completion_of_a_run_on_a_lost_node_does_not_end_the_job_running_
                     f"{first.node}/job/t/k")):
         e = c.env(p, src, dt=100)
         logged += [e] + s.step(e)
-    assert s.state_of("t/k") == "running"
+    assert s.phase_of("t/k") == "running"
     _store(sink, logged, part=1)  # a partition of its own: the sink drops a batch at offsets already written
     sql, params = jobs_sql(None)
     res = client.query(sql, parameters=params)
@@ -195,7 +195,7 @@ def test_elapsed_is_the_time_its_runs_ran_and_the_rest_is_waiting(store):
                    (JobStopped(job_id="t/e", node=first.node, command_id=first.command_id), f"{first.node}/job/t/e")):
         e = c.env(p, src, dt=2000)
         logged += [e] + s.step(e)
-    assert s.state_of("t/e") == "done"
+    assert s.phase_of("t/e") == "done"
     _store(sink, logged, part=3)
     sql, params = jobs_sql(None)
     res = client.query(sql, parameters=params)
@@ -253,7 +253,7 @@ def _row(client, job_id: str) -> dict:
 def test_a_failed_run_with_a_retry_left_is_listed_waiting_with_its_exit_and_when_it_is_retried(store):
     client, sink = store
     s, logged = _retried_run("t/r-wait", 2, [{"code": "ExitCode", "exit_code": 3}])
-    assert s.state_of("t/r-wait") == "pending"
+    assert s.phase_of("t/r-wait") == "pending"
     _store(sink, logged, part=11)
     row = _row(client, "t/r-wait")
     backoff = next(o.payload.reasons[0] for o in logged if o.kind == "job.pending")
@@ -266,7 +266,7 @@ def test_a_job_whose_retries_are_spent_is_listed_failed_with_the_last_exit_and_e
     client, sink = store
     s, logged = _retried_run("t/r-fail", 2, [{"code": "ExitCode", "exit_code": 1}, {"code": "Signal", "signal": 9},
                                              {"code": "OOMKilled"}])
-    assert s.state_of("t/r-fail") == "done"
+    assert s.phase_of("t/r-fail") == "done"
     _store(sink, logged, part=12)
     row = _row(client, "t/r-fail")
     assert (row["state"], row["last_exit"], row["failures"], row["retry_at_ms"]) == ("failed", "OOMKilled", 3, 0), row
@@ -317,8 +317,8 @@ def test_a_gang_is_listed_running_until_its_last_part_completes(store):
 
     for p in parts[:2]:
         logged += done(p)
-    assert s.state_of("t/gang") == "running"
+    assert s.phase_of("t/gang") == "running"
     _store(sink, logged, part=21)  # partitions of its own (the sink drops a batch at offsets already written)
     assert row()["state"] == "running"
     _store(sink, done(parts[2]), part=22)
-    assert s.state_of("t/gang") == "done" and row()["state"] == "completed"
+    assert s.phase_of("t/gang") == "done" and row()["state"] == "completed"

@@ -5,7 +5,8 @@ placed instead of asking again and again."""
 from __future__ import annotations
 
 from agents.scheduler.core import Scheduler, replay
-from agents.scheduler.elastic import ElasticConfig, ElasticScheduler
+from agents.scheduler.core import ElasticScheduler
+from agents.scheduler.elastic import ElasticConfig
 from agents.scheduler.quota import Ledger, held, open_ledger
 from schemas.events import (
     InferenceLoad, JobCompleted, JobStarted, JobStopped, QuotaSet, SchedulerTick, ServiceDeclared,
@@ -57,7 +58,7 @@ def test_a_stack_stopped_and_started_again_bills_what_ran_in_between_once():
     # the first run to its stop at 96,000 (not to the restart: the down time is not billed), then the second
     assert spans == [(1, 1000, 61_000), (1, 61_000, 96_000), (2, 697_000, 717_000)]
     assert sum(u.payload.gpu_milli_ms for u in usage) == 1000 * (95_000 + 20_000)
-    assert again.state_of("j") == rec.state == "done" and "j" not in again.jobs
+    assert again.phase_of("j") == rec.phase == "done" and "j" not in again.jobs
     assert rec.preemptions == 0 and rec.interruptions == 1  # a stop of its own
 
 

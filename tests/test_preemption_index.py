@@ -53,7 +53,7 @@ def victims_by_walk(s, view, rec, key):
     out = []
     for j in view.allocations:
         other = s.jobs.get(j)
-        if other is None or other.state not in ("placed", "running") or other.placement is None or \
+        if other is None or other.phase not in ("placed", "running") or other.placement is None or \
                 other.hold is not None:
             continue
         o = other.request
@@ -68,7 +68,7 @@ def victims_by_walk(s, view, rec, key):
         if not may_stop(key, theirs):
             continue
         rule = "tier" if may_stop(key, claim(True, o.tier, other.reserved)) else "reclaim"
-        since = max(other.started_ms, other.checkpoint_ms) if other.state == "running" else s.now_ms
+        since = max(other.started_ms, other.checkpoint_ms) if other.phase == "running" else s.now_ms
         out.append(Victim(o.job_id, view.node, TIER_RANK[o.tier], rule == "reclaim" or not theirs[0],
                           max(0, s.now_ms - since), rule))
     return out
@@ -88,7 +88,7 @@ class VictimIndexMachine(SchedulerMachine):
         s = self.s
         order = list(s.nodes)
         for rec in list(s.jobs.values()):
-            if rec.state != "pending":
+            if rec.phase != "pending":
                 continue
             search = Search(s.h, s.ledger, rec)
             r = rec.request
@@ -131,7 +131,7 @@ class TooBigMachine(SchedulerMachine):
         s = self.s
         for rec in list(s.jobs.values()):
             r = rec.request
-            if rec.state != "pending" or not s.index.models or not all(
+            if rec.phase != "pending" or not s.index.models or not all(
                     cards_needed(r.compute_milli, r.gpu_memory_mib, m) > n for m, n in s.index.models.items()):
                 continue
             # every job on every node offered as a victim: the most any plan could free
@@ -178,7 +178,7 @@ def test_protected_and_stopping_work_is_no_victim():
     for k in range(4):
         s.step(clock.env(job(f"o{k}", compute=1000, mem_gib=80, tier=Tier.OFFLINE), f"cli/o{k}", dt=1))
     s.jobs["o1"].preempted_at = (s.now_ms - 3, s.now_ms - 2, s.now_ms - 1)
-    s.jobs["o2"].state = "stopping"
+    s.jobs["o2"].phase = "stopping"
     hi = s.jobs["o0"].__class__(request=job("hi", tier=Tier.INFERENCE), arrival=99)
     search = Search(s.h, s.ledger, hi)
     got = s._victims_on(s.nodes["n0"], search, search.key())

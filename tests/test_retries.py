@@ -61,7 +61,7 @@ def test_a_failed_run_with_a_retry_left_waits_its_back_off_in_log_time_and_resum
     out = _fail(c, s, p, dt=1000)
     failed_at = c.now
     kinds = [o.kind for o in out]
-    assert "cmd.release" in kinds and not _places(out) and s.state_of(J) == "pending"
+    assert "cmd.release" in kinds and not _places(out) and s.phase_of(J) == "pending"
     release = next(o.payload for o in out if o.kind == "cmd.release")
     assert release.reasons[0].code == "Failed" and release.attempt == 1
     (pending,) = [o.payload for o in out if o.kind == "job.pending"]
@@ -94,7 +94,7 @@ def test_retries_spent_end_the_job_failed_and_it_is_never_placed_again():
     (p2,) = _places(_tick(c, s, 10_000))
     _start(c, s, p2)
     out = _fail(c, s, p2, code="OOMKilled", exit_code=None)
-    assert s.state_of(J) == "done"
+    assert s.phase_of(J) == "done"
     assert [o.payload.reasons[0].code for o in out if o.kind == "cmd.release"] == ["Failed"]
     assert not [o for o in out if o.kind == "job.pending"]
     for _ in range(5):
@@ -105,7 +105,7 @@ def test_without_retries_a_failure_ends_the_job_as_it_always_did():
     c, s, p = _setup(retries=0)
     _start(c, s, p)
     out = s.step(c.env(JobFailed(job_id=J, node="n1", command_id=p.command_id, reason="exit code 1"), SRC, dt=500))
-    assert s.state_of(J) == "done" and not [o for o in out if o.kind == "job.pending"]
+    assert s.phase_of(J) == "done" and not [o for o in out if o.kind == "job.pending"]
     assert not _places(_tick(c, s, 60_000))
 
 
@@ -124,7 +124,7 @@ def test_a_job_cancelled_while_it_backs_off_is_done_and_never_placed():
     _start(c, s, p)
     _fail(c, s, p)
     s.step(c.env(JobCancelled(job_id=J), "cli/j", dt=100))
-    assert s.state_of(J) == "done"
+    assert s.phase_of(J) == "done"
     assert not _places(_tick(c, s, 60_000))
 
 
@@ -136,7 +136,7 @@ def test_a_late_failure_report_of_a_superseded_run_changes_nothing():
     _start(c, s, p2)
     # the first run's failure again (a redelivery under a new sequence number): not a second failure
     out = s.step(c.env(JobFailed(job_id=J, node="n1", command_id=p.command_id, reason="again", attempt=1), SRC))
-    assert not out and s.state_of(J) == "running" and s.jobs[J].failures == 1
+    assert not out and s.phase_of(J) == "running" and s.jobs[J].failures == 1
 
 
 def test_the_back_off_wait_of_other_jobs_is_not_held_against_the_queue():
@@ -192,9 +192,9 @@ def test_retries_never_exceed_what_was_asked_and_the_bill_is_the_sum_of_the_runs
             failures += what != "complete"
             out = s.step(c.env(end, SRC, dt=1))
             continue
-        if s.state_of(J) == "done":
+        if s.phase_of(J) == "done":
             break
-        assert s.state_of(J) == "pending" and backoffs
+        assert s.phase_of(J) == "pending" and backoffs
         out = _tick(c, s, tick_s * 1000)
     assert len(places) <= retries + 1
     assert len(backoffs) <= retries

@@ -190,9 +190,9 @@ class SchedulerMachine(RuleBasedStateMachine):
                                            command_id=r.command_id), dt=100)
         else:
             del a.runs[j]
-            was = rec.state
+            was = rec.phase
             self.report(a, JobCompleted(job_id=j, node=name, command_id=r.command_id), dt=500)
-            if was == "running" and rec.state == "done":
+            if was == "running" and rec.phase == "done":
                 self.completed[(j, r.attempt)] = self.clock.now
 
     @rule(data=st.data())
@@ -306,19 +306,19 @@ class SchedulerMachine(RuleBasedStateMachine):
     def holdings_match_job_states(self):
         held_ = {(node, j) for node, v in self.s.nodes.items() for j in v.allocations}
         expected = {(part.node, j) for j, r in self.s.jobs.items()
-                    if r.state in ("placed", "running", "stopping") for part in r.parts}
+                    if r.phase in ("placed", "running", "stopping") for part in r.parts}
         assert held_ == expected
         by_tier = {}
         for r in self.s.jobs.values():
-            if r.state in ("placed", "running", "stopping") and r.hold is None:
+            if r.phase in ("placed", "running", "stopping") and r.hold is None:
                 by_tier[TIER_RANK[r.request.tier]] = by_tier.get(TIER_RANK[r.request.tier], 0) + 1
         assert {k: v for k, v in self.s.held_by_tier.items() if v} == by_tier
-        assert self.s.stopping == {j for j, r in self.s.jobs.items() if r.state == "stopping"}
+        assert self.s.stopping == {j for j, r in self.s.jobs.items() if r.phase == "stopping"}
         assert set(self.s.running) == {j for j, r in self.s.jobs.items()
-                                       if r.state in ("running", "stopping") and r.started_ms >= 0}
+                                       if r.phase in ("running", "stopping") and r.started_ms >= 0}
         for r in self.s.jobs.values():
-            if r.state in ("placed", "running", "stopping"):  # nothing holds capacity on a removed node
-                assert all(not self.s.nodes[p.node].removed or r.state == "stopping" for p in r.parts)
+            if r.phase in ("placed", "running", "stopping"):  # nothing holds capacity on a removed node
+                assert all(not self.s.nodes[p.node].removed or r.phase == "stopping" for p in r.parts)
             if len(r.parts) > 1:  # a gang is all or nothing: its parts add up to what it needs, by what each card
                 # brings (a low-tier gang may mix card models)
                 brought_cu = brought_mem = 0
@@ -341,7 +341,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             for project in (None, "default", "p1"):
                 jobs = [r for r in self.s.jobs.values() if r.request.tenant == tenant and
                         (project is None or r.request.project == project) and
-                        r.state in ("placed", "running", "stopping")]
+                        r.phase in ("placed", "running", "stopping")]
                 acct = self.s.ledger.accounts.get((tenant, project))
                 used = sum(holding[(r.request.job_id, p.node)][0] for r in jobs for p in r.parts)
                 mem = sum(holding[(r.request.job_id, p.node)][1] for r in jobs for p in r.parts)
@@ -370,8 +370,8 @@ class SchedulerMachine(RuleBasedStateMachine):
                 continue
             for j, r in a.runs.items():
                 rec = self.s.jobs.get(j)
-                assert rec is not None, (name, j, r, self.s.state_of(j))  # never a finished job's run
-                assert rec.state in ("placed", "running", "stopping") and rec.attempt == r.attempt, (name, j, r)
+                assert rec is not None, (name, j, r, self.s.phase_of(j))  # never a finished job's run
+                assert rec.phase in ("placed", "running", "stopping") and rec.attempt == r.attempt, (name, j, r)
                 assert name in {p.node for p in rec.parts}
 
     @invariant()
@@ -461,9 +461,9 @@ def test_a_job_whose_lowered_quota_would_not_take_it_back_is_not_moved_and_a_mov
     m.submit(jobs=[("t2", Tier.INFERENCE, 1000, 2, "default"), ("t2", Tier.INFERENCE, 2500, 2, "default")])
     moves = [o.payload for o in m.outputs if o.kind == "cmd.migrate"]
     assert "j4" not in {mv.job_id for mv in moves}
-    assert m.s.jobs["j4"].state == "stopping"  # preempted for j8's tier instead, which counts as a preemption
+    assert m.s.jobs["j4"].phase == "stopping"  # preempted for j8's tier instead, which counts as a preemption
     for mv in moves:
         m.node_agent_acts(data=_Draws([("stopped", mv.from_node, mv.job_id)]), times=1)
         rec = m.s.jobs[mv.job_id]
-        assert rec.state == "placed" and rec.placement.node == mv.to_node
+        assert rec.phase == "placed" and rec.placement.node == mv.to_node
     m.teardown()

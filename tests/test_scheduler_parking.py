@@ -226,7 +226,7 @@ def _places_as_at_the_cycles_start(fleet, quota, reqs):
     def places(self):
         self.h.scheduler_under_test = self
         self.ref_keys = {j: self._queue_key(self.jobs[j]) for j in self.parked
-                         if j in self.jobs and self.jobs[j].state == "pending"}
+                         if j in self.jobs and self.jobs[j].phase == "pending"}
         real_places(self)
 
     def woken(self):
@@ -239,12 +239,12 @@ def _places_as_at_the_cycles_start(fleet, quota, reqs):
     def sums(self, rec, *a):
         s = getattr(self, "scheduler_under_test", None)
         t = rec.request.tenant
-        if s is not None and s._parked_of.get(t):
+        if s is not None and s.h.parked_of.get(t):
             assert t not in s._unsettled, f"{t}'s sums moved in a cycle before its parked jobs' places were settled"
             changes.append(t)
         real_sum(self, rec, *a)
         if s is not None and (s._unsettled or s._settled_at):  # in a full cycle, after its start
-            for j in s._parked_of.get(t, ()):
+            for j in s.h.parked_of.get(t, ()):
                 if j in s.ref_keys:
                     assert s._parked_key(s.jobs[j]) == s.ref_keys[j], j
                     if s._queue_key(s.jobs[j]) != s.ref_keys[j]:

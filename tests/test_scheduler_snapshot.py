@@ -14,7 +14,7 @@ from hypothesis.stateful import rule
 
 from agents import state_digest
 from streams.edge import scheduler_snapshot as snapshot
-from agents.scheduler.elastic import ElasticScheduler
+from agents.scheduler.core import ElasticScheduler
 from agents.scheduler.node_index import NodeIndex  # noqa: F401 - the state graph's classes import
 from tests import test_scheduler_invariants as inv
 

@@ -151,7 +151,7 @@ class SearchMemoMachine(SchedulerMachine):
     def the_search_plans_what_the_walk_plans(self):
         s = self.s
         for rec in list(s.jobs.values()):
-            if rec.state != "pending":
+            if rec.phase != "pending":
                 continue
             search = Search(s.h, s.ledger, rec)
             r = rec.request

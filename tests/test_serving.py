@@ -11,7 +11,8 @@ from pydantic import ValidationError
 
 from agents.node.fleet import make_node
 from agents.node.scrape import parse, replica_metrics
-from agents.scheduler.elastic import ElasticConfig, ElasticScheduler
+from agents.scheduler.core import ElasticScheduler
+from agents.scheduler.elastic import ElasticConfig
 from agents.scheduler.quota import open_ledger
 from infra.programs import model_server
 from schemas.envelope import envelope

@@ -136,10 +136,10 @@ def standing_now(h: Holdings, ledger: Ledger, rec: JobRecord) -> bool:
         if memo[0] >= 0 and t is not None:
             left = t.holds_since(memo[0], rec.group, rec.arrival, memo[2], memo[3])
             if left is not None:
-                rec.standing_memo = (version, memo[1], memo[2], left)
+                h.note(rec, standing_memo=(version, memo[1], memo[2], left))
                 return memo[2]
     got, m, mem = within_by(h, ledger, r, rec.group, r.compute_milli, r.gpu_memory_mib, arrival=rec.arrival)
-    rec.standing_memo = (version, ledger.quota_version, got, (m, mem))
+    h.note(rec, standing_memo=(version, ledger.quota_version, got, (m, mem)))
     return got
 
 

@@ -11,7 +11,7 @@ import bisect
 import functools
 import heapq
 import zlib
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from agents.scheduler.admission import Fleet
 from agents.scheduler import defrag
@@ -22,7 +22,10 @@ from agents.scheduler.elastic import (
     SERVICE_KINDS, SOURCE as AUTOSCALER, Autoscaler, Backfill, Charge, Emit, LoadSample, Request,
 )
 from agents.scheduler.elastic import ElasticConfig, Resize
-from agents.scheduler.holdings import Holdings, JobRecord, fingerprint, rebuilt
+from agents.scheduler.holdings import (
+    ChargeFreed, ExpireFreed, Holdings, JobRecord, Nominate, Park, RechargeFreed, Reclose, UnchargeFreed, Unpark,
+    UnparkAll, Woke, fingerprint, rebuilt,
+)
 from agents.scheduler.node_index import cards_needed
 from agents.scheduler.placement import DEFAULT_CANDIDATES, MigPlan, Placement, Unschedulable, place
 from agents.scheduler.placement import allowed_models, fit_cards
@@ -45,6 +48,7 @@ from schemas.events import (
 )
 from streams.folds import node_view
 from streams.folds.exits import backoff_ms, failure_text
+from streams.folds.job_view import failure_ends
 from streams.folds.gateway import SOURCE_PREFIX as GATEWAY_PREFIX
 
 SOURCE = "scheduler"
@@ -74,6 +78,39 @@ def own_source(source: str, job_id: str) -> bool:
     """Whether an input source is the job's own: a node agent's reports about it (NODE/job/JOB) or the gateway's
     records of one principal about it (in/OWNER/JOB: one source per principal and routing key, the job id)."""
     return source.endswith("/job/" + job_id) or (source.startswith(GATEWAY_PREFIX) and source.endswith("/" + job_id))
+
+
+@dataclass(slots=True)
+class Attempt:
+    """What the allocate action found for a job it did not decide: its quota blocked it (`quota`, with `holding`
+    when it was what a placement found that the quota refused), or no node took it (`result`, place's
+    Unschedulable); and, as worked out for it, its quiet window's reason, standing, kind and need (the dominance
+    memo's)."""
+    rec: JobRecord
+    quota: Admission | None = None
+    holding: tuple[int, int] | None = None
+    result: object = None
+    quiet: Reason | None = None
+    standing: bool = False
+    kind: tuple | None = None
+    need: tuple = ()
+
+
+class Statement:
+    """What one cycle emits, committed once (Volcano's and KAI's Statement: the session's operations reach the
+    outside world only at `commit`). Each command is applied to the holdings as it is made -- the cycle's later
+    jobs see it, as a Statement's operations change the session at once -- and the envelopes wait in `out` until
+    `commit` hands them, in order, to the step's outputs."""
+    __slots__ = ("out", "cause", "_into")
+
+    def __init__(self, into: list[Envelope], cause: Envelope):
+        self.out: list[Envelope] = []
+        self.cause = cause
+        self._into = into
+
+    def commit(self) -> None:
+        self._into.extend(self.out)
+        self.out = []
 
 
 class Scheduler:
@@ -123,20 +160,17 @@ class Scheduler:
         self.out_seq = out_seq
         self.arrivals = 0
         self.workload = Workload()
-        # Jobs nominated on nodes (kube-scheduler's nominatedNodeName): what their victims free there is theirs; jobs
-        # of the same or a lower claim do not take it in the meantime (or preemption would thrash).
-        self.nominations: dict[str, JobRecord] = {}
-        # What preemption freed, per node: node -> (the claim it was freed for, until when in log time, for whom).
+        # Jobs nominated on nodes (kube-scheduler's nominatedNodeName, `Holdings.nominations`): what their victims
+        # free there is theirs; jobs of the same or a lower claim do not take it in the meantime (or preemption would
+        # thrash).
+        # What preemption freed, per node (`Holdings.freed_for`): node -> (the claim it was freed for, until when in
+        # log time, for whom).
         # What a plan frees beyond what its job needs stays with that claim while the plan's victims are in their
         # quiet window (from the plan to victim_quiet_ms after its job took its node) and its job waits for or holds
         # it: a job in its own quiet window whose claim is not above it does not take it (`_barred`), so a requeued
         # victim cannot take the leftover and make the next request of that claim stop someone for it -- the chain
         # is charged to its origin (#14 item 2). Other work may take it; once the job that freed it lets go of its
-        # holding (ends, is stopped) it is free capacity like any.
-        self.freed_for: dict[str, tuple[Claim, int, str]] = {}
-        self._charged_by: dict[str, tuple[str, ...]] = {}  # job -> the nodes freed for it (freed_for)
-        self._barred_cache: dict[Claim, frozenset[str]] = {}  # claim -> the nodes barred to quiet jobs of it
-        self._barred_until = -1 << 62  # the cache holds until the first charge in it expires
+        # holding (ends, is stopped) it is free capacity like any. Both change only by `Holdings.apply`.
         # node -> (its view, facts kept while that view object is current): the claim search's (_plan_nodes)
         self._node_memo: dict[str, tuple[node_view.NodeView, dict]] = {}
         self.book = Book()
@@ -149,23 +183,15 @@ class Scheduler:
         self._full_epoch = -1
         self._full_ms = -1 << 62
         self._admit_memo: tuple[int, dict] = (-1, {})  # (ledger version, question -> Ledger.admit's answer)
-        # Parked jobs (kube-scheduler's unschedulable pods, Kueue's inadmissible workloads): a waiting job in its
-        # quiet window (it may stop nobody) whose last attempt no node took stays out of the cycle's queue until
-        # something may give it room (`_wake`); its last reasons stand meanwhile. job -> (the nodes closed to it in
-        # that attempt, its tier); the same jobs by their closed nodes; (quiet window's end, job), a heap.
-        self.parked: dict[str, tuple[frozenset[str], Tier, int]] = {}  # (closed nodes, tier, cycle parked in)
-        self._parked_by: dict[frozenset[str], dict[str, None]] = {}
-        self._parked_of: dict[str, dict[str, None]] = {}  # tenant -> its parked jobs
+        # Parked jobs (kube-scheduler's unschedulable pods, Kueue's inadmissible workloads, `Holdings.parked`): a
+        # waiting job in its quiet window (it may stop nobody) whose last attempt no node took stays out of the
+        # cycle's queue until something may give it room (`_wake`); its last reasons stand meanwhile.
         # a parked job woken in a full cycle is tried at its place in the queue's order at the cycle's start: its
         # standing then is read from its tenant's sums as they were (`_settle` marks their versions, claims.standing_at)
         self._unsettled: set[str] = set()  # tenants with parked jobs whose sums have not moved in this cycle
         self._settled_at: dict[str, dict] = {}  # tenant -> its sums' versions at this cycle's start, once they moved
-        self._park_until: list[tuple[int, str]] = []
-        self._unclosed: set[str] = set()  # nodes that may no longer be closed to a parked job (claims, bars ended)
         self._park_mark = (0, 0)  # (node epoch, quota version) the parked jobs were parked under
         self._flush = False  # the timed full cycle: every parked job is tried again
-        self._claims: tuple[int, frozenset[str]] = (-1, frozenset())  # (nominations' version, their claimed nodes)
-        self._nominations_version = 0
         # Usage accrues while jobs run: on the first tick usage_tick_ms of log time after the last accrual, every
         # running job is billed [accrued_ms, now) (and at its end, the rest), so a bill includes running work.
         self._usage_ms: int | None = None
@@ -184,12 +210,17 @@ class Scheduler:
     running = property(lambda self: self.h.running)
     held_by_tier = property(lambda self: self.h.held_by_tier)
     ended = property(lambda self: self.h.ended)
+    parked = property(lambda self: self.h.parked)
+    nominations = property(lambda self: self.h.nominations)
+    freed_for = property(lambda self: self.h.freed_for)
 
-    def state_of(self, job_id: str) -> str | None:
-        """A job's state: its record's while it is live, "done" while it is remembered as finished, else None."""
+    def phase_of(self, job_id: str) -> str | None:
+        """A job's phase in the scheduler's bookkeeping (holdings.PHASES, not the job's state as users see it:
+        streams/folds/job_view.py decides that): its record's while it is live, "done" while it is remembered as
+        finished, else None."""
         rec = self.jobs.get(job_id)
         if rec is not None:
-            return rec.state
+            return rec.phase
         return "done" if job_id in self.h.ended else None
 
     # ---------------------------------------------------------------- emitting
@@ -209,7 +240,7 @@ class Scheduler:
 
     def _command(self, out: list[Envelope], payload, cause: Envelope) -> None:
         """Emit a command about one run of a job, and remember which run (its attempt) it concerns."""
-        self.jobs[payload.job_id].commands[payload.command_id] = payload.attempt
+        self.h.commanded(self.jobs[payload.job_id], payload.command_id, payload.attempt)
         self._emit(out, payload, cause)
 
     # ---------------------------------------------------------------- input
@@ -247,7 +278,7 @@ class Scheduler:
         h = self.h
         for rec in h.done_now:
             j = rec.request.job_id
-            if h.jobs.get(j) is rec and rec.state == "done":
+            if h.jobs.get(j) is rec and rec.phase == "done":
                 self.unsure.pop(j, None)
                 h.bury(rec, None if self.retain_ms is None else max(self.now_ms, rec.said_ms) + self.retain_ms)
         h.done_now.clear()
@@ -278,14 +309,14 @@ class Scheduler:
         own = own_source(env.source, j)
         rec = self.jobs.get(j)
         if rec is not None:
-            rec.said_ms = max(rec.said_ms, t)
+            self.h.note(rec, said_ms=max(rec.said_ms, t))
             if own and env.source not in rec.sources:
-                rec.sources += (env.source,)
+                self.h.note(rec, sources=rec.sources + (env.source,))
             return
         e = self.h.ended.get(j)
         if e is not None:
-            if own and env.source not in e.sources:
-                e.sources += (env.source,)
+            if own:
+                self.h.ended_source(j, env.source)
             if self.retain_ms is not None:
                 self.h.keep_until(j, t + self.retain_ms)
         elif own and self.retain_ms is not None:  # about a job nobody remembers: its source's entry goes in time too
@@ -380,7 +411,7 @@ class Scheduler:
                         data={"pending": self.h.pending_of[p.tenant], "max_pending": self.max_pending}),)), env)
                 else:
                     self.arrivals += 1
-                    self._unpark(p.job_id)  # a forgotten job's id again: an old entry says nothing of it
+                    self.h.apply(Unpark(p.job_id))  # a forgotten job's id again: an old entry says nothing of it
                     rec = JobRecord(request=p, arrival=self.arrivals)
                     self.h.add_job(rec)
                     self.workload.observe(p)
@@ -399,7 +430,7 @@ class Scheduler:
                     self._ended_report(out, env, p, runs=True)
                 elif self._superseded(out, env, rec, p.node, p.command_id, runs=True):
                     pass
-                elif rec.state in ("placed", "stopping", "migrating") and rec.started_ms < 0 and rec.hold is None \
+                elif rec.phase in ("placed", "stopping", "migrating") and rec.started_ms < 0 and rec.hold is None \
                         and any(part.command_id == p.command_id for part in rec.parts):
                     # billed from its start, also when it was told to stop before the node said it started
                     self.h.apply(env, self._fact_ms(env))
@@ -409,7 +440,7 @@ class Scheduler:
                     self._ended_report(out, env, p, runs=True)
                 elif self._superseded(out, env, rec, p.node, p.command_id, runs=True):
                     pass
-                elif rec.state in ("running", "stopping", "migrating"):
+                elif rec.phase in ("running", "stopping", "migrating"):
                     self.h.checkpointed(rec, p.checkpoint or rec.checkpoint, self._fact_ms(env))
             case JobCompleted() | JobFailed():
                 rec = self.jobs.get(p.job_id)
@@ -419,8 +450,9 @@ class Scheduler:
                 elif not self._superseded(out, env, rec, p.node, p.command_id, runs=False):
                     if isinstance(p, JobCompleted) and not self._gang_complete(rec, p):
                         return  # a part of a gang is done; the others still run (docs/jobs.md, "Gangs")
-                    if isinstance(p, JobFailed) and rec.hold is None and rec.failures < rec.request.retries:
-                        self._retry(out, env, rec, p)  # a retry left: requeued after a back-off
+                    if isinstance(p, JobFailed) and rec.hold is None and \
+                            not failure_ends(rec.failures + 1, rec.request.retries):
+                        self._retry(out, env, rec, p)  # a retry left (job_view's rule): requeued after a back-off
                     else:
                         self._finish(out, env, p.job_id, self._fact_ms(env))
                     self._cycle(out, env)
@@ -475,7 +507,7 @@ class Scheduler:
         """Bill the run from where it was last billed to `end_ms` (default: now), one line per node. Intervals
         follow each other: the end never goes back before what a tick already billed, and a tick bills nothing
         twice. The first line of a run is written even when empty (a run that ended where it started)."""
-        if rec.state not in ("running", "stopping", "migrating") or rec.placement is None or rec.started_ms < 0:
+        if rec.phase not in ("running", "stopping", "migrating") or rec.placement is None or rec.started_ms < 0:
             return
         start = rec.accrued_ms
         end = max(self.now_ms if end_ms is None else end_ms, start)
@@ -492,13 +524,13 @@ class Scheduler:
                 datacenter=inv.datacenter if inv else "", start_ms=start, end_ms=end, gpu_milli=milli,
                 gpu_milli_ms=milli * (end - start), borrowed=pl.borrowed, cu_milli=cu, cu_milli_ms=cu * (end - start),
                 reserved=rec.reserved, attempt=rec.attempt), env)
-        rec.accrued_ms = end
+        self.h.note(rec, accrued_ms=end)
 
     def _release(self, out: list[Envelope], env: Envelope, rec: JobRecord, why: str) -> None:
         """Release every part the run holds (a hold's only in the scheduler's own view: it was never sent), and give
         its quota back."""
         self._uncharge(rec)  # it lets go of what was freed for it
-        rec.completed_parts = ()  # the run's parts that completed (a gang's): the next run starts counting anew
+        self.h.note(rec, completed_parts=())  # the run's parts that completed (a gang's): the next counts anew
         if rec.placement is None:
             return
         if self._unsettled:
@@ -519,12 +551,12 @@ class Scheduler:
 
     def _finish(self, out: list[Envelope], env: Envelope, job_id: str, end_ms: int) -> None:
         rec = self.jobs.get(job_id)
-        if rec is None or rec.state == "done":
+        if rec is None or rec.phase == "done":
             return
         self._uncharge(rec)  # what its victims freed is nobody's in particular now
         self._accrue(out, env, rec, end_ms)
         self._release(out, env, rec, {"job.cancelled": "Cancelled", "job.failed": "Failed"}.get(env.kind, "Completed"))
-        self.h.set_state(rec, "done")
+        self.h.set_phase(rec, "done")
         self.unsure.pop(job_id, None)
         self._nominate(rec, None)
 
@@ -540,7 +572,7 @@ class Scheduler:
         if i is None:
             return True
         if i not in rec.completed_parts:
-            rec.completed_parts = tuple(sorted(rec.completed_parts + (i,)))
+            self.h.note(rec, completed_parts=tuple(sorted(rec.completed_parts + (i,))))
         return len(rec.completed_parts) == len(rec.parts)
 
     def _rendezvous(self, r: JobRequested, master: str) -> tuple[str, int]:
@@ -578,20 +610,19 @@ class Scheduler:
         stop the scheduler asked for to make room is a preemption (it counts towards protection); one for a drain
         or a removal, or the agent's own (shutdown, restart), is an interruption."""
         rec = self.jobs.get(p.job_id)
-        if rec is None or rec.state not in ("placed", "running", "stopping", "migrating"):
+        if rec is None or rec.phase not in ("placed", "running", "stopping", "migrating"):
             return
-        move = rec.migration if rec.state == "migrating" else None
-        preempted = rec.state == "stopping" and not rec.stop_cause
+        move = rec.migration if rec.phase == "migrating" else None
+        preempted = rec.phase == "stopping" and not rec.stop_cause
         self._end_run(out, env, rec, "Stopped", p.checkpoint)
         if move is not None:
             # moved, not preempted: it resumes from its checkpoint on the planned node, before anything else
-            rec.migration = None
+            self.h.note(rec, migration=None)
             self._nominate(rec, (move.to_node, ()), (move.to_node,))
         elif preempted:
-            rec.preemptions += 1
-            rec.preempted_at = rec.preempted_at + (self.now_ms,)
+            self.h.note(rec, preemptions=rec.preemptions + 1, preempted_at=rec.preempted_at + (self.now_ms,))
         else:
-            rec.interruptions += 1
+            self.h.note(rec, interruptions=rec.interruptions + 1)
 
     def _end_run(self, out: list[Envelope], env: Envelope, rec: JobRecord, why: str, checkpoint: str) -> None:
         """A run its node ended while the job goes on (stopped after a checkpoint, or failed with a retry left):
@@ -599,8 +630,8 @@ class Scheduler:
         pending again to resume from `checkpoint`, else its last one."""
         self._accrue(out, env, rec, self._fact_ms(env))
         self._release(out, env, rec, why)
-        rec.checkpoint, rec.stop_cause = checkpoint or rec.checkpoint, ""
-        self.h.set_state(rec, "pending")
+        self.h.note(rec, checkpoint=checkpoint or rec.checkpoint, stop_cause="")
+        self.h.set_phase(rec, "pending")
 
     def _retry(self, out: list[Envelope], env: Envelope, rec: JobRecord, p: JobFailed) -> None:
         """A run failed and the job has a retry left (Kubernetes' backoffLimit, Slurm's --requeue): the run ends as a
@@ -609,11 +640,9 @@ class Scheduler:
         resuming from its last checkpoint. Its reason says which run failed, why, and when it is tried again; a
         move under way is called off (the job no longer runs to be moved)."""
         self._end_run(out, env, rec, "Failed", "")
-        rec.migration = None
         self._nominate(rec, None)
-        rec.failures += 1
-        wait = backoff_ms(rec.failures)
-        rec.retry_at = self.now_ms + wait
+        wait = backoff_ms(rec.failures + 1)
+        self.h.note(rec, migration=None, failures=rec.failures + 1, retry_at=self.now_ms + wait)
         heapq.heappush(self._backoff, (rec.retry_at, rec.request.job_id))
         runs, why = rec.request.retries + 1, failure_text(p.code, p.reason, p.exit_code, p.signal)
         data: dict[str, int | str] = {"failures": rec.failures, "retries": rec.request.retries, "attempt": rec.attempt,
@@ -634,7 +663,7 @@ class Scheduler:
         while heap and heap[0][0] <= self.now_ms:
             at, j = heapq.heappop(heap)
             rec = self.jobs.get(j)
-            if rec is not None and rec.state == "pending" and rec.retry_at == at:
+            if rec is not None and rec.phase == "pending" and rec.retry_at == at:
                 self.epoch += 1
 
     def _superseded(self, out: list[Envelope], env: Envelope, rec: JobRecord, node: str, command_id: str | None,
@@ -647,11 +676,11 @@ class Scheduler:
         attempt = rec.commands.get(command_id) if command_id else None
         if attempt is None:
             return False
-        if attempt == rec.attempt and rec.placement is not None and rec.state in (
+        if attempt == rec.attempt and rec.placement is not None and rec.phase in (
                 "placed", "running", "stopping", "migrating"):
             return False
         if runs and node:
-            self._stop_superseded(out, env, rec.request.job_id, node, attempt, rec.attempt, rec.state)
+            self._stop_superseded(out, env, rec.request.job_id, node, attempt, rec.attempt, rec.phase)
         return True
 
     def _stop_superseded(self, out: list[Envelope], env: Envelope, job_id: str, node: str, attempt: int,
@@ -714,7 +743,7 @@ class Scheduler:
         out = []
         for j, h in view.allocations.items():
             rec = self.jobs.get(j)
-            if rec is None or rec.state not in ("placed", "running", "stopping", "migrating"):
+            if rec is None or rec.phase not in ("placed", "running", "stopping", "migrating"):
                 continue
             if cards is None or any(a.gpu_uuid in cards for a in h.slices):
                 out.append(rec)
@@ -737,9 +766,9 @@ class Scheduler:
                                            billed_to_ms=max(billed, 0), checkpoint=rec.checkpoint, reasons=reasons,
                                            commands=tuple(part.command_id for part in rec.parts)), env)
             self._release(out, env, rec, code)
-            rec.stop_cause = ""
-            self.h.set_state(rec, "pending")
-            rec.interruptions += 1
+            self.h.note(rec, stop_cause="")
+            self.h.set_phase(rec, "pending")
+            self.h.note(rec, interruptions=rec.interruptions + 1)
 
     def _move_off(self, out: list[Envelope], env: Envelope, node: str, code: str, why: str) -> None:
         """Checkpoint-and-move every job off the node (a drain, a removal): each is told to checkpoint and stop
@@ -747,7 +776,7 @@ class Scheduler:
         elsewhere; nothing new comes to the node meanwhile (it is cordoned or removed). A reservation's hold is held
         again elsewhere at once."""
         for rec in self._on_node(node):
-            if rec.state == "stopping":
+            if rec.phase == "stopping":
                 continue  # already told to stop
             if rec.hold is not None:
                 self._hold_again(out, env, rec, code)
@@ -762,7 +791,7 @@ class Scheduler:
         """A reservation's hold on a node that failed or leaves: released, and queued to be held elsewhere."""
         self._release(out, env, rec, why)
         rec.hold.status = "queued"
-        self.h.set_state(rec, "pending")
+        self.h.set_phase(rec, "pending")
 
     # ---------------------------------------------------------------- admission against the fleet
 
@@ -784,7 +813,7 @@ class Scheduler:
             self.unsure[rec.request.job_id] = None
             return False
         self.unsure.pop(rec.request.job_id, None)
-        self.h.set_state(rec, "done")
+        self.h.set_phase(rec, "done")
         self._nominate(rec, None)
         self._emit(out, Rejected(job_id=rec.request.job_id, code="unsatisfiable", reasons=(Reason(
             code="Unsatisfiable", plugin="Admission",
@@ -795,7 +824,7 @@ class Scheduler:
     def _judge_pending(self, out: list[Envelope], env: Envelope, job_ids) -> None:
         for j in job_ids:
             rec = self.jobs.get(j)
-            if rec is not None and rec.state == "pending" and rec.hold is None and rec.nominated is None:
+            if rec is not None and rec.phase == "pending" and rec.hold is None and rec.nominated is None:
                 self._judge(out, env, rec)
             else:
                 self.unsure.pop(j, None)
@@ -816,24 +845,20 @@ class Scheduler:
                 0 if r.reserved else 1, 0 if r.preemptions or r.interruptions else 1, r.arrival)
 
     def _cycle(self, out: list[Envelope], cause: Envelope, only: JobRecord | None = None) -> None:
+        """One scheduling cycle, a session in the manner of Volcano's and KAI's (docs/scheduler.md, "A cycle"): the
+        queue's order is taken once at its start (`_open`); each job in it goes through the actions in their fixed
+        order -- allocate, defragment, reclaim, preempt (`ACTIONS`) -- until one decides it, and a job none decides
+        is left waiting, its reasons said (`_leave_waiting`). Everything the cycle emits goes into one `Statement`,
+        which is committed once, at the end, to the step's outputs."""
         self.cycle += 1
-        self._reservation_windows(out, cause)
-        full = False
-        if only is not None and self.epoch == self._full_epoch:
-            queue = [(self._queue_key(only), only)] if only.state == "pending" else []
-        else:
-            self._wake()
-            self._park_places()
-            parked = self.parked
-            queue = sorted(((self._queue_key(self.jobs[j]), self.jobs[j]) for j in self.pending if j not in parked),
-                           key=_first)
-            self._full_epoch, self._full_ms = self.epoch, self.now_ms
-            full = True
+        stmt = Statement(out, cause)
+        self._reservation_windows(stmt.out, cause)
+        queue, full = self._open(only)
         failed: dict[tuple, list[tuple[tuple[int, ...], tuple]]] = {}  # kind -> (need, (result, quiet)), in order
         h = self.h
         i, last = 0, None
         while True:
-            if full and (h.opened or self._unclosed) and self.parked:
+            if full and (h.opened or h.unclosed) and h.parked:
                 # A parked job keeps its place in the queue's order: one that something in this cycle woke (a
                 # nominated job ahead took its node, ending its claim) is tried where a cycle over the whole queue
                 # would try it -- if that place is still ahead (else it is tried in the next cycle, as it would be)
@@ -844,69 +869,120 @@ class Scheduler:
                 break
             last, rec = queue[i]
             i += 1
-            if rec.retry_at > self.now_ms:
-                continue  # a failed run's back-off: not placed again before it ends (_retry); its reason stands
-            r = rec.request
-            if rec.mig_wait is not None:
-                node, card = rec.mig_wait
-                if card in self.nodes[node].mig_pending and self.nodes[node].schedulable:
-                    continue  # the card is being carved for it; nothing new to say
-                rec.mig_wait = None
-            quota = self._admit(rec)
+            attempt = self._allocate(stmt, rec, failed)
+            if attempt is None:
+                continue  # decided: placed, carving a MIG card for it, or nothing new to say
+            for action in ACTIONS:
+                if action(self, stmt, attempt):
+                    break
+            else:
+                self._leave_waiting(stmt, attempt, failed)
+        stmt.commit()
+        self._end_settled()  # the places are needed in this cycle only
+
+    def _open(self, only: JobRecord | None) -> tuple[list[tuple[tuple, JobRecord]], bool]:
+        """The cycle's queue, in order, taken at its start: `only` alone when nothing moved since the last full
+        cycle, else every pending job not parked (woken ones first back from the parked) -- and whether it is
+        full."""
+        if only is not None and self.epoch == self._full_epoch:
+            return ([(self._queue_key(only), only)] if only.phase == "pending" else []), False
+        self._wake()
+        self._park_places()
+        parked = self.parked
+        queue = sorted(((self._queue_key(self.jobs[j]), self.jobs[j]) for j in self.pending if j not in parked),
+                       key=_first)
+        self._full_epoch, self._full_ms = self.epoch, self.now_ms
+        return queue, True
+
+    def _allocate(self, stmt: Statement, rec: JobRecord, failed: dict) -> Attempt | None:
+        """The allocate action: place the job on free capacity within its quota (`place`; on cheaper cards if what
+        was found holds more than its quota lets it hold). None when that decided it (placed, a MIG carve asked for
+        it, or it waits for one, or waits out a back-off); else what the attempt found, for the next actions."""
+        out, cause = stmt.out, stmt.cause
+        if rec.retry_at > self.now_ms:
+            return None  # a failed run's back-off: not placed again before it ends (_retry); its reason stands
+        r = rec.request
+        if rec.mig_wait is not None:
+            node, card = rec.mig_wait
+            if card in self.nodes[node].mig_pending and self.nodes[node].schedulable:
+                return None  # the card is being carved for it; nothing new to say
+            self.h.note(rec, mig_wait=None)
+        quota = self._admit(rec)
+        if quota.blocked:
+            self._unnominate_blocked(rec)
+            return Attempt(rec, quota=quota, quiet=self._quiet(rec))
+        standing = standing_now(self.h, self.ledger, rec)
+        quiet = self._quiet(rec)
+        kind = (TIER_RANK[r.tier], r.tenant, r.project, standing, r.gang, quiet is not None, r.isolation_asked) \
+            if (r.constraints is _NO_CONSTRAINTS or r.constraints == _NO_CONSTRAINTS) and not rec.reserved else None
+        need = (r.compute_milli, r.gpu_memory_mib, r.cpu_milli, r.memory_mib)
+        dominated = next((why for f, why in failed.get(kind, ()) if _at_least(need, f)),
+                         None) if kind and rec.nominated is None else None
+        if dominated is not None:
+            # It asks for at least as much as a job of the same kind (tier, account, standing: the same claim,
+            # the same preemption candidates) that just failed, and nothing was freed since: it fails too.
+            self._unplaced(out, cause, rec, dominated, None)
+            if quiet is not None:
+                self._park(rec, standing)
+            return None
+        exclude = self._claimed_from(rec)
+        barred = self._barred(rec, standing) if quiet is not None else frozenset()
+        result = self._still_unplaced(rec, exclude, barred) if rec.nominated is None else None
+        if result is None:
+            result = place(self.index, self.nodes, r, self.workload, self.candidates,
+                           prefer=rec.nominated[0] if rec.nominated else None, exclude=exclude, barred=barred)
+            if rec.nominated is None and isinstance(result, Unschedulable):
+                self.h.note(rec, miss_memo=(self.h.view_seq, exclude | barred, self.node_epoch, result.seen))
+        if isinstance(result, MigPlan):
+            self._reconfigure(out, cause, rec, result)
+            return None
+        if not isinstance(result, Placement):
+            return Attempt(rec, result=result, quiet=quiet, standing=standing, kind=kind, need=need)
+        holding = self._holding(result, r)
+        if holding != (r.compute_milli, r.gpu_memory_mib):
+            quota = self._admit(rec, holding)  # charged for what it would hold, not what it asked
+            if quota.blocked and rec.nominated is None:
+                cheaper = self._within_quota(rec, result, holding, exclude, barred)
+                if cheaper is not None:
+                    result, holding, quota = cheaper
             if quota.blocked:
                 self._unnominate_blocked(rec)
-                if self._quiet(rec) is not None or not self._preempt_for_quota(out, cause, rec, quota):
-                    self._pending(out, cause, rec, quota.reasons)
-                continue
-            standing = standing_now(self.h, self.ledger, rec)
-            quiet = self._quiet(rec)
-            kind = (TIER_RANK[r.tier], r.tenant, r.project, standing, r.gang, quiet is not None, r.isolation_asked) \
-                if (r.constraints is _NO_CONSTRAINTS or r.constraints == _NO_CONSTRAINTS) and not rec.reserved else None
-            need = (r.compute_milli, r.gpu_memory_mib, r.cpu_milli, r.memory_mib)
-            dominated = next((why for f, why in failed.get(kind, ()) if _at_least(need, f)),
-                             None) if kind and rec.nominated is None else None
-            if dominated is not None:
-                # It asks for at least as much as a job of the same kind (tier, account, standing: the same claim,
-                # the same preemption candidates) that just failed, and nothing was freed since: it fails too.
-                self._unplaced(out, cause, rec, dominated, None)
-                if quiet is not None:
-                    self._park(rec, standing)
-                continue
-            exclude = self._claimed_from(rec)
-            barred = self._barred(rec, standing) if quiet is not None else frozenset()
-            result = self._still_unplaced(rec, exclude, barred) if rec.nominated is None else None
-            if result is None:
-                result = place(self.index, self.nodes, r, self.workload, self.candidates,
-                               prefer=rec.nominated[0] if rec.nominated else None, exclude=exclude, barred=barred)
-                if rec.nominated is None and isinstance(result, Unschedulable):
-                    rec.miss_memo = (self.h.view_seq, exclude | barred, self.node_epoch, result.seen)
-            if isinstance(result, MigPlan):
-                self._reconfigure(out, cause, rec, result)
-                continue
-            if not isinstance(result, Placement):
-                if rec.nominated is None and quiet is None and self._defragment(out, cause, rec):
-                    continue
-                if quiet is not None or not self._preempt_for(out, cause, rec):
-                    self._unplaced(out, cause, rec, result, quiet)
-                    if kind:
-                        failed.setdefault(kind, []).append((need, (result, quiet)))
-                    if quiet is not None:
-                        self._park(rec, standing)
-                continue
-            holding = self._holding(result, r)
-            if holding != (r.compute_milli, r.gpu_memory_mib):
-                quota = self._admit(rec, holding)  # charged for what it would hold, not what it asked
-                if quota.blocked and rec.nominated is None:
-                    cheaper = self._within_quota(rec, result, holding, exclude, barred)
-                    if cheaper is not None:
-                        result, holding, quota = cheaper
-                if quota.blocked:
-                    self._unnominate_blocked(rec)
-                    if quiet is not None or not self._preempt_for_quota(out, cause, rec, quota, holding):
-                        self._pending(out, cause, rec, quota.reasons)
-                    continue
-            self._bind(out, cause, rec, result, quota, holding)
-        self._end_settled()  # the places are needed in this cycle only
+                return Attempt(rec, quota=quota, quiet=quiet, holding=holding)
+        self._bind(out, cause, rec, result, quota, holding)
+        return None
+
+    def _defragment_action(self, stmt: Statement, a: Attempt) -> bool:
+        """The defragment action: a job no node took although the pool has its cards in total (`_defragment`)."""
+        if a.quota is not None or a.rec.nominated is not None or a.quiet is not None:
+            return False
+        return self._defragment(stmt.out, stmt.cause, a.rec)
+
+    def _reclaim_action(self, stmt: Statement, a: Attempt) -> bool:
+        """The reclaim action: a job its own account's quota keeps waiting stops that account's weaker work
+        (`_preempt_for_quota`); not while it is in its quiet window."""
+        if a.quota is None or a.quiet is not None:
+            return False
+        return self._preempt_for_quota(stmt.out, stmt.cause, a.rec, a.quota, a.holding)
+
+    def _preempt_action(self, stmt: Statement, a: Attempt) -> bool:
+        """The preempt action: a job no node took stops weaker work by the claim order (`_preempt_for`); not while
+        it is in its quiet window."""
+        if a.quota is not None or a.quiet is not None:
+            return False
+        return self._preempt_for(stmt.out, stmt.cause, a.rec)
+
+    def _leave_waiting(self, stmt: Statement, a: Attempt, failed: dict) -> None:
+        """No action decided the job: it waits, told why (its quota's reasons, or what every node said); one in its
+        quiet window that no node took is parked."""
+        rec = a.rec
+        if a.quota is not None:
+            self._pending(stmt.out, stmt.cause, rec, a.quota.reasons)
+            return
+        self._unplaced(stmt.out, stmt.cause, rec, a.result, a.quiet)
+        if a.kind:
+            failed.setdefault(a.kind, []).append((a.need, (a.result, a.quiet)))
+        if a.quiet is not None:
+            self._park(rec, a.standing)
 
     def _park(self, rec: JobRecord, standing: bool) -> None:
         """`rec`, in its quiet window, was not placed: it leaves the queue (`_wake` says when it comes back). Not a
@@ -919,28 +995,8 @@ class Scheduler:
         if not standing and barred != self._barred(rec, True):
             return
         r = rec.request
-        closed = self._claimed_from(rec) | barred
-        self.parked[r.job_id] = (closed, r.tier, self.cycle)
-        self._parked_by.setdefault(closed, {})[r.job_id] = None
-        self._parked_of.setdefault(r.tenant, {})[r.job_id] = None
-        heapq.heappush(self._park_until, (quiet_until(rec.preempted_at, self.preemption), r.job_id))
-
-    def _unpark(self, job_id: str) -> int | None:
-        got = self.parked.pop(job_id, None)
-        if got is not None:
-            same = self._parked_by[got[0]]
-            del same[job_id]
-            if not same:
-                del self._parked_by[got[0]]
-            rec = self.jobs.get(job_id)
-            tenant = rec.request.tenant if rec is not None else next(t for t, js in self._parked_of.items()
-                                                                      if job_id in js)
-            mine = self._parked_of[tenant]
-            del mine[job_id]
-            if not mine:
-                del self._parked_of[tenant]
-            return got[2]
-        return None
+        self.h.apply(Park(r.job_id, r.tenant, self._claimed_from(rec) | barred, r.tier, self.cycle,
+                          quiet_until(rec.preempted_at, self.preemption)))
 
     def _park_places(self) -> None:
         """At a full cycle's start: each parked job's place in the queue's order as it stands now (`_queue_key`) is
@@ -948,12 +1004,12 @@ class Scheduler:
         they are -- or, should the cycle have changed them first, as they were at the cycle's start: `_settle`
         marks their versions just before the first change (and keeps the changes since in their logs)."""
         self._end_settled()
-        self._unsettled.update(self._parked_of)
+        self._unsettled.update(self.h.parked_of)
 
     def _settle(self, tenant: str) -> None:
         """Before this cycle first changes `tenant`'s sums: the versions its parked jobs' places are read at."""
         self._unsettled.discard(tenant)
-        if tenant not in self._parked_of:
+        if tenant not in self.h.parked_of:
             return
         at = self._settled_at[tenant] = {}
         for key, s in self.h.sums.items():
@@ -990,7 +1046,7 @@ class Scheduler:
         out = []
         for j, cycle in self._wake().items():
             rec = self.jobs.get(j)
-            if cycle != self.cycle and rec is not None and rec.state == "pending":
+            if cycle != self.cycle and rec is not None and rec.phase == "pending":
                 out.append((self._parked_key(rec), rec))
         return out
 
@@ -1004,61 +1060,51 @@ class Scheduler:
         all; a new request under its id is never parked: `_handle` unparks it.) Returns the jobs woken: job -> the
         cycle it was parked in."""
         h = self.h
-        self._expire_charges()
+        h.apply(ExpireFreed(self.now_ms))
         mark = (self.node_epoch, self.ledger.quota_version)
-        parked = self.parked
+        parked = h.parked
         woken: dict[str, int] = {}
         if parked:
             if self._flush or mark != self._park_mark:
                 woken = {j: p[2] for j, p in parked.items()}
-                for d in (parked, self._parked_by, self._parked_of):
-                    d.clear()
-                self._park_until.clear()
+                h.apply(UnparkAll())
             else:
-                heap = self._park_until
+                heap = h.park_until
                 while heap and heap[0][0] <= self.now_ms:
                     j = heapq.heappop(heap)[1]
-                    got = self._unpark(j)
+                    got = parked.get(j)
                     if got is not None:
-                        woken[j] = got
+                        h.apply(Unpark(j))
+                        woken[j] = got[2]
                 opened = h.opened
                 if opened:
                     claimed = None
-                    for closed in [c for c in self._parked_by if not opened <= c]:
+                    for closed in [c for c in h.parked_by if not opened <= c]:
                         extra = opened - closed
-                        claimed = self._claimed_all() if claimed is None else claimed
+                        claimed = h.claimed_all() if claimed is None else claimed
                         if extra <= claimed:
                             # every node that opened for them is claimed by a nominated job, ahead of every job
                             # not nominated: still closed to them. They stay parked, closed to those nodes too, so
-                            # the claim's end wakes them (`_unclosed`) -- a stop on a node its preemptor claims
+                            # the claim's end wakes them (`unclosed`) -- a stop on a node its preemptor claims
                             # woke every victim parked before the claim, to fail and park again
-                            self._reclose(closed, closed | extra)
+                            h.apply(Reclose(closed, closed | extra))
                             continue
-                        for j in list(self._parked_by[closed]):
-                            woken[j] = self._unpark(j)
-                if self._unclosed:
-                    claimed = self._claimed_all()
-                    for closed in [c for c in self._parked_by if not c.isdisjoint(self._unclosed)]:
-                        left = [n for n in closed & self._unclosed if n not in claimed]
+                        for j in list(h.parked_by[closed]):
+                            woken[j] = parked[j][2]
+                            h.apply(Unpark(j))
+                if h.unclosed:
+                    claimed = h.claimed_all()
+                    for closed in [c for c in h.parked_by if not c.isdisjoint(h.unclosed)]:
+                        left = [n for n in closed & h.unclosed if n not in claimed]
                         tiers = {t for t in Tier if any(not self._barred_at_best(n, t) for n in left)}
                         if tiers:
-                            for j in [j for j in self._parked_by[closed] if parked[j][1] in tiers]:
-                                woken[j] = self._unpark(j)
-        h.opened.clear()
-        self._unclosed.clear()
+                            for j in [j for j in h.parked_by[closed] if parked[j][1] in tiers]:
+                                woken[j] = parked[j][2]
+                                h.apply(Unpark(j))
+        h.apply(Woke())
         self._flush = False
         self._park_mark = mark
         return woken
-
-    def _reclose(self, closed: frozenset[str], wider: frozenset[str]) -> None:
-        """The jobs parked closed to `closed` are closed to `wider` now (a superset): what wakes them follows."""
-        moved = self._parked_by.pop(closed)
-        into = self._parked_by.setdefault(wider, {})
-        parked = self.parked
-        for j in moved:
-            into[j] = None
-            p = parked[j]
-            parked[j] = (wider, p[1], p[2])
 
     def _barred_at_best(self, node: str, tier: Tier) -> bool:
         """Whether `node` is barred to quiet jobs of this tier even when they stand within quota (`_barred`)."""
@@ -1110,7 +1156,7 @@ class Scheduler:
         if not m[1] <= closed or self.h.views_changed_since(m[0], closed):
             return None
         self.workload.fleet(self.index)  # as `place` would have (a no-op while the hosts stand still)
-        rec.miss_memo = (self.h.view_seq, closed, m[2], m[3])
+        self.h.note(rec, miss_memo=(self.h.view_seq, closed, m[2], m[3]))
         r = rec.request
         return Unschedulable(explain=lambda never: place(self.index, self.nodes, r, self.workload, self.candidates,
                                                          exclude=exclude, barred=barred).reasons_for(never),
@@ -1153,7 +1199,7 @@ class Scheduler:
         mine = None
         kept: dict | None = None
         for o in self.nominations.values():
-            if o is rec or o.request.tenant != t or o.state != "pending" or o.reserved or o.hold is not None \
+            if o is rec or o.request.tenant != t or o.phase != "pending" or o.reserved or o.hold is not None \
                     or o.nominated is None or not o.nominated[1]:
                 continue
             if not self._victims_stopping(o):
@@ -1181,7 +1227,7 @@ class Scheduler:
               holding: tuple[int, int]) -> None:
         r = rec.request
         if rec.hold is None:
-            rec.attempt += 1
+            self.h.note(rec, attempt=rec.attempt + 1)
         gang = len(result.parts)
         nodes = tuple(p.node for p in result.parts) if gang > 1 else ()
         # a program's parts meet at rank 0's node (a stand-in without a program needs no rendezvous)
@@ -1232,7 +1278,7 @@ class Scheduler:
         for b in self.book.closing(self.now_ms):
             self._end_hold(out, cause, b, "expired", (Reason(code="WindowPassed", plugin="Reservation"),))
         for b in self.book.opening(self.now_ms):
-            if b.hold_id not in self.jobs or self.jobs[b.hold_id].state == "done":
+            if b.hold_id not in self.jobs or self.jobs[b.hold_id].phase == "done":
                 self.arrivals += 1
                 self.h.add_job(JobRecord(request=b.hold_request(), arrival=self.arrivals, hold=b))
                 b.status = "queued"
@@ -1241,11 +1287,11 @@ class Scheduler:
     def _end_hold(self, out: list[Envelope], cause: Envelope, b: Booking, status: str,
                   reasons: tuple[Reason, ...], node: str = "") -> None:
         rec = self.jobs.get(b.hold_id)
-        if rec is not None and rec.state != "done":
+        if rec is not None and rec.phase != "done":
             if rec.placement is not None:
                 node = node or rec.node
                 self._release(out, cause, rec, status)
-            self.h.set_state(rec, "done")
+            self.h.set_phase(rec, "done")
         b.status = status
         self._emit(out, ReservationDecided(reservation_id=b.request.reservation_id, status=status, node=node,
                                            reasons=reasons), cause)
@@ -1256,10 +1302,10 @@ class Scheduler:
         if b is None or b.request.tenant != rec.request.tenant or b.status not in LIVE:
             return
         hold = self.jobs.get(b.hold_id)
-        node = hold.node if hold is not None and hold.state == "placed" else ""
+        node = hold.node if hold is not None and hold.phase == "placed" else ""
         self._end_hold(out, cause, b, "used", (Reason(code="UsedBy", plugin="Reservation",
                                                       data={"job_id": rec.request.job_id}),), node)
-        rec.reserved = True  # the booked capacity is the tenant's own: charged as reserved, billed as such
+        self.h.note(rec, reserved=True)  # the booked capacity is the tenant's own: charged as reserved, billed as such
         if node:
             self._nominate(rec, (node, ()), (node,))
 
@@ -1270,7 +1316,7 @@ class Scheduler:
             reasons=(Reason(code="MigCarve", plugin="GpuFit", nodes=(plan.node,),
                             message=f"new {plan.profile} instance in idle slices for {rec.request.job_id}",
                             data={"for_job": rec.request.job_id, "profile": plan.profile}),)), cause)
-        rec.mig_wait = (plan.node, plan.gpu_uuid)
+        self.h.note(rec, mig_wait=(plan.node, plan.gpu_uuid))
         self._pending(out, cause, rec, (Reason(
             code="MigReconfiguring", plugin="GpuFit", nodes=(plan.node,),
             message=f"waiting for {plan.node} to create a {plan.profile} instance"),))
@@ -1301,7 +1347,7 @@ class Scheduler:
     def _victim(self, o, node: str, search, rule: str) -> Victim:
         """`o` as a candidate victim on `node` by this rule (`_rule`): its tier, whether it stands as borrowed, the
         work it would lose."""
-        since = max(o.started_ms, o.checkpoint_ms) if o.state == "running" else self.now_ms
+        since = max(o.started_ms, o.checkpoint_ms) if o.phase == "running" else self.now_ms
         return Victim(o.request.job_id, node, TIER_RANK[o.request.tier],
                       rule == "reclaim" or not search.victim_claim(o, search.mine)[0], max(0, self.now_ms - since),
                       rule)
@@ -1395,7 +1441,7 @@ class Scheduler:
         out = []
         for j, below in self._judged_on(view, search, key):
             other = jobs[j]
-            if other.state not in _STOPPABLE or other.placement is None:
+            if other.phase not in _STOPPABLE or other.placement is None:
                 continue
             if other.preempted_at and protected(other.preempted_at, now, cfg):
                 continue  # what `_rule` asks first
@@ -1671,7 +1717,7 @@ class Scheduler:
                               (o.request.tenant, o.request.project, o.group)) for o, rule in pairs)
                 # since when each would lose work if stopped (a start, a checkpoint and a state change each move
                 # the node's count, Holdings.node_jobs, and so the pairs kept): NO_LOSS while it does not run
-                sinces = tuple(max(o.started_ms, o.checkpoint_ms) if o.state == "running" else _NO_LOSS
+                sinces = tuple(max(o.started_ms, o.checkpoint_ms) if o.phase == "running" else _NO_LOSS
                                for _, o, _, _, _ in rows)
                 accounts: dict[tuple, list[int]] = {}
                 for _, o, _, rule, k in rows:
@@ -1769,68 +1815,31 @@ class Scheduler:
                      message=f"stopped for another job at {rec.preempted_at[-1]} ms: it preempts nothing until "
                              f"{until} ms, and meanwhile takes free capacity that preemption did not free for "
                              f"stronger work")
-        rec.quiet_memo = (rec.preempted_at, until, why)
+        self.h.note(rec, quiet_memo=(rec.preempted_at, until, why))
         return why if self.now_ms < until else None
 
     def _charge(self, rec: JobRecord, key: Claim) -> None:
         """The nodes `rec` claims (a plan's) are freed for its claim `key` until the quiet window of victims stopped
         now ends (`_recharge` moves it on when it takes its node); a node freed for several keeps the strongest."""
-        self._uncharge(rec)  # a plan made again: what the last one freed is not kept for it
-        until = self.now_ms + self.preemption.victim_quiet_ms
-        for n in rec.claim:
-            old = self.freed_for.get(n)
-            k = old[0] if old is not None and old[1] > self.now_ms and old[0] > key else key
-            self.freed_for[n] = (k, until, rec.request.job_id)
-        self._charged_by[rec.request.job_id] = rec.claim
-        self._barred_cache.clear()
-        self._barred_until = min(self._barred_until, until)
+        self.h.apply(ChargeFreed(rec.request.job_id, rec.claim, key, self.now_ms,
+                                 self.now_ms + self.preemption.victim_quiet_ms))
 
     def _recharge(self, rec: JobRecord) -> None:
         """`rec` took its node: its victims have stopped, their quiet windows run to victim_quiet_ms from now, and so
         does what they freed for it."""
-        until = self.now_ms + self.preemption.victim_quiet_ms
-        for n in self._charged_by.get(rec.request.job_id, ()):
-            old = self.freed_for.get(n)
-            if old is not None and old[2] == rec.request.job_id:
-                self.freed_for[n] = (old[0], until, old[2])
+        self.h.apply(RechargeFreed(rec.request.job_id, self.now_ms + self.preemption.victim_quiet_ms))
 
     def _uncharge(self, rec: JobRecord) -> None:
-        nodes = self._charged_by.pop(rec.request.job_id, None)
-        if nodes is None:
-            return
-        for n in nodes:
-            old = self.freed_for.get(n)
-            if old is not None and old[2] == rec.request.job_id:
-                del self.freed_for[n]
-                self._unclosed.add(n)
-        self._barred_cache.clear()
+        self.h.apply(UnchargeFreed(rec.request.job_id))
 
     def _barred(self, rec: JobRecord, standing: bool) -> frozenset[str]:
         """Nodes a job in its quiet window (`standing`: its standing now) may not take from: preemption freed them,
         less than the victims' quiet window ago, for a claim at least as strong as its own (`freed_for`) -- the next
         request of that claim would stop someone else for it (one of equal claim cannot stop it)."""
-        if not self.freed_for:
+        if not self.h.freed_for:
             return frozenset()
-        self._expire_charges()
-        mine = claim(standing, rec.request.tier, rec.reserved)
-        got = self._barred_cache.get(mine)
-        if got is None:
-            got = self._barred_cache[mine] = frozenset(n for n, f in self.freed_for.items() if mine <= f[0])
-        return got
-
-    def _expire_charges(self) -> None:
-        """A charge expired (`_charge`): drop those, and what was worked out from them. Done at the start of every
-        full cycle, so that when a charge goes does not hang on which waiting jobs were tried."""
-        now = self.now_ms
-        if now < self._barred_until or not self.freed_for:
-            return
-        gone = [n for n, f in self.freed_for.items() if f[1] <= now]
-        self._unclosed.update(gone)
-        self.freed_for = {n: f for n, f in self.freed_for.items() if f[1] > now}
-        self._charged_by = {j: ns for j, ns in self._charged_by.items()
-                            if any(self.freed_for.get(n, ("", 0, ""))[2] == j for n in ns)}
-        self._barred_cache.clear()
-        self._barred_until = min((f[1] for f in self.freed_for.values()), default=1 << 62)
+        self.h.apply(ExpireFreed(self.now_ms))
+        return self.h.barred(claim(standing, rec.request.tier, rec.reserved))
 
     def _stop_for(self, out: list[Envelope], cause: Envelope, rec: JobRecord, victims) -> None:
         r = rec.request
@@ -1847,7 +1856,7 @@ class Scheduler:
         that account's weaker work (claims.py: its own borrowed or lower-tier jobs) until the quota admits it --
         the same claim order as everywhere, inside one tenant: a tenant's inference service displaces its own
         training. True when it waits on such stops (under way, or started now)."""
-        if rec.nominated is not None and any(self.state_of(v) == "stopping" for v in rec.nominated[1]):
+        if rec.nominated is not None and any(self.phase_of(v) == "stopping" for v in rec.nominated[1]):
             return True
         codes = {q.code for q in quota.reasons}
         if not codes & {"QuotaExceeded", "ProjectQuotaExceeded"}:
@@ -1862,7 +1871,7 @@ class Scheduler:
         need, mem = holding if holding else (None, None)
         cands = []
         for o in (self.jobs[j] for j in self._account_holders(r.tenant)):
-            if o is rec or o.state not in ("placed", "running") or o.placement is None or o.hold is not None:
+            if o is rec or o.phase not in ("placed", "running") or o.placement is None or o.hold is not None:
                 continue
             if project and o.request.project != r.project:
                 continue
@@ -1948,34 +1957,20 @@ class Scheduler:
 
     def _victims_stopping(self, rec: JobRecord) -> bool:
         """Whether any victim the nominated job `rec` waits for is still stopping (or moving)."""
-        return any(self.state_of(v) in ("stopping", "migrating") for v in rec.nominated[1])
+        return any(self.phase_of(v) in ("stopping", "migrating") for v in rec.nominated[1])
 
     def _nominate(self, rec: JobRecord, nominated, claim: tuple[str, ...] = ()) -> None:
-        self._unclosed.update(rec.claim)
-        self._nominations_version += 1
-        rec.nominated, rec.claim = nominated, claim if nominated is not None else ()
-        if nominated is None:
-            self.nominations.pop(rec.request.job_id, None)
-        else:
-            self.nominations[rec.request.job_id] = rec
+        self.h.apply(Nominate(rec.request.job_id, nominated, claim))
 
     def _claimed_from(self, rec: JobRecord) -> frozenset[str]:
         """Nodes `rec` may not take from: claimed by a nominated job ahead of it in the queue."""
         if not self.nominations:
             return frozenset()
         if rec.nominated is None:  # every nominated job is ahead of one that is not (`_queue_key`)
-            return self._claimed_all()
+            return self.h.claimed_all()
         mine = self._queue_key(rec)
         return frozenset(n for o in self.nominations.values() if o is not rec and self._queue_key(o) < mine
                          for n in o.claim)
-
-    def _claimed_all(self) -> frozenset[str]:
-        """Every node a nominated job claims."""
-        v, got = self._claims
-        if v != self._nominations_version:
-            got = frozenset(n for o in self.nominations.values() for n in o.claim)
-            self._claims = (self._nominations_version, got)
-        return got
 
     def _freed_by_stops(self, rec: JobRecord) -> tuple[str, tuple[str, ...]] | None:
         """A node where `rec` fits once the jobs stopping there are gone and the jobs nominated to it have taken
@@ -1988,7 +1983,7 @@ class Scheduler:
                 stopping.setdefault(part.node, []).append(j)
         claims: dict[str, list[JobRecord]] = {}
         for o in self.nominations.values():
-            if o.nominated is not None and o.state == "pending" and o is not rec:
+            if o.nominated is not None and o.phase == "pending" and o is not rec:
                 claims.setdefault(o.nominated[0], []).append(o)
         for node in sorted(stopping):
             if node not in claims:  # nobody else waits for this node: arithmetic, no scratch view
@@ -2020,16 +2015,16 @@ class Scheduler:
         # what would free capacity is counted on cards its quota could admit it on
         reasons = result.reasons_for(self._never_admitted_on(rec))
         self._pending(out, cause, rec, reasons + ((quiet,) if quiet is not None else ()))
-        rec.pending_seen = seen
+        self.h.note(rec, pending_seen=seen)
 
     def _pending(self, out: list[Envelope], cause: Envelope, rec: JobRecord, reasons: tuple[Reason, ...]) -> None:
-        rec.pending_seen = None  # told something else than an unplaced attempt's reasons (_unplaced)
+        self.h.note(rec, pending_seen=None)  # told something else than an unplaced attempt's reasons (_unplaced)
         # a quota's reason is said again when the cap that blocks it moves (an operator's change is seen to take),
         # not when what is used moves
         codes = tuple(f"{r.plugin}:{r.code}" if r.plugin != "Quota" or "cap_milli" not in r.data
                       else f"{r.plugin}:{r.code}:{r.data['cap_milli']}" for r in reasons)
         if codes != rec.pending_codes:  # say it once per change, not every cycle
-            rec.pending_codes = codes
+            self.h.note(rec, pending_codes=codes)
             self._emit(out, JobPending(job_id=rec.request.job_id, reasons=reasons), cause)
 
     def card_model(self, node: str, gpu_uuid: str) -> str:
@@ -2037,6 +2032,11 @@ class Scheduler:
 
 
 _NO_CONSTRAINTS = JobRequested.model_fields["constraints"].default
+
+
+# the actions of a cycle after allocate (`Scheduler._allocate`), in their order (Volcano's and KAI's: allocate,
+# then consolidate, reclaim, preempt); each takes the attempt allocate left and says whether it decided the job
+ACTIONS = (Scheduler._defragment_action, Scheduler._reclaim_action, Scheduler._preempt_action)
 
 
 @functools.lru_cache(maxsize=64)
@@ -2116,6 +2116,12 @@ def _at_least(need: tuple, other: tuple) -> bool:
 _STOPPABLE = frozenset({"placed", "running"})  # states a job may be stopped in for another (not yet stopping)
 
 _SAME_EPOCH = frozenset({"job.requested", "job.started", "job.checkpointed", "scheduler.tick"})
+
+
+def ElasticScheduler(elastic: ElasticConfig = ElasticConfig(), **kw) -> Scheduler:  # noqa: N802 - the name callers know
+    """The scheduler with the autoscaler component (what the live agent runs): `Scheduler(elastic=..., **kw)`. It
+    lives here, not in elastic.py: core imports elastic, never the other way round."""
+    return Scheduler(elastic=elastic, **kw)
 
 
 def live_config() -> dict:

@@ -119,7 +119,7 @@ def _clear(s, rec, view, m: str, n: int, free: dict[str, int], exclude) -> Plan 
     movers = []
     for j in sorted(view.allocations):
         o = s.jobs.get(j)
-        if o is None or o.state != "running" or o.hold is not None or o.reserved or len(o.parts) != 1:
+        if o is None or o.phase != "running" or o.hold is not None or o.reserved or len(o.parts) != 1:
             continue
         q = o.request
         if TIER_RANK[q.tier] <= TIER_RANK[r.tier] or q.tier != Tier.OFFLINE or q.checkpoint_interval_s <= 0:

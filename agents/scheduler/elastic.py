@@ -291,7 +291,7 @@ class Autoscaler:
     def ready(self, svc: Service, job_id: str) -> bool:
         """A replica counts ready when it runs and, for a service with endpoints, its current placement's node said
         its readiness probe answered (replica.ready, and no replica.unready since)."""
-        if self.s.state_of(job_id) != "running":
+        if self.s.phase_of(job_id) != "running":
             return False
         if svc.spec.serve is None:
             return True
@@ -454,12 +454,12 @@ class Autoscaler:
         core's preemption would stop for an inference replica)."""
         out: dict[str, list[Victim]] = {}
         for rec in self.jobs.values():
-            if rec.state not in ("placed", "running") or rec.placement is None or getattr(rec, "hold", None):
+            if rec.phase not in ("placed", "running") or rec.placement is None or getattr(rec, "hold", None):
                 continue
             r = rec.request
             if r.tier == Tier.INFERENCE or protected(rec.preempted_at, self.now_ms, self.preemption):
                 continue
-            since = max(rec.started_ms, rec.checkpoint_ms) if rec.state == "running" else self.now_ms
+            since = max(rec.started_ms, rec.checkpoint_ms) if rec.phase == "running" else self.now_ms
             lost = max(0, self.now_ms - since)
             for part in rec.parts:
                 out.setdefault(part.node, []).append(Victim(r.job_id, part.node, TIER_RANK[r.tier],
@@ -479,7 +479,7 @@ class Autoscaler:
         charged = 0  # milli-CU the boosts admitted before it in this pass hold beyond their base shares
         for _, j in order:
             rec = self.jobs.get(j)
-            if j in svc.boosts or rec is None or rec.state != "running" or rec.placement is None:
+            if j in svc.boosts or rec is None or rec.phase != "running" or rec.placement is None:
                 continue
             pl = rec.placement
             if len(rec.parts) != 1 or len(pl.assignments) != 1 or pl.assignments[0].mig_uuid:
@@ -542,7 +542,7 @@ class Autoscaler:
         for j in jobs:
             b = svc.boosts.pop(j)
             rec = self.jobs.get(j)
-            if rec and rec.state == "running" and rec.placement and rec.placement.command_id == b.command_id:
+            if rec and rec.phase == "running" and rec.placement and rec.placement.command_id == b.command_id:
                 yield from self._resize(rec, b.base, Reason(code=code, plugin=PLUGIN))
             yield Charge(b.hold, -1)
         yield Backfill()  # the freed share is backfilled now, not at the next tick
@@ -569,7 +569,7 @@ class Autoscaler:
 
     def _housekeep(self, svc: Service):
         """Forget replicas that ended (completed, failed, cancelled); release boost holds whose placement is gone."""
-        for j in [j for j in svc.replicas if self.s.state_of(j) in (None, "done")]:
+        for j in [j for j in svc.replicas if self.s.phase_of(j) in (None, "done")]:
             del svc.replicas[j]
             svc.replica_util.pop(j, None)
             svc.probed.pop(j, None)
@@ -699,7 +699,7 @@ class Autoscaler:
             for rank, jobs in ((0, svc.warm()), (1, extras)):
                 for j in jobs:
                     rec = self.jobs.get(j)
-                    if rec is not None and rec.state in ("placed", "running") and rec.placement is not None:
+                    if rec is not None and rec.phase in ("placed", "running") and rec.placement is not None:
                         cands.setdefault(rec.node, []).append(Victim(j, rec.node, 0, False, rank, "yield"))
                         owner[j] = sid
         if not cands:
@@ -708,7 +708,7 @@ class Autoscaler:
         failed: list[tuple] = []  # needs that found no plan: a job asking at least as much finds none either
         for rec in waiting:
             r = rec.request
-            if rec.state != "pending":
+            if rec.phase != "pending":
                 continue
             need = (r.compute_milli, r.gpu_memory_mib, r.cpu_milli, r.memory_mib)
             if any(c == r.constraints and all(a >= b for a, b in zip(need, f)) for c, f in failed):
@@ -751,7 +751,7 @@ class Autoscaler:
 
     def _cancel(self, job_id: str, why: str):
         rec = self.jobs.get(job_id)
-        if rec is not None and rec.state != "done":
+        if rec is not None and rec.phase != "done":
             yield Request(JobCancelled(job_id=job_id, reason=why))
 
     def _scaled(self, svc: Service, action: str, jobs: tuple[str, ...],
@@ -777,9 +777,3 @@ class Autoscaler:
         """(non-inference milli-GPU x ms, pool milli-GPU x ms) over the last window_ms."""
         return self.share.integral(self.now_ms - self.cfg.window_ms, self.now_ms)
 
-
-def ElasticScheduler(elastic: ElasticConfig = ElasticConfig(), **kw):  # noqa: N802 - the name callers know
-    """The scheduler with the autoscaler component (what the live agent runs): `Scheduler(elastic=..., **kw)`."""
-    from agents.scheduler.core import Scheduler
-
-    return Scheduler(elastic=elastic, **kw)

@@ -11,7 +11,7 @@ there, nowhere else:
 - the victim index (which nodes hold work of which claim: `victims.py`);
 - per tier, how many jobs hold capacity; per tenant and project, what the holders of each claim group hold (the
   claim order's standings, `claims.py`);
-- which jobs are pending, placed, running, stopping (`set_state` is the one writer of a record's state: `apply`
+- which jobs are pending, placed, running, stopping (`set_phase` is the one writer of a record's phase: `apply`
   moves a job to placed, running and stopping, the scheduler's policy moves it back to pending or to done);
 - the training share's tally: milli-GPU held by non-inference work and the pool's milli-GPU (docs/elastic.md).
 
@@ -25,6 +25,7 @@ import heapq
 from array import array
 from dataclasses import dataclass, field
 from hashlib import blake2b
+from typing import NamedTuple
 
 from agents.scheduler.node_index import NodeIndex
 from agents.scheduler.quota import held
@@ -36,7 +37,13 @@ from schemas.events import (
 )
 from streams.folds import node_view
 
-HOLDING = ("placed", "running", "stopping", "migrating")  # states in which a job holds capacity on its nodes
+# A job record's phase: the scheduler's own bookkeeping of where a job is in its placement -- waiting in the queue,
+# placed (told to start), running (its node said it started), told to stop or to move, done (nothing more is billed,
+# released or charged for it). It is not the job's state as users see it (completed, failed, cancelled, ...): that
+# is decided by streams/folds/job_view.py alone, from the job's events, and the scheduler asks job_view's rules where
+# it needs one (`job_view.failure_ends`: whether a failed run ends the job).
+PHASES = ("pending", "placed", "running", "stopping", "migrating", "done")
+HOLDING = ("placed", "running", "stopping", "migrating")  # phases in which a job holds capacity on its nodes
 VIEW_LOG = 8192  # node view changes kept in Holdings.view_log
 MOVES_WINDOW_MS = 3600_000  # defrag.HOUR_MS: the window of the disruption budget
 SUMS_LOG = 32  # latest changes a Sums keeps (Sums.log): a standing older than those is worked out again
@@ -55,7 +62,9 @@ def group(tier: Tier, reserved: bool) -> int:
 class JobRecord:
     request: JobRequested
     arrival: int
-    state: str = "pending"  # pending | placed | running | stopping | migrating | done (set_state writes it)
+    # where the scheduler's placement bookkeeping has the job (PHASES; `Holdings.set_phase` writes it): not the job's
+    # state as users see it, which streams/folds/job_view.py alone decides from the job's events
+    phase: str = "pending"
     node: str = ""
     placement: PlaceJob | None = None  # the first part (the only one unless a gang spans nodes)
     parts: tuple[PlaceJob, ...] = ()
@@ -95,6 +104,14 @@ class JobRecord:
     @property
     def group(self) -> int:
         return group(self.request.tier, self.reserved or self.hold is not None)
+
+
+# the JobRecord fields the policy writes through `Holdings.note` (the others: `apply`, `set_phase`, `Nominate`)
+NOTED = frozenset({
+    "said_ms", "sources", "accrued_ms", "completed_parts", "migration", "preemptions", "preempted_at", "interruptions",
+    "checkpoint", "stop_cause", "failures", "retry_at", "mig_wait", "miss_memo", "attempt", "reserved", "quiet_memo",
+    "pending_seen", "pending_codes", "standing_memo",
+})
 
 
 @dataclass(slots=True)
@@ -249,6 +266,78 @@ class Sums:
         return base, tm, tmem
 
 
+# ---------------------------------------------------------------- the scheduler's own changes
+# Besides the commands and facts it folds, the scheduler changes its bookkeeping of waiting jobs -- which are parked,
+# which are nominated on nodes, which nodes preemption freed for whom -- and it does so only by applying one of these
+# typed changes (`Holdings.apply`), so each piece of that bookkeeping has one writer and what is derived from it
+# (`parked_by`, `parked_of`, `nominations`, `freed_by`) is kept in step there: `rebuilt` must reproduce it
+# (tests/test_holdings_waits.py).
+
+class Park(NamedTuple):
+    """A waiting job in its quiet window that no node took leaves the queue (core.Scheduler._park): closed to the
+    nodes `closed` (claimed by a nominated job ahead of it, or barred to it), parked in cycle `cycle`, its quiet
+    window ending at `until` (log time)."""
+    job_id: str
+    tenant: str
+    closed: frozenset
+    tier: Tier
+    cycle: int
+    until: int
+
+
+class Unpark(NamedTuple):
+    """A parked job goes back to the queue (or its id is requested anew); nothing if it is not parked."""
+    job_id: str
+
+
+class UnparkAll(NamedTuple):
+    """Every parked job goes back to the queue (the timed full cycle, a node's facts or a quota changed)."""
+
+
+class Reclose(NamedTuple):
+    """The jobs parked closed to `closed` are closed to `wider` (a superset) from now on."""
+    closed: frozenset
+    wider: frozenset
+
+
+class Woke(NamedTuple):
+    """The scheduler read `opened` and `unclosed` (core.Scheduler._wake): both start afresh."""
+
+
+class Nominate(NamedTuple):
+    """A job is nominated on a node, waiting for `nominated` = (node, victims), the nodes `claim` kept for it; or,
+    `nominated` None, no longer. The nodes it claimed before are no longer closed to parked jobs (`unclosed`)."""
+    job_id: str
+    nominated: tuple | None
+    claim: tuple = ()
+
+
+class ChargeFreed(NamedTuple):
+    """What preemption frees on `nodes` is kept for claim `key` (claims.Claim) until `until`, charged to `job_id`
+    (core.Scheduler._charge): a node already kept for a stronger claim that has not expired keeps that claim."""
+    job_id: str
+    nodes: tuple
+    key: tuple
+    now_ms: int
+    until: int
+
+
+class RechargeFreed(NamedTuple):
+    """`job_id` took its node: what is still kept for it is kept until `until`."""
+    job_id: str
+    until: int
+
+
+class UnchargeFreed(NamedTuple):
+    """`job_id` lets go of what was freed for it: those nodes are free capacity like any (and `unclosed`)."""
+    job_id: str
+
+
+class ExpireFreed(NamedTuple):
+    """The charges whose time is up at `now_ms` go (and their nodes are `unclosed`)."""
+    now_ms: int
+
+
 class Holdings:
     """The scheduler's node views and job records, and everything derived from them; `apply` is the only write."""
 
@@ -258,7 +347,7 @@ class Holdings:
         self.index = NodeIndex()
         self.victims = VictimIndex()
         self.held_by_tier: dict[int, int] = {}  # tier rank -> jobs holding capacity (holds aside)
-        self.pending: set[str] = set()  # jobs in state "pending": the cycle's queue
+        self.pending: set[str] = set()  # jobs in phase "pending": the cycle's queue
         self.pending_of: dict[str, int] = {}  # tenant -> how many of its jobs are pending (the cap's count)
         self.stopping: set[str] = set()  # jobs told to checkpoint and stop (or move), not yet stopped
         self.migrated: dict[str, list[int]] = {}  # tenant -> when its jobs were told to move (the disruption budget)
@@ -283,10 +372,31 @@ class Holdings:
         # refused as stale): (until_ms, source, job id), their dedupe entries dropped then unless the job is known
         self.strays: list[tuple[int, str, str]] = []
         self.done_now: list[JobRecord] = []  # records set to done in the step under way (buried at its end)
-        # node -> how many times the state or placement of a job holding capacity there changed: what is kept of who
-        # may be stopped on a node is kept while its view object and this count stay the same (a job's state can
+        # node -> how many times the phase or placement of a job holding capacity there changed: what is kept of who
+        # may be stopped on a node is kept while its view object and this count stay the same (a job's phase can
         # change without its node's view: a move leaves the node it stops on as it is until the stop)
         self.node_jobs: dict[str, int] = {}
+        # Parked jobs (kube-scheduler's unschedulable pods, Kueue's inadmissible workloads): job -> (the nodes closed
+        # to it in its last attempt, its tier, the cycle it was parked in, its tenant); the same jobs by their closed
+        # nodes and by tenant; (quiet window's end, job), a heap whose entries may be stale (`Park`, `Unpark`)
+        self.parked: dict[str, tuple[frozenset[str], Tier, int, str]] = {}
+        self.parked_by: dict[frozenset[str], dict[str, None]] = {}
+        self.parked_of: dict[str, dict[str, None]] = {}
+        self.park_until: list[tuple[int, str]] = []
+        # nodes that may no longer be closed to a parked job (a claim or a charge ended) since the scheduler last
+        # read them (`Woke`)
+        self.unclosed: set[str] = set()
+        # Jobs nominated on nodes (kube-scheduler's nominatedNodeName): job -> its record, exactly the records whose
+        # `nominated` is set (`Nominate` writes both); the version moves on every change (the claimed nodes' memo)
+        self.nominations: dict[str, JobRecord] = {}
+        self.nominations_version = 0
+        self.claims_memo: tuple[int, frozenset[str]] = (-1, frozenset())  # (version, every node a nomination claims)
+        # What preemption freed, per node: node -> (the claim it was kept for, until when in log time, for whom),
+        # and its inverse, job -> the nodes kept for it (`ChargeFreed` .. `ExpireFreed`)
+        self.freed_for: dict[str, tuple[tuple, int, str]] = {}
+        self.freed_by: dict[str, dict[str, None]] = {}
+        self.barred_memo: dict[tuple, frozenset[str]] = {}  # claim -> the nodes kept for it or a stronger one
+        self.barred_until = -1 << 62  # the memo holds until the first charge in it expires (a lower bound)
 
     # ---------------------------------------------------------------- the write path
 
@@ -297,7 +407,7 @@ class Holdings:
         if t is not None:
             rec.commands, rec.sources = dict(t.commands), t.sources
         self.jobs[rec.request.job_id] = rec
-        rec.state = "pending"
+        rec.phase = "pending"
         self._pending(rec, True)
 
     def _pending(self, rec: JobRecord, pending: bool) -> None:
@@ -314,10 +424,10 @@ class Holdings:
             else:
                 del self.pending_of[tenant]
 
-    def set_state(self, rec: JobRecord, state: str) -> None:
-        """The one writer of a record's state; keeps the pending and stopping sets."""
+    def set_phase(self, rec: JobRecord, phase: str) -> None:
+        """The one writer of a record's phase; keeps the pending and stopping sets."""
         j = rec.request.job_id
-        rec.state = state
+        state = rec.phase = phase
         self._moved(rec)
         self._pending(rec, state == "pending")
         if state in ("stopping", "migrating"):
@@ -326,6 +436,23 @@ class Holdings:
             self.stopping.discard(j)
         if state == "done":
             self.done_now.append(rec)
+            if rec.nominated is not None:  # a finished job claims nothing (a reservation's hold ended while nominated)
+                self._nominate(Nominate(j, None))
+
+    def note(self, rec: JobRecord, **fields) -> None:
+        """The policy's writes to a job record's own bookkeeping: its counts (attempt, failures, preemptions,
+        interruptions), back-off, checkpoint and stop cause, what it waits for (a MIG carve), what it was told
+        (pending_codes, pending_seen), billing (accrued_ms), whether it is reserved, and the memos kept on it. Every
+        JobRecord field written outside `apply` is written here, `set_phase`, `checkpointed` or by `Nominate`:
+        `NOTED` names the fields; the phase, the placement and the nomination have their own writers."""
+        for k, v in fields.items():
+            if k not in NOTED:
+                raise AttributeError(f"JobRecord.{k} is not written by Holdings.note")
+            setattr(rec, k, v)
+
+    def commanded(self, rec: JobRecord, command_id: str, attempt: int) -> None:
+        """A command about one run of the job was sent: which run (attempt) it concerns."""
+        rec.commands[command_id] = attempt
 
     def checkpointed(self, rec: JobRecord, checkpoint: str, at_ms: int) -> None:
         """A run's checkpoint: what it resumes from, and from when it would lose work if stopped."""
@@ -344,6 +471,12 @@ class Holdings:
         self.ended[j] = Ended(fingerprint(rec.request), rec.attempt, rec.commands, rec.sources, until_ms)
         if until_ms is not None:
             heapq.heappush(self.expiry, (until_ms, j))
+
+    def ended_source(self, job_id: str, source: str) -> None:
+        """One of a finished job's own sources spoke of it: its dedupe entry goes when the job is forgotten."""
+        t = self.ended[job_id]
+        if source not in t.sources:
+            t.sources += (source,)
 
     def keep_until(self, job_id: str, until_ms: int) -> None:
         """A record about a finished job arrived: it is kept until `until_ms` at least."""
@@ -364,9 +497,14 @@ class Holdings:
                 gone.append((j, t))
         return gone
 
-    def apply(self, env: Envelope, fact_ms: int | None = None) -> None:
-        """Fold one command, node fact or job fact into the holdings and every index. `fact_ms`: a job fact's time
-        as the scheduler takes it (the node's own time, never later than the log's)."""
+    def apply(self, env, fact_ms: int | None = None) -> None:
+        """Fold one command, node fact or job fact (an Envelope) or one of the scheduler's own changes (`Park` ..
+        `ExpireFreed`) into the holdings and every index. `fact_ms`: a job fact's time as the scheduler takes it
+        (the node's own time, never later than the log's)."""
+        own = _OWN.get(type(env))
+        if own is not None:
+            own(self, env)
+            return
         p = env.payload
         match p:
             case NodeInventory() | NodeCordon() | NodeLiveness() | GpuHealth() | NodeRemoved() | NodeAdmitted():
@@ -381,10 +519,10 @@ class Holdings:
             case PreemptJob():
                 self._fold(p.node, env)
                 rec = self.jobs.get(p.job_id)
-                if rec is not None and self._current(rec, p.attempt) and rec.state in ("placed", "running"):
+                if rec is not None and self._current(rec, p.attempt) and rec.phase in ("placed", "running"):
                     code = p.reasons[0].code if p.reasons else ""
                     rec.stop_cause = "" if code == "PreemptedFor" else code
-                    self.set_state(rec, "stopping")
+                    self.set_phase(rec, "stopping")
             case ResizeJob():
                 self._fold(p.node, env)
                 rec = self.jobs.get(p.job_id)
@@ -406,7 +544,7 @@ class Holdings:
             case MigrateJob():
                 self._fold(p.to_node, env)  # the target holds the job's cards from now on (streams/folds/node_view.py)
                 rec = self.jobs.get(p.job_id)
-                if rec is not None and self._current(rec, p.attempt) and rec.state in ("placed", "running"):
+                if rec is not None and self._current(rec, p.attempt) and rec.phase in ("placed", "running"):
                     rec.migration, rec.stop_cause = p, "Migrate"
                     rec.migrations += 1
                     rec.migrated_at += (env.event_time_ms,)
@@ -416,15 +554,15 @@ class Holdings:
                     # never goes back): older ones never count again
                     while moved[0] <= env.event_time_ms - MOVES_WINDOW_MS:
                         del moved[0]
-                    self.set_state(rec, "migrating")
+                    self.set_phase(rec, "migrating")
             case MigReconfigure():
                 self._fold(p.node, env)
             case JobStarted():
                 rec = self.jobs[p.job_id]
                 rec.started_ms = rec.accrued_ms = env.event_time_ms if fact_ms is None else fact_ms
                 self._moved(rec)  # the work it would lose if stopped counts from here
-                if rec.state == "placed":
-                    self.set_state(rec, "running")
+                if rec.phase == "placed":
+                    self.set_phase(rec, "running")
                 self.running[p.job_id] = None
 
     def _current(self, rec: JobRecord, attempt: int) -> bool:
@@ -462,7 +600,7 @@ class Holdings:
                 rank = TIER_RANK[rec.request.tier]
                 self.held_by_tier[rank] = self.held_by_tier.get(rank, 0) + 1
             rec.pending_codes, rec.pending_seen = (), None
-            self.set_state(rec, "placed")
+            self.set_phase(rec, "placed")
         if rec.hold is None:
             self._train(rec, p.node, sum(a.milli for a in p.assignments))
 
@@ -521,6 +659,122 @@ class Holdings:
         if milli:
             self.train_held[key] = milli
 
+
+    # ---------------------------------------------------------------- the scheduler's own changes (apply's)
+
+    def _park(self, c: Park) -> None:
+        self.parked[c.job_id] = (c.closed, c.tier, c.cycle, c.tenant)
+        self.parked_by.setdefault(c.closed, {})[c.job_id] = None
+        self.parked_of.setdefault(c.tenant, {})[c.job_id] = None
+        heapq.heappush(self.park_until, (c.until, c.job_id))
+
+    def _unpark(self, c: Unpark) -> None:
+        got = self.parked.pop(c.job_id, None)
+        if got is None:
+            return
+        closed, _, _, tenant = got
+        for index, key in ((self.parked_by, closed), (self.parked_of, tenant)):
+            same = index[key]
+            del same[c.job_id]
+            if not same:
+                del index[key]
+
+    def _unpark_all(self, c: UnparkAll) -> None:
+        for d in (self.parked, self.parked_by, self.parked_of):
+            d.clear()
+        self.park_until.clear()
+
+    def _reclose(self, c: Reclose) -> None:
+        moved = self.parked_by.pop(c.closed)
+        into = self.parked_by.setdefault(c.wider, {})
+        parked = self.parked
+        for j in moved:
+            into[j] = None
+            p = parked[j]
+            parked[j] = (c.wider, p[1], p[2], p[3])
+
+    def _woke(self, c: Woke) -> None:
+        self.opened.clear()
+        self.unclosed.clear()
+
+    def _nominate(self, c: Nominate) -> None:
+        rec = self.jobs[c.job_id]
+        self.unclosed.update(rec.claim)
+        self.nominations_version += 1
+        rec.nominated, rec.claim = c.nominated, c.claim if c.nominated is not None else ()
+        if c.nominated is None:
+            self.nominations.pop(c.job_id, None)
+        else:
+            self.nominations[c.job_id] = rec
+
+    def _charge_freed(self, c: ChargeFreed) -> None:
+        self._uncharge_freed(UnchargeFreed(c.job_id))  # a plan made again: what the last one freed is not kept
+        mine = None
+        for n in c.nodes:
+            old = self.freed_for.get(n)
+            k = old[0] if old is not None and old[1] > c.now_ms and old[0] > c.key else c.key
+            if old is not None and old[2] != c.job_id:
+                self._unown(old[2], n)
+            self.freed_for[n] = (k, c.until, c.job_id)
+            if mine is None:
+                mine = self.freed_by.setdefault(c.job_id, {})
+            mine[n] = None
+        self.barred_memo.clear()
+        self.barred_until = min(self.barred_until, c.until)
+
+    def _unown(self, job_id: str, node: str) -> None:
+        nodes = self.freed_by[job_id]
+        del nodes[node]
+        if not nodes:
+            del self.freed_by[job_id]
+
+    def _recharge_freed(self, c: RechargeFreed) -> None:
+        for n in self.freed_by.get(c.job_id, ()):
+            old = self.freed_for[n]
+            self.freed_for[n] = (old[0], c.until, old[2])
+
+    def _uncharge_freed(self, c: UnchargeFreed) -> None:
+        nodes = self.freed_by.pop(c.job_id, None)
+        if nodes is None:
+            return
+        for n in nodes:
+            del self.freed_for[n]
+            self.unclosed.add(n)
+        self.barred_memo.clear()
+
+    def _expire_freed(self, c: ExpireFreed) -> None:
+        now = c.now_ms
+        if now < self.barred_until or not self.freed_for:
+            return
+        for n, f in list(self.freed_for.items()):
+            if f[1] <= now:
+                self.unclosed.add(n)
+                del self.freed_for[n]
+                self._unown(f[2], n)
+        self.barred_memo.clear()
+        self.barred_until = min((f[1] for f in self.freed_for.values()), default=1 << 62)
+
+    def barred(self, mine: tuple) -> frozenset[str]:
+        """The nodes kept for a claim at least as strong as `mine` (charges expired first: `ExpireFreed`)."""
+        got = self.barred_memo.get(mine)
+        if got is None:
+            got = self.barred_memo[mine] = frozenset(n for n, f in self.freed_for.items() if mine <= f[0])
+        return got
+
+    def claimed_all(self) -> frozenset[str]:
+        """Every node a nominated job claims."""
+        v, got = self.claims_memo
+        if v != self.nominations_version:
+            got = frozenset(n for o in self.nominations.values() for n in o.claim)
+            self.claims_memo = (self.nominations_version, got)
+        return got
+
+    def waits_state(self) -> tuple:
+        """What `rebuilt` must reproduce of the scheduler's own bookkeeping (for the tests)."""
+        return ({k: dict(v) for k, v in self.parked_by.items()}, {k: dict(v) for k, v in self.parked_of.items()},
+                {j: r.request.job_id for j, r in self.nominations.items()},
+                {j: dict(ns) for j, ns in self.freed_by.items()})
+
     # ---------------------------------------------------------------- reading
 
     @property
@@ -536,7 +790,7 @@ class Holdings:
         return any(n not in closed for n in self.view_log[seq - self.view_base:])
 
     def holding(self, rec: JobRecord) -> bool:
-        return rec.state in HOLDING and rec.placement is not None
+        return rec.phase in HOLDING and rec.placement is not None
 
     def card_model(self, node: str, gpu_uuid: str) -> str:
         inv = self.nodes[node].inventory
@@ -552,10 +806,30 @@ class Holdings:
                 {k: dict(v) for k, v in self.index.buckets.items() if v})
 
 
-def rebuilt(nodes: dict[str, node_view.NodeView], jobs: dict[str, JobRecord]) -> Holdings:
-    """The derived state read afresh from the node views and the job records (what `apply` must have kept)."""
+
+_OWN = {
+    Park: Holdings._park, Unpark: Holdings._unpark, UnparkAll: Holdings._unpark_all, Reclose: Holdings._reclose,
+    Woke: Holdings._woke, Nominate: Holdings._nominate, ChargeFreed: Holdings._charge_freed,
+    RechargeFreed: Holdings._recharge_freed, UnchargeFreed: Holdings._uncharge_freed,
+    ExpireFreed: Holdings._expire_freed,
+}
+
+def rebuilt(nodes: dict[str, node_view.NodeView], jobs: dict[str, JobRecord], parked: dict | None = None,
+            freed_for: dict | None = None) -> Holdings:
+    """The derived state read afresh from the node views and the job records (what `apply` must have kept), and of
+    the scheduler's bookkeeping from its facts: the parked jobs (`Holdings.parked`), the nominations (the records'
+    `nominated`) and what preemption freed for whom (`Holdings.freed_for`)."""
     h = Holdings()
     h.nodes, h.jobs = dict(nodes), jobs
+    for j, (closed, tier, cycle, tenant) in (parked or {}).items():
+        h.parked[j] = (closed, tier, cycle, tenant)
+        h.parked_by.setdefault(closed, {})[j] = None
+        h.parked_of.setdefault(tenant, {})[j] = None
+    for n, f in (freed_for or {}).items():
+        h.freed_for[n] = f
+        h.freed_by.setdefault(f[2], {})[n] = None
+    h.barred_until = min((f[1] for f in h.freed_for.values()), default=1 << 62)
+    h.nominations = {j: rec for j, rec in jobs.items() if rec.nominated is not None}
     for name, view in nodes.items():
         h.index.update(view)
         cap = pool_milli(view)
@@ -563,16 +837,16 @@ def rebuilt(nodes: dict[str, node_view.NodeView], jobs: dict[str, JobRecord]) ->
         h.cap_milli += cap
     h.victims.sync(h.nodes, jobs)
     for j, rec in jobs.items():
-        if rec.state == "pending":
+        if rec.phase == "pending":
             h._pending(rec, True)
-        if rec.state in ("stopping", "migrating"):
+        if rec.phase in ("stopping", "migrating"):
             h.stopping.add(j)
         if rec.placement is None:
             continue
         if rec.hold is None:
             rank = TIER_RANK[rec.request.tier]
             h.held_by_tier[rank] = h.held_by_tier.get(rank, 0) + 1
-        if rec.state in ("running", "stopping", "migrating") and rec.started_ms >= 0:
+        if rec.phase in ("running", "stopping", "migrating") and rec.started_ms >= 0:
             h.running[j] = None
         for part in rec.parts:
             models = {g.uuid: g.model for g in nodes[part.node].cards()}

@@ -182,7 +182,8 @@ class Pool:
 
 
 def default_elastic(p: Params, mode: str):
-    from agents.scheduler.elastic import ElasticConfig, ElasticScheduler
+    from agents.scheduler.core import ElasticScheduler
+    from agents.scheduler.elastic import ElasticConfig
 
     return ElasticScheduler(elastic=ElasticConfig(mode=mode, training_share_pct=p.training_share_pct,
                                                   warm_pool=p.warm_pool), ledger=open_ledger())

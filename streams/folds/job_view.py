@@ -92,6 +92,13 @@ def _retries(view: JobView) -> int:
     return view.request.retries if view.request is not None else 0
 
 
+def failure_ends(failures: int, retries: int) -> bool:
+    """Whether `failures` failed runs (placements) that stand end a job whose request allows `retries` retries: the
+    one rule for it, read by this view (`_current`) and by the scheduler, which requeues a failed job this says
+    does not end (agents/scheduler/core.py, `_retry`)."""
+    return failures > retries
+
+
 def _current(live: list[Run], retries: int = 0) -> tuple[Run | None, bool, int]:
     """(the run the job's state is of, whether that run ended the job, the failed runs that stand): the first that
     ended the job -- completed (a gang's part: once every part of its run completed), or the failure beyond its
@@ -108,7 +115,7 @@ def _current(live: list[Run], retries: int = 0) -> tuple[Run | None, bool, int]:
             key = r.attempt or r.command_id  # a gang's parts of one placement fail as one run
             if key not in failed:
                 failed.append(key)
-            if len(failed) > retries:
+            if failure_ends(len(failed), retries):
                 return r, True, len(failed)
     cur = next((r for r in reversed(live) if not r.end), None) or (live[-1] if live else None)
     return cur, False, len(failed)
