@@ -215,7 +215,14 @@ async function pageQueue() {
 
 async function pageTenants() {
   const [quota, bill] = await Promise.all([api("/api/quota"), api("/api/billing", { by: "tenant", cost: 1 })]);
-  const cost = new Map(rowsOf(bill).map((r) => [r.tenant, r]));
+  // one bill row per tenant and currency (never summed across currencies; '' holds GPU time no price applied to)
+  const cost = new Map();
+  for (const r of rowsOf(bill)) {
+    const b = cost.get(r.tenant) || { gpu_hours: 0, cost: [], borrowed_cost: [] };
+    b.gpu_hours = Math.round((b.gpu_hours + (r.gpu_hours || 0)) * 10000) / 10000;
+    if (r.currency) { b.cost.push(`${r.cost} ${r.currency}`); b.borrowed_cost.push(`${r.borrowed_cost} ${r.currency}`); }
+    cost.set(r.tenant, b);
+  }
   // an account known only by a refused quota.set (no quota, nothing held) is not shown
   const known = rowsOf(quota).filter((r) => r.quota_set_by || r.used_milli || r.reserved_milli || r.used_memory_mib);
   const rows = known.filter((r) => !r.project).map((r) => {
@@ -223,7 +230,7 @@ async function pageTenants() {
     const q = r.quota_milli || 0, used = r.used_milli || 0;
     const bar = h("span", { class: "bar-bg" }, h("span", { class: "bar-fg" + (used > q ? " over" : ""), style: `width:${q ? Math.min(100, (100 * used) / q) : 0}%` }));
     return [r.tenant, (q / 1000).toFixed(1), h("span", {}, bar, " ", (used / 1000).toFixed(2)), ((r.reserved_milli || 0) / 1000).toFixed(2),
-      ((r.borrowed_milli || 0) / 1000).toFixed(2), b.gpu_hours ?? 0, b.cost ?? 0, b.borrowed_cost ?? 0];
+      ((r.borrowed_milli || 0) / 1000).toFixed(2), b.gpu_hours ?? 0, (b.cost || []).join(", ") || "0", (b.borrowed_cost || []).join(", ") || "0"];
   });
   const projects = known.filter((r) => r.project).map((r) => [r.tenant, r.project, r.quota_milli ? (r.quota_milli / 1000).toFixed(1) : "-", ((r.used_milli || 0) / 1000).toFixed(2), ((r.borrowed_milli || 0) / 1000).toFixed(2)]);
   page("Tenants", h("p", { class: "muted", text: "Quota, used, reserved and borrowed in compute units (1 = one A100's dense throughput); cost from the price book." }),
