@@ -311,9 +311,12 @@ def cmd_node_show(cfg, args) -> int:
 
 def cmd_prices_show(cfg, args) -> int:
     cols, rows = Client(cfg).rows("/api/prices")
-    if args.format == "table":
-        rows = [[*r[:5], f"{r[5] / 1e6:.2f}", *r[6:]] for r in rows]
-        cols = [*cols[:5], "per_gpu_hour", *cols[6:]]
+    if args.format == "table":  # the price in its currency, exactly (2.50 USD, 0.3456 USD, 150 JPY)
+        from schemas.money import show_rate
+
+        at, cur = cols.index("micro_per_gpu_hour"), cols.index("currency")
+        rows = [[*r[:at], show_rate(int(r[at]), r[cur]), *r[at + 1:]] for r in rows]
+        cols = [*cols[:at], "per_gpu_hour", *cols[at + 1:]]
     emit(cols, rows, args.format)
     return 0
 

@@ -76,7 +76,7 @@ h1 { font-size: 20pt; margin: 0 0 .2em; } .muted { color: #555; }
 header { display: flex; justify-content: space-between; border-bottom: 2px solid #111; padding-bottom: .8em; }
 table { border-collapse: collapse; width: 100%; margin: 1.2em 0; }
 th, td { border-bottom: 1px solid #ccc; padding: .35em .5em; text-align: left; vertical-align: top; }
-th { background: #f0f0f0; } td.n, th.n { text-align: right; font-variant-numeric: tabular-nums; }
+th { background: #f0f0f0; white-space: nowrap; } td.n, th.n { text-align: right; font-variant-numeric: tabular-nums; }
 tr.total td { font-weight: bold; border-top: 2px solid #111; border-bottom: none; }
 .note { font-size: 9pt; color: #444; }
 @media print { body { margin: 0; max-width: none; } th { background: none; } @page { size: A4; margin: 18mm; } }
