@@ -190,7 +190,8 @@ def write_pack(client, tenant: str, out: Path, since: int | None, until: int | N
     totals = {"gpu_hours": round(sum(r[4] for r in rows), 6),
               "borrowed_gpu_hours": round(sum(r[4] for r in rows if r[2]), 6),
               # money per currency, never summed across currencies (docs/billing.md, "Currency")
-              "cost_micro": {cur: sum(r[5] for r in rows if r[3] == cur) for cur in sorted({r[3] for r in rows if r[3]})}}
+              "cost_micro": {cur: sum(r[5] for r in rows if r[3] == cur)
+                             for cur in sorted({r[3] for r in rows if r[3]})}}
     jobs = {r[2] for r in client.sql(f"SELECT event_time_ms, kind, job_id FROM gpupool.events FINAL WHERE {mine} "
                                      f"AND kind = 'job.requested' AND {_window('event_time_ms', since, until)}",
                                      p)[1]}

@@ -504,7 +504,8 @@ FROM gpupool.price_book FINAL ORDER BY gpu_model, borrowed, datacenter, tod_band
 # consecutive periods (two months) split an interval across their boundary and count none of it twice.
 PERIOD_USAGE = """
 SELECT * REPLACE (toUInt64(if(end_ms > start_ms,
-                              intDiv(toUInt128(gpu_milli_ms) * (least(end_ms, {clip_until}) - greatest(start_ms, {clip_since})),
+                              intDiv(toUInt128(gpu_milli_ms)
+                                         * (least(end_ms, {clip_until}) - greatest(start_ms, {clip_since})),
                                      end_ms - start_ms), gpu_milli_ms)) AS gpu_milli_ms)
 FROM gpupool.usage FINAL WHERE {where}
 """

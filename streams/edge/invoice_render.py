@@ -71,7 +71,8 @@ def csv_text(invoices: list[dict]) -> str:
 
 
 STYLE = """
-body { font-family: "DejaVu Sans", Arial, sans-serif; color: #111; margin: 2.5em auto; max-width: 60em; font-size: 11pt; }
+body { font-family: "DejaVu Sans", Arial, sans-serif; color: #111; margin: 2.5em auto; max-width: 60em;
+       font-size: 11pt; }
 h1 { font-size: 20pt; margin: 0 0 .2em; } .muted { color: #555; }
 header { display: flex; justify-content: space-between; border-bottom: 2px solid #111; padding-bottom: .8em; }
 table { border-collapse: collapse; width: 100%; margin: 1.2em 0; }
