@@ -247,6 +247,35 @@ def test_the_html_invoice_in_a_browser(pool, tmp_path):
     assert pdf.startswith(b"%PDF") and len(pdf) > 5_000
 
 
+def test_the_dashboard_downloads_the_invoice_a_role_may_read(pool, tmp_path):
+    """The Tenants page's invoice buttons fetch /api/invoice with the signed-in principal's token: finance downloads
+    any tenant's page for the month chosen; a tenant has only its own row, and a forged request for another tenant's
+    invoice from its session is refused (403) and downloads nothing."""
+    if chromium_path() is None:
+        pytest.fail("no chromium: `make browser` installs it")
+    base = f"http://127.0.0.1:{pool.web_port}"
+    cli(pool, "invoice", "--month", "2026-11", "--tenant", "globex", "--out", str(tmp_path / "cli"), user="fin")
+    want = (tmp_path / "cli" / "invoice-globex-2026-11.csv").read_text()
+    downloads = tmp_path / "downloads"
+    downloads.mkdir()
+    with Browser() as b:
+        b.send("Browser.setDownloadBehavior", behavior="allow", downloadPath=str(downloads))
+        b.sign_in(base, "fin", pool.client("fin").creds.token, "tenants")
+        b.eval("document.getElementById('invoice-month').value = '2026-11'; "
+               "document.querySelector('button.invoice[data-tenant=\"globex\"][data-format=\"csv\"]').click(); true")
+        b.wait_for("document.getElementById('invoice-status').textContent.includes('downloaded')")
+        got = wait_for(lambda: (f := downloads / "invoice-globex-2026-11.csv").exists() and f.stat().st_size and f,
+                       30, "the downloaded invoice", pool)
+        assert got.read_text() == want  # the very file the CLI writes
+        b.sign_in(base, "alice", pool.client("alice").creds.token, "tenants")
+        assert b.eval("[...document.querySelectorAll('button.invoice')].map(e => e.dataset.tenant)") == ["acme", "acme"]
+        b.expected = (403,)
+        b.eval("document.getElementById('invoice-month').value = '2026-11'; downloadInvoice('globex', 'html'); true")
+        status = b.wait_for("(t => t.includes('403') && t)(document.getElementById('invoice-status').textContent)")
+        assert "globex" in status and not (downloads / "invoice-globex-2026-11.html").exists()
+        assert not b.errors, b.errors
+
+
 def test_a_job_run_now_is_invoiced_as_billed(pool, tmp_path):
     pool.client("alice").send([JobRequested(job_id="now", tenant="acme", project="train", compute_milli=1000,
                                             gpu_memory_mib=40 * 1024, duration_s=2,
