@@ -161,3 +161,14 @@ def test_price_book_currency_from_the_file_and_per_row_and_exact_decimals():
         price_rows("prices:\n  - {gpu_model: A10, per_gpu_hour: 1, currency: XYZ}\n")
     with pytest.raises(SystemExit, match="micro-unit"):
         price_rows("prices:\n  - {gpu_model: A10, per_gpu_hour: 0.0000001}\n")
+
+
+def test_billing_rows_get_their_amounts_in_the_minor_unit_and_an_empty_bill_stays_empty():
+    from streams.edge.api import with_money
+
+    cols = ["tenant", "currency", "own_micro", "borrowed_micro", "cost_micro"]
+    out_cols, out = with_money(cols, [["acme", "USD", 4_999, 5_000, 9_999], ["acme", "JPY", 0, 500_000, 500_000],
+                                      ["acme", "", 0, 0, 0]])
+    assert out_cols[-3:] == ["own_cost", "borrowed_cost", "cost"]
+    assert [r[-3:] for r in out] == [["0.00", "0.01", "0.01"], ["0", "1", "1"], ["", "", ""]]
+    assert with_money([], []) == ([], [])  # the embedded engine names no columns for an empty answer

@@ -743,6 +743,8 @@ def with_money(cols: list[str], rows: list[list]) -> tuple[list[str], list[list]
     strings ('12.34'; '' where no price applied)."""
     from schemas.money import show_micro
 
+    if not rows or "currency" not in cols:  # an empty answer (the embedded engine names no columns then)
+        return cols, rows
     at = cols.index("currency")
     idx = {c: cols.index(c) for c in ("own_micro", "borrowed_micro", "cost_micro")}
     out = []
