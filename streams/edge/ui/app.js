@@ -234,10 +234,10 @@ async function pageTenants() {
       h("span", {}, invoiceButton(r.tenant, "html"), " ", invoiceButton(r.tenant, "csv"))];
   });
   const now = new Date();
-  const month = h("input", { type: "month", id: "invoice-month", value: `${now.getUTCFullYear()}-${String(now.getUTCMonth() + 1).padStart(2, "0")}` });
+  const month = h("input", { type: "month", id: "invoice-month", style: "width: 14em; display: inline-block; margin: 0 .5em", value: `${now.getUTCFullYear()}-${String(now.getUTCMonth() + 1).padStart(2, "0")}` });
   const projects = known.filter((r) => r.project).map((r) => [r.tenant, r.project, r.quota_milli ? (r.quota_milli / 1000).toFixed(1) : "-", ((r.used_milli || 0) / 1000).toFixed(2), ((r.borrowed_milli || 0) / 1000).toFixed(2)]);
   page("Tenants", h("p", { class: "muted", text: "Quota, used, reserved and borrowed in compute units (1 = one A100's dense throughput); cost from the price book." }),
-    h("p", {}, h("label", { for: "invoice-month", text: "Invoices for the month (UTC) " }), month, " ", h("span", { id: "invoice-status", class: "muted" })),
+    h("p", {}, h("label", { for: "invoice-month", text: "Invoices for the month (UTC)", style: "display: inline" }), month, " ", h("span", { id: "invoice-status", class: "muted" })),
     table(["tenant", "quota (CU)", "used (CU)", "reserved", "borrowed", "GPU-hours", "cost", "of which borrowed", "invoice"], rows, "tenants-table"),
     projects.length ? h("h4", { text: "Projects" }) : null, projects.length ? table(["tenant", "project", "quota", "used", "borrowed"], projects, "projects-table") : null);
 }
@@ -245,7 +245,8 @@ async function pageTenants() {
 // a tenant's invoice for the chosen month (/api/invoice, the file `gpupool invoice` writes), downloaded with the
 // signed-in principal's token: a tenant gets its own, finance every tenant's (docs/billing.md, "Invoices")
 function invoiceButton(tenant, fmt) {
-  const b = h("button", { type: "button", class: "invoice outline", "data-tenant": tenant, "data-format": fmt, text: fmt.toUpperCase() });
+  const b = h("button", { type: "button", class: "invoice outline", style: "padding: .15em .6em; font-size: .85em; width: auto; margin: 0",
+    "data-tenant": tenant, "data-format": fmt, text: fmt.toUpperCase() });
   b.addEventListener("click", () => downloadInvoice(tenant, fmt));
   return b;
 }
