@@ -196,12 +196,17 @@ def parse_time(s: str | None) -> int | None:
 
 
 def price_rows(text: str, valid_from_ms: int = 0) -> list:
-    """A price book file (YAML: `prices: [{gpu_model, per_gpu_hour, borrowed?, datacenter?, tod_band?, tier?}]`) as
-    price.set requests; a one-line error naming the row and field otherwise."""
+    """A price book file (YAML: `currency: USD` and `prices: [{gpu_model, per_gpu_hour, borrowed?, datacenter?,
+    tod_band?, tier?, currency?}]`) as price.set requests; a one-line error naming the row and field otherwise. The
+    book's `currency` (ISO 4217; USD when absent) applies to each row that names none. `per_gpu_hour` is read as a
+    decimal (no float rounding) and must be a whole number of micro-units."""
+    from decimal import Decimal, InvalidOperation
+
     from pydantic import ValidationError
 
     from schemas.events import PriceSet
     from schemas.gpu_models import MODELS
+    from schemas.money import DEFAULT_CURRENCY, MICRO, check_currency
 
     try:
         doc = yaml.safe_load(text) or {}
@@ -210,19 +215,30 @@ def price_rows(text: str, valid_from_ms: int = 0) -> list:
     rows = doc.get("prices") if isinstance(doc, dict) else None
     if not isinstance(rows, list) or not rows:
         raise SystemExit("price book: a `prices:` list of rows is needed")
+    try:
+        book_currency = check_currency(doc.get("currency", DEFAULT_CURRENCY))
+    except ValueError as exc:
+        raise SystemExit(f"price book: {exc}") from None
     out = []
     for i, row in enumerate(rows, 1):
         if not isinstance(row, dict):
             raise SystemExit(f"price book row {i}: a mapping, not {row!r}")
         row = dict(row)
         price = row.pop("per_gpu_hour", None)
-        if not isinstance(price, (int, float)) or price < 0:
+        try:
+            micro = Decimal(str(price)) * MICRO if isinstance(price, (int, float, str)) else None
+        except InvalidOperation:
+            micro = None
+        if micro is None or not micro.is_finite() or micro < 0:
             raise SystemExit(f"price book row {i}: per_gpu_hour must be a number >= 0, not {price!r}")
+        if micro != micro.to_integral_value():
+            raise SystemExit(f"price book row {i}: per_gpu_hour {price!r} is finer than a micro-unit (6 decimals)")
         if row.get("gpu_model") not in MODELS:
             raise SystemExit(f"price book row {i}: gpu_model {row.get('gpu_model')!r} is not a known card model "
                              f"({', '.join(sorted(MODELS))})")
+        row.setdefault("currency", book_currency)
         try:
-            out.append(PriceSet(micro_per_gpu_hour=round(price * 1_000_000), valid_from_ms=valid_from_ms, **row))
+            out.append(PriceSet(micro_per_gpu_hour=int(micro), valid_from_ms=valid_from_ms, **row))
         except ValidationError as exc:
             first = exc.errors()[0]
             raise SystemExit(f"price book row {i}: {'.'.join(str(p) for p in first['loc'])}: {first['msg']}") from None

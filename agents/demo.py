@@ -567,7 +567,7 @@ class Demo:
         tenants = {r["tenant"] for r in rows}
         if tenants != {"acme", "globex"}:
             raise StepFailed(f"the bill should cover both tenants: {rows}")
-        if not any(r["tenant"] == "acme" and float(r["borrowed_cost"]) > 0 for r in rows):
+        if not any(r["tenant"] == "acme" and r["borrowed_micro"] > 0 for r in rows):
             raise StepFailed(f"acme's borrowed sweep should be priced on its own line: {rows}")
         mine = orjson.loads(self.cli("alice", "billing", "--by", "project", "--cost", "--format", "json").stdout)
         mine = mine["rows"] if isinstance(mine, dict) else mine

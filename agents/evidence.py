@@ -25,7 +25,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from streams.edge.api import PRICED_USAGE, SCHEDULER_SEQ, redact
+from streams.edge.api import SCHEDULER_SEQ, priced_usage, redact
 
 FORMAT = "gpupool-evidence/1"
 SIGNED = ("manifest.json", "manifest.sig")
@@ -180,15 +180,18 @@ def write_pack(client, tenant: str, out: Path, since: int | None, until: int | N
 
     where = f"tenant = {{t:String}} AND {_window('end_ms', since, until)}"
     cols, rows = client.sql(
-        "SELECT project, gpu_model, borrowed, round(sum(gpu_milli_ms) / 3.6e9, 6) AS gpu_hours, "
+        "SELECT project, gpu_model, borrowed, currency, round(sum(gpu_milli_ms) / 3.6e9, 6) AS gpu_hours, "
         "toInt64(intDiv(sum(toInt128(gpu_milli_ms) * micro_per_gpu_hour), 3600000000)) AS cost_micro, "
         "round(sumIf(gpu_milli_ms, NOT priced) / 3.6e9, 6) AS unpriced_gpu_hours, uniqExact(job_id) AS jobs "
-        f"FROM ({PRICED_USAGE.replace('{where}', where)}) GROUP BY project, gpu_model, borrowed "
-        "ORDER BY project, gpu_model, borrowed", p)
+        f"FROM ({priced_usage(where)}) GROUP BY project, gpu_model, borrowed, currency "
+        "ORDER BY project, gpu_model, borrowed, currency", p)
     sections["cost"] = _write(out, "cost", cols, rows)
 
-    totals = dict(zip(("gpu_hours", "borrowed_gpu_hours", "cost_micro"), (
-        round(sum(r[3] for r in rows), 6), round(sum(r[3] for r in rows if r[2]), 6), sum(r[4] for r in rows))))
+    totals = {"gpu_hours": round(sum(r[4] for r in rows), 6),
+              "borrowed_gpu_hours": round(sum(r[4] for r in rows if r[2]), 6),
+              # money per currency, never summed across currencies (docs/billing.md, "Currency")
+              "cost_micro": {cur: sum(r[5] for r in rows if r[3] == cur)
+                             for cur in sorted({r[3] for r in rows if r[3]})}}
     jobs = {r[2] for r in client.sql(f"SELECT event_time_ms, kind, job_id FROM gpupool.events FINAL WHERE {mine} "
                                      f"AND kind = 'job.requested' AND {_window('event_time_ms', since, until)}",
                                      p)[1]}

@@ -10,6 +10,7 @@ from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, model_validator
 
+from schemas.money import DEFAULT_CURRENCY, Currency
 from schemas.program import IMAGE_REF, RETRIES_MAX, Mount, Serve, program_problem
 
 # Integers are integers: `true`, `1.0` and `"1"` are refused where a number is expected (pydantic's lax mode took
@@ -666,8 +667,9 @@ class QuotaReturned(Frozen):
 
 class PriceSet(Frozen):
     """One row of the price book (docs/billing.md): the price of one whole GPU of a model for one hour, in micro-units
-    of the billing currency, from `valid_from_ms` on. '*' in datacenter, tod_band or tier matches any value; a
-    later row for the same key supersedes an earlier one from its own valid_from on (old bills stay as they were)."""
+    of `currency` (ISO 4217; a row written before prices carried one is in USD), from `valid_from_ms` on. '*' in
+    datacenter, tod_band or tier matches any value; a later row for the same key supersedes an earlier one from its
+    own valid_from on (old bills stay as they were)."""
     kind: Literal["price.set"] = "price.set"
     gpu_model: Ident
     datacenter: str = "*"
@@ -676,6 +678,7 @@ class PriceSet(Frozen):
     borrowed: bool = False
     micro_per_gpu_hour: NonNeg
     valid_from_ms: NonNeg = 0
+    currency: Currency = DEFAULT_CURRENCY
 
 
 class UsageAccrued(Frozen):

@@ -115,7 +115,9 @@ def test_quota_show_and_the_bill_in_money(pool):
     usage = pool.query("SELECT sum(gpu_milli_ms) AS ms FROM gpupool.usage FINAL WHERE job_id = 'acme/paid'")[0]
     # 3.60 a GPU-hour = 3,600,000 micro-units per 3,600,000,000 milli-GPU-ms: one micro-unit per 1,000 milli-GPU-ms
     assert paid["cost_micro"] == int(usage["ms"]) // 1000 > 0 and paid["unpriced_gpu_hours"] == 0
-    assert paid["borrowed_cost"] == 0
+    assert paid["borrowed_cost"] == "0.00" and paid["currency"] == "USD" and paid["borrowed_micro"] == 0
+    # the bill in the currency's minor unit, rounded half up from the exact micro-units (docs/billing.md)
+    assert paid["cost"] == f"{(paid['cost_micro'] + 5_000) // 10_000 / 100:.2f}"
     # the tenant sees its own bill in money, not finance's view of everyone
     mine = json.loads(cli(pool, "billing", "--cost", "--format", "json", user="alice"))
     assert {r["tenant"] for r in mine} == {"acme"}

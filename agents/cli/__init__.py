@@ -200,7 +200,8 @@ def parser() -> argparse.ArgumentParser:
     pr.add_argument("action", choices=["show", "set", "load"])
     pr.add_argument("file", nargs="?")
     pr.add_argument("--model")
-    pr.add_argument("--per-gpu-hour", type=float)
+    pr.add_argument("--per-gpu-hour", help="the price of one GPU for one hour, a decimal in --currency (4.20)")
+    pr.add_argument("--currency", help="set: ISO 4217 code of the price (default USD); load: the file's `currency:`")
     pr.add_argument("--borrowed", action="store_true")
     pr.add_argument("--datacenter")
     pr.add_argument("--tod-band", choices=["peak", "offpeak"])
@@ -258,6 +259,15 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--by", default="tenant", choices=list(BILLING_GROUPS))
     b.add_argument("--cost", action="store_true", help="price it with the price book, borrowed time apart")
     fmt(b)
+    inv = add("invoice", views.cmd_invoice, help="invoices per tenant for a month or period, as CSV and HTML "
+                                                  "(finance: every tenant; a tenant: its own)")
+    inv.add_argument("--tenant", help="one tenant (a tenant principal: its own, the default)")
+    inv.add_argument("--month", help="a calendar month, UTC: YYYY-MM")
+    inv.add_argument("--period", nargs=2, metavar=("FROM", "TO"), help="[FROM, TO): ISO times (UTC if no zone) or "
+                                                                      "epoch ms")
+    inv.add_argument("--out", default=".", help="the folder the invoices are written to (default: here)")
+    inv.add_argument("--format", default="csv,html", help="csv, html or both (csv,html), or json to print the "
+                                                           "invoices' documents")
     sq = add("sql", views.cmd_sql, help="one read-only SQL statement on the bill and the log (finance, auditor, "
                                         "operator)")
     sq.add_argument("statement")

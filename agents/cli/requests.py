@@ -10,7 +10,7 @@ from pathlib import Path
 
 import yaml
 
-from agents.cli.output import parse_time
+from agents.cli.output import parse_time, when
 from agents.client import price_rows
 from agents.client import Client
 
@@ -441,11 +441,16 @@ def cmd_prices_change(cfg, args) -> int:
             text = Path(args.file).read_text()
         except OSError as exc:
             raise SystemExit(f"prices load: {exc}") from None
+        if args.currency:
+            raise SystemExit("prices load: the currency is the file's `currency:` (default USD), not --currency")
         rows = price_rows(text, since)
     else:
         row = {"gpu_model": args.model, "per_gpu_hour": args.per_gpu_hour, "borrowed": args.borrowed}
+        if args.currency:
+            row["currency"] = args.currency
         row.update({k: getattr(args, k) for k in ("datacenter", "tod_band", "tier") if getattr(args, k)})
         rows = price_rows(yaml.safe_dump({"prices": [row]}), since)
     c.send(rows)
-    print(f"{len(rows)} price(s) from {since}")
+    currencies = ", ".join(sorted({r.currency for r in rows}))
+    print(f"{len(rows)} price(s) in {currencies} from {when(since)}")
     return 0

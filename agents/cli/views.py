@@ -3,6 +3,7 @@ may see (a tenant: its own tenant's jobs and bill)."""
 from __future__ import annotations
 
 import json
+import time
 
 from agents.cli import explain
 from agents.cli.output import emit, mib, parse_time, when
@@ -64,7 +65,65 @@ def cmd_billing(cfg, args) -> int:
     cols, rows = Client(cfg).rows("/api/billing", {
         "by": args.by, "tenant": args.tenant, "project": args.project, "since": parse_time(args.since),
         "until": parse_time(args.until), "cost": "1" if args.cost else None})
+    if args.cost and args.format == "table":  # a person reads the amounts in the currency's minor unit, with it
+        keep = [c for c in cols if c not in ("own_micro", "borrowed_micro")]
+        rows = [[r[cols.index(c)] for c in keep] for r in rows]
+        cols = keep
     emit(cols, rows, args.format)
+    return 0
+
+
+def invoice_period(args) -> tuple[int, int]:
+    """--month YYYY-MM (UTC) or --period FROM TO."""
+    from streams.edge.api import ApiError, month_bounds
+
+    if bool(args.month) == bool(args.period):
+        raise SystemExit("invoice: one of --month YYYY-MM or --period FROM TO")
+    if args.month:
+        try:
+            return month_bounds(args.month)
+        except ApiError as exc:
+            raise SystemExit(f"invoice: --{exc.message}") from None
+    since, until = parse_time(args.period[0]), parse_time(args.period[1])
+    if until <= since:
+        raise SystemExit("invoice: --period FROM TO needs FROM before TO")
+    return since, until
+
+
+def cmd_invoice(cfg, args) -> int:
+    """Each tenant's invoice for the period, written as CSV and HTML files into --out (finance without --tenant:
+    every tenant with usage in it; a tenant: its own), one line per file written and its total(s)."""
+    from pathlib import Path
+
+    from schemas.money import show_minor
+    from streams.edge import invoice_render
+
+    since, until = invoice_period(args)
+    doc = Client(cfg).api("/api/invoice", {"tenant": args.tenant, "since": since, "until": until})
+    if args.format == "json":
+        print(json.dumps(doc["invoices"], indent=1))
+        return 0
+    kinds = [k.strip() for k in args.format.split(",") if k.strip()]
+    if not kinds or set(kinds) - {"csv", "html"}:
+        raise SystemExit("invoice: --format csv, html, csv,html or json")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if not doc["invoices"]:
+        print(f"no usage from {when(since)} to {when(until)}: no invoice")
+    for inv in doc["invoices"]:
+        stem = invoice_render.file_stem(inv)
+        written = []
+        if "csv" in kinds:
+            (out / f"{stem}.csv").write_text(invoice_render.csv_text([inv]))
+            written.append(str(out / f"{stem}.csv"))
+        if "html" in kinds:
+            (out / f"{stem}.html").write_text(invoice_render.html_page(inv, issued_ms=int(time.time() * 1000)))
+            written.append(str(out / f"{stem}.html"))
+        totals = ", ".join(f"{show_minor(s['total_minor'], s['currency'])} {s['currency']}"
+                           for s in inv["currencies"]) or "nothing"
+        unpriced = sum(u["milli_gpu_ms"] for u in inv["unpriced"])
+        note = f" (+ {unpriced / 3.6e9:.4f} GPU-hours no price applied to)" if unpriced else ""
+        print(f"{invoice_render.number(inv)}: {inv['tenant']} {totals}{note}: {' '.join(written)}")
     return 0
 
 
@@ -131,10 +190,11 @@ def _cost(c: Client, job: str) -> str | None:
                                               if c.creds.role != "tenant" else None})
     except SystemExit:
         return None
-    row = next((dict(zip(cols, r)) for r in rows if dict(zip(cols, r)).get("job_id") == job), None)
-    if row is None or row.get("cost") is None:
+    mine = [d for d in (dict(zip(cols, r)) for r in rows) if d.get("job_id") == job and d.get("currency")]
+    if not mine:
         return None
-    return f"{float(row['cost']):.2f} at the price book's rates ({float(row['borrowed_cost'] or 0):.2f} of it borrowed)"
+    return "; ".join(f"{d['cost']} {d['currency']} at the price book's rates ({d['borrowed_cost']} {d['currency']} "
+                     f"of it borrowed)" for d in mine)
 
 
 def cmd_explain(cfg, args) -> int:
@@ -251,9 +311,12 @@ def cmd_node_show(cfg, args) -> int:
 
 def cmd_prices_show(cfg, args) -> int:
     cols, rows = Client(cfg).rows("/api/prices")
-    if args.format == "table":
-        rows = [[*r[:5], f"{r[5] / 1e6:.2f}", *r[6:]] for r in rows]
-        cols = [*cols[:5], "per_gpu_hour", *cols[6:]]
+    if args.format == "table":  # the price in its currency, exactly (2.50 USD, 0.3456 USD, 150 JPY)
+        from schemas.money import show_rate
+
+        at, cur = cols.index("micro_per_gpu_hour"), cols.index("currency")
+        rows = [[*r[:at], show_rate(int(r[at]), r[cur]), *r[at + 1:]] for r in rows]
+        cols = [*cols[:at], "per_gpu_hour", *cols[at + 1:]]
     emit(cols, rows, args.format)
     return 0
 

@@ -39,6 +39,9 @@ ENDPOINTS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "/api/explain": ("GET", ("tenant", "operator", "auditor", "service"),
                      "one job's decisions with their reasons (a tenant: its own jobs, other tenants' jobs unnamed)"),
     "/api/billing": ("GET", ("tenant", "finance", "operator", "auditor"), "GPU-seconds (a tenant: its own bill)"),
+    "/api/invoice": ("GET", ("tenant", "finance", "operator", "auditor"),
+                     "invoices for a month or period, one per tenant, as JSON, CSV or a printable HTML page (a "
+                     "tenant: its own)"),
     "/api/reservations": ("GET", ("tenant", "operator", "auditor"),
                           "reservations with their window and latest decision (a tenant: its own)"),
     "/api/sql": ("POST", ("finance", "auditor", "operator"), "one read-only statement under ClickHouse's limits"),
@@ -65,6 +68,13 @@ ENDPOINTS: dict[str, tuple[str, tuple[str, ...], str]] = {
 
 OTHER_JOB = "a job of another tenant"
 _QUALIFIED = re.compile(r"(?<![\w/.-])([a-z0-9][a-z0-9-]{0,62})/([A-Za-z0-9_.:#@-][^\s,;()'\"]*)")
+
+
+class Rendered:
+    """An answer that is a file, not a JSON document: its bytes and headers (an invoice's CSV or HTML page)."""
+
+    def __init__(self, body: bytes, headers: dict[str, str]):
+        self.body, self.headers = body, headers
 
 
 class ApiError(Exception):
@@ -485,26 +495,66 @@ ORDER BY tenant, project
 """
 
 PRICES_SQL = """
-SELECT gpu_model, datacenter, tod_band, tier, borrowed, micro_per_gpu_hour, valid_from, actor
+SELECT gpu_model, datacenter, tod_band, tier, borrowed, micro_per_gpu_hour, currency, valid_from, actor
 FROM gpupool.price_book FINAL ORDER BY gpu_model, borrowed, datacenter, tod_band, tier, valid_from
 """
 
-# One price per usage event (the most specific row valid at the interval's end), then summed; Int128 keeps it exact.
+# The usage of a period, each interval clipped to it: an interval [start, end) counts gpu_milli x the part of it
+# that lies in [since, until) (gpu_milli_ms is gpu_milli x (end - start) exactly, so the clipped part is exact), so
+# consecutive periods (two months) split an interval across their boundary and count none of it twice.
+PERIOD_USAGE = """
+SELECT * REPLACE (toUInt64(if(end_ms > start_ms,
+                              intDiv(toUInt128(gpu_milli_ms)
+                                         * (least(end_ms, {clip_until}) - greatest(start_ms, {clip_since})),
+                                     end_ms - start_ms), gpu_milli_ms)) AS gpu_milli_ms)
+FROM gpupool.usage FINAL WHERE {where}
+"""
+
+# One price per usage event (the most specific row valid at the interval's end; its price and currency taken
+# together), then summed; Int128 keeps it exact. Unpriced usage has currency '' and price 0.
 PRICED_USAGE = """
+SELECT event_id, tenant, project, job_id, tier, gpu_model, borrowed, reserved, end_ms, gpu_milli_ms, priced,
+       if(priced, pc.1, 0) AS micro_per_gpu_hour, if(priced, pc.2, '') AS currency
+FROM (
 SELECT u.event_id AS event_id, any(u.tenant) AS tenant, any(u.project) AS project, any(u.job_id) AS job_id,
-       any(u.gpu_model) AS gpu_model, any(u.borrowed) AS borrowed, any(u.end_ms) AS end_ms,
-       any(u.gpu_milli_ms) AS gpu_milli_ms,
-       argMax(p.micro_per_gpu_hour, ((p.datacenter != '*') + (p.tod_band != '*') + (p.tier != '*'), p.valid_from))
-           AS micro_per_gpu_hour,
-       count(p.gpu_model) > 0 AS priced
+       any(u.tier) AS tier, any(u.gpu_model) AS gpu_model, any(u.borrowed) AS borrowed, any(u.reserved) AS reserved,
+       any(u.end_ms) AS end_ms, any(u.gpu_milli_ms) AS gpu_milli_ms,
+       argMax(tuple(p.micro_per_gpu_hour, p.currency),
+              ((p.datacenter != '*') + (p.tod_band != '*') + (p.tier != '*'), p.valid_from)) AS pc,
+       -- a LEFT JOIN's unmatched row has the column types' defaults (''), not NULL: no price is a '' model
+       countIf(p.gpu_model != '') > 0 AS priced
 FROM (SELECT *, if(toHour(fromUnixTimestamp64Milli(toInt64(start_ms), 'UTC')) BETWEEN 8 AND 19,
                    'peak', 'offpeak') AS tod_band
-      FROM gpupool.usage FINAL WHERE {where}) AS u
+      FROM ({usage})) AS u
 LEFT JOIN (SELECT * FROM gpupool.price_book FINAL) AS p
        ON p.gpu_model = u.gpu_model AND p.borrowed = u.borrowed
       AND p.datacenter IN (u.datacenter, '*') AND p.tod_band IN (u.tod_band, '*') AND p.tier IN (u.tier, '*')
       AND p.valid_from <= fromUnixTimestamp64Milli(toInt64(u.end_ms), 'UTC')
-GROUP BY u.event_id
+GROUP BY u.event_id)
+"""
+
+
+def period_usage(where: str, since_ms: int | None, until_ms: int | None) -> str:
+    """PERIOD_USAGE for a WHERE clause whose parameters include since/until when they are given."""
+    return (PERIOD_USAGE.replace("{where}", where)
+            .replace("{clip_since}", "{since:UInt64}" if since_ms is not None else "start_ms")
+            .replace("{clip_until}", "{until:UInt64}" if until_ms is not None else "end_ms"))
+
+
+def priced_usage(where: str, since_ms: int | None = None, until_ms: int | None = None) -> str:
+    """PRICED_USAGE over the usage `where` selects, clipped to [since, until) when given."""
+    return PRICED_USAGE.replace("{usage}", period_usage(where, since_ms, until_ms))
+
+
+# The invoice's lines: per tenant, currency, project, card model, tier, kind of time (own quota, reserved,
+# borrowed) and unit price, the exact GPU time and bill numerator (strings: Int128 does not fit JSON's integers).
+INVOICE_SQL = """
+SELECT tenant, currency, project, gpu_model, tier, multiIf(reserved, 'reserved', borrowed, 'borrowed', 'quota') AS time,
+       micro_per_gpu_hour, priced, toString(sum(gpu_milli_ms)) AS milli_gpu_ms,
+       toString(sum(toInt128(gpu_milli_ms) * micro_per_gpu_hour)) AS numerator, uniqExact(job_id) AS jobs
+FROM ({priced})
+GROUP BY tenant, currency, project, gpu_model, tier, time, micro_per_gpu_hour, priced
+ORDER BY tenant, currency, project, gpu_model, tier, time, micro_per_gpu_hour
 """
 
 
@@ -642,10 +692,9 @@ def jobs_sql(tenant: str | None, params: dict | None = None) -> tuple[str, dict]
     return JOBS_SQL.replace("{inner}", " AND ".join(inner)).replace("{outer}", " AND ".join(outer)), qp
 
 
-def billing_sql(by: str, tenant: str | None, project: str | None, since_ms: int | None, until_ms: int | None,
-                cost: bool = False):
-    if by not in BILLING_GROUPS:
-        raise ApiError(400, f"by: one of {', '.join(BILLING_GROUPS)}")
+def usage_where(tenant: str | None, project: str | None, since_ms: int | None,
+                until_ms: int | None) -> tuple[str, dict]:
+    """The usage a bill covers: an interval overlapping [since, until) (clipped to it by PERIOD_USAGE)."""
     where, params = ["1"], {}
     if tenant:
         where.append("tenant = {tenant:String}")
@@ -654,27 +703,115 @@ def billing_sql(by: str, tenant: str | None, project: str | None, since_ms: int 
         where.append("project = {project:String}")
         params["project"] = project
     if since_ms is not None:
-        where.append("end_ms >= {since:UInt64}")
+        where.append("end_ms > {since:UInt64}")
         params["since"] = since_ms
     if until_ms is not None:
         where.append("start_ms < {until:UInt64}")
         params["until"] = until_ms
+    return " AND ".join(where), params
+
+
+def billing_sql(by: str, tenant: str | None, project: str | None, since_ms: int | None, until_ms: int | None,
+                cost: bool = False):
+    if by not in BILLING_GROUPS:
+        raise ApiError(400, f"by: one of {', '.join(BILLING_GROUPS)}")
+    where, params = usage_where(tenant, project, since_ms, until_ms)
     group = BILLING_GROUPS[by]
     keys = group.replace(" AS day", "").replace("toDate(fromUnixTimestamp64Milli(toInt64(end_ms)))", "day")
-    if cost:  # money: own and borrowed GPU time priced apart; usage no price matches is counted, never hidden
-        sql = (f"SELECT {group}, round(sum(gpu_milli_ms) / 3.6e9, 4) AS gpu_hours, "
+    if cost:  # money, in integers: own and borrowed GPU time priced apart, each currency apart (never summed
+        # across currencies); usage no price matches is counted (in a row of currency ''), never hidden
+        sql = (f"SELECT {group}, currency, round(sum(gpu_milli_ms) / 3.6e9, 4) AS gpu_hours, "
                f"round(sumIf(gpu_milli_ms, borrowed) / 3.6e9, 4) AS borrowed_gpu_hours, "
-               f"round(sumIf(toInt128(gpu_milli_ms) * micro_per_gpu_hour, NOT borrowed) / 3.6e15, 2) AS own_cost, "
-               f"round(sumIf(toInt128(gpu_milli_ms) * micro_per_gpu_hour, borrowed) / 3.6e15, 2) AS borrowed_cost, "
-               f"round(sum(toInt128(gpu_milli_ms) * micro_per_gpu_hour) / 3.6e15, 2) AS cost, "
-               f"round(sumIf(gpu_milli_ms, NOT priced) / 3.6e9, 4) AS unpriced_gpu_hours, uniqExact(job_id) AS jobs, "
-               f"toInt64(intDiv(sum(toInt128(gpu_milli_ms) * micro_per_gpu_hour), 3600000000)) AS cost_micro "
-               f"FROM ({PRICED_USAGE.replace('{where}', ' AND '.join(where))}) GROUP BY {keys} ORDER BY {keys}")
+               f"toInt64(intDiv(sumIf(toInt128(gpu_milli_ms) * micro_per_gpu_hour, NOT borrowed), 3600000000)) "
+               f"AS own_micro, "
+               f"toInt64(intDiv(sumIf(toInt128(gpu_milli_ms) * micro_per_gpu_hour, borrowed), 3600000000)) "
+               f"AS borrowed_micro, "
+               f"toInt64(intDiv(sum(toInt128(gpu_milli_ms) * micro_per_gpu_hour), 3600000000)) AS cost_micro, "
+               f"round(sumIf(gpu_milli_ms, NOT priced) / 3.6e9, 4) AS unpriced_gpu_hours, uniqExact(job_id) AS jobs "
+               f"FROM ({priced_usage(where, since_ms, until_ms)}) GROUP BY {keys}, currency "
+               f"ORDER BY {keys}, currency")
         return sql, params
     sql = (f"SELECT {group}, sum(gpu_milli_ms) AS milli_gpu_ms, round(sum(gpu_milli_ms) / 1e6, 3) AS gpu_seconds, "
            f"round(sumIf(gpu_milli_ms, borrowed) / 1e6, 3) AS borrowed_gpu_seconds, uniqExact(job_id) AS jobs "
-           f"FROM gpupool.usage FINAL WHERE {' AND '.join(where)} GROUP BY {keys} ORDER BY {keys}")
+           f"FROM ({period_usage(where, since_ms, until_ms)}) GROUP BY {keys} ORDER BY {keys}")
     return sql, params
+
+
+def with_money(cols: list[str], rows: list[list]) -> tuple[list[str], list[list]]:
+    """billing --cost's rows with the amounts a person reads beside the integers: own_cost, borrowed_cost and cost,
+    each its micro-units rounded to the currency's minor unit (schemas.money.show_micro: half up), as decimal
+    strings ('12.34'; '' where no price applied)."""
+    from schemas.money import show_micro
+
+    if not rows or "currency" not in cols:  # an empty answer (the embedded engine names no columns then)
+        return cols, rows
+    at = cols.index("currency")
+    idx = {c: cols.index(c) for c in ("own_micro", "borrowed_micro", "cost_micro")}
+    out = []
+    for r in rows:
+        cur = r[at]
+        money = [show_micro(int(r[idx[c]]), cur) if cur else "" for c in ("own_micro", "borrowed_micro",
+                                                                           "cost_micro")]
+        out.append([*r, *money])
+    return [*cols, "own_cost", "borrowed_cost", "cost"], out
+
+
+def month_bounds(month: str) -> tuple[int, int]:
+    """'YYYY-MM' as [its first instant, the next month's first instant), UTC, in epoch ms."""
+    from datetime import datetime, timezone
+
+    try:
+        a = datetime.strptime(month, "%Y-%m").replace(tzinfo=timezone.utc)
+    except ValueError:
+        raise ApiError(400, f"month: YYYY-MM, not {month!r}") from None
+    b = a.replace(year=a.year + 1, month=1) if a.month == 12 else a.replace(month=a.month + 1)
+    return int(a.timestamp() * 1000), int(b.timestamp() * 1000)
+
+
+def invoice_period(params: dict) -> tuple[int, int]:
+    """An invoice's period: `month` (YYYY-MM, UTC) or `since` and `until` (epoch ms), since before until."""
+    if params.get("month"):
+        if params.get("since") or params.get("until"):
+            raise ApiError(400, "month or since/until, not both")
+        return month_bounds(params["month"])
+    since, until = _int(params, "since"), _int(params, "until")
+    if since is None or until is None:
+        raise ApiError(400, "an invoice needs a period: month=YYYY-MM, or since and until (epoch ms)")
+    if until <= since:
+        raise ApiError(400, "until must be after since")
+    return since, until
+
+
+async def invoice_answer(principal: Principal, params: dict, runner: "QueryRunner"):
+    """/api/invoice: the invoices of a period (streams/folds/invoice.py), each tenant's only to itself and to the
+    roles that read every bill; `format=csv|html` renders one (a tenant's own, or the one `tenant` names)."""
+    import time
+
+    from streams.edge import invoice_render
+    from streams.folds.invoice import invoices
+
+    since, until = invoice_period(params)
+    scope = tenant_scope(principal, params.get("tenant"))
+    fmt = params.get("format") or "json"
+    if fmt not in ("json", "csv", "html"):
+        raise ApiError(400, "format: json, csv or html")
+    if fmt != "json" and scope is None:
+        raise ApiError(400, f"format={fmt} renders one invoice: name its tenant (tenant=T)")
+    where, qp = usage_where(scope, None, since, until)
+    cols, rows = await runner.ours(INVOICE_SQL.replace("{priced}", priced_usage(where, since, until)), qp)
+    docs = invoices([dict(zip(cols, r)) for r in rows], since, until, [scope] if scope else None)
+    if fmt == "json":
+        return {"since_ms": since, "until_ms": until, "invoices": docs}
+    inv = docs[0]
+    name = invoice_render.file_stem(inv)
+    if fmt == "csv":
+        return Rendered(invoice_render.csv_text([inv]).encode(), {
+            "Content-Type": "text/csv; charset=utf-8", "Content-Disposition": f'attachment; filename="{name}.csv"'})
+    page = invoice_render.html_page(inv, issued_ms=time.time_ns() // 1_000_000)
+    return Rendered(page.encode(), {
+        "Content-Type": "text/html; charset=utf-8", "Content-Disposition": f'inline; filename="{name}.html"',
+        "Content-Security-Policy": "default-src 'none'; style-src 'unsafe-inline'; frame-ancestors 'none'",
+        "X-Content-Type-Options": "nosniff"})
 
 
 def _int(params: dict, name: str) -> int | None:
@@ -856,11 +993,15 @@ async def answer(path: str, principal: Principal, params: dict, body: bytes, run
                         "reasons": redact(rs, scope) if scope is not None else rs})
         return {"job": job, "events": out}
     if path == "/api/billing":
+        cost = params.get("cost") in ("1", "true")
         sql, qp = billing_sql(params.get("by") or "tenant", tenant_scope(principal, params.get("tenant")),
-                              params.get("project"), _int(params, "since"), _int(params, "until"),
-                              cost=params.get("cost") in ("1", "true"))
+                              params.get("project"), _int(params, "since"), _int(params, "until"), cost=cost)
         cols, rows = await runner.ours(sql, qp)
+        if cost:
+            cols, rows = with_money(cols, rows)
         return {"columns": cols, "rows": _plain(rows)}
+    if path == "/api/invoice":
+        return await invoice_answer(principal, params, runner)
     if path == "/api/telemetry":
         since = _int(params, "since") or 0
         group = params.get("by") or "workload"

@@ -842,6 +842,8 @@ class Worker:
                 return web.bytes(generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
             doc = await api.answer(path, principal, {**dict(request.query), **(params or {})}, body, self.queries,
                                    self._memory_pages)
+            if isinstance(doc, api.Rendered):  # a file (an invoice's CSV or HTML page), not a JSON document
+                return web.bytes(doc.body, headers=doc.headers)
         except api.ApiError as exc:
             headers = {"Retry-After": str(exc.retry_after)} if getattr(exc, "retry_after", None) else None
             return web.json({"error": exc.message}, status=exc.status, headers=headers)

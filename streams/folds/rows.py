@@ -19,7 +19,7 @@ COLUMNS: dict[str, tuple[str, ...]] = {
                      "quota_milli", "used_milli", "borrowed_milli", "milli", "overcommit_pct", "reserved_milli",
                      "quota_memory_mib", "used_memory_mib", "actor", "answers"),
     "price_book": ("gpu_model", "datacenter", "tod_band", "tier", "borrowed", "micro_per_gpu_hour", "valid_from",
-                   "event_id", "actor"),
+                   "event_id", "actor", "currency"),
     "telemetry_minutes": ("minute_ms", "node", "datacenter", "gpu_uuid", "mig_uuid", "gpu_model", "samples",
                           "util_mean_permille", "util_max_pct", "mem_used_mean_mib", "mem_used_max_mib",
                           "mem_total_mib", "temperature_mean_c", "temperature_max_c", "power_mean_mw",
@@ -81,7 +81,7 @@ def rows_for(env: Envelope, topic: str, partition: int, offset: int) -> dict[str
                                     p.used_memory_mib, actor, ""]]
         case PriceSet():
             out["price_book"] = [[p.gpu_model, p.datacenter, p.tod_band, p.tier, p.borrowed, p.micro_per_gpu_hour,
-                                  p.valid_from_ms, env.event_id, actor]]  # DateTime64(3) takes epoch ms
+                                  p.valid_from_ms, env.event_id, actor, p.currency]]  # DateTime64(3) takes epoch ms
         case QuotaRejected():  # a refused quota.set: shown beside the set it answers, never in force
             out["quota_events"] = [[*at, env.event_time_ms, p.kind, p.tenant, p.project or "", "",
                                     p.gpu_milli, 0, 0, 0, 0, 0, 0, 0, actor, env.causation_id or ""]]

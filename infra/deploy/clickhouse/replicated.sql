@@ -87,6 +87,8 @@ CREATE TABLE IF NOT EXISTS gpupool.price_book ON CLUSTER '{cluster}' (
 -- added with prices as events (price.set on the ledger, written by operators through the gateway)
 ALTER TABLE gpupool.price_book ON CLUSTER '{cluster}' ADD COLUMN IF NOT EXISTS event_id String DEFAULT '';
 ALTER TABLE gpupool.price_book ON CLUSTER '{cluster}' ADD COLUMN IF NOT EXISTS actor String DEFAULT '';
+-- added with currencies (docs/billing.md "Currency"): the ISO 4217 code of the price; rows from before were USD
+ALTER TABLE gpupool.price_book ON CLUSTER '{cluster}' ADD COLUMN IF NOT EXISTS currency LowCardinality(String) DEFAULT 'USD';
 
 -- Daily rollup of the bill for dashboards, fed by every insert into gpupool.usage. The bill of record is
 -- gpupool.usage FINAL: a usage event re-emitted at a new offset after a scheduler crash is collapsed there but

@@ -215,7 +215,14 @@ async function pageQueue() {
 
 async function pageTenants() {
   const [quota, bill] = await Promise.all([api("/api/quota"), api("/api/billing", { by: "tenant", cost: 1 })]);
-  const cost = new Map(rowsOf(bill).map((r) => [r.tenant, r]));
+  // one bill row per tenant and currency (never summed across currencies; '' holds GPU time no price applied to)
+  const cost = new Map();
+  for (const r of rowsOf(bill)) {
+    const b = cost.get(r.tenant) || { gpu_hours: 0, cost: [], borrowed_cost: [] };
+    b.gpu_hours = Math.round((b.gpu_hours + (r.gpu_hours || 0)) * 10000) / 10000;
+    if (r.currency) { b.cost.push(`${r.cost} ${r.currency}`); b.borrowed_cost.push(`${r.borrowed_cost} ${r.currency}`); }
+    cost.set(r.tenant, b);
+  }
   // an account known only by a refused quota.set (no quota, nothing held) is not shown
   const known = rowsOf(quota).filter((r) => r.quota_set_by || r.used_milli || r.reserved_milli || r.used_memory_mib);
   const rows = known.filter((r) => !r.project).map((r) => {
@@ -223,12 +230,45 @@ async function pageTenants() {
     const q = r.quota_milli || 0, used = r.used_milli || 0;
     const bar = h("span", { class: "bar-bg" }, h("span", { class: "bar-fg" + (used > q ? " over" : ""), style: `width:${q ? Math.min(100, (100 * used) / q) : 0}%` }));
     return [r.tenant, (q / 1000).toFixed(1), h("span", {}, bar, " ", (used / 1000).toFixed(2)), ((r.reserved_milli || 0) / 1000).toFixed(2),
-      ((r.borrowed_milli || 0) / 1000).toFixed(2), b.gpu_hours ?? 0, b.cost ?? 0, b.borrowed_cost ?? 0];
+      ((r.borrowed_milli || 0) / 1000).toFixed(2), b.gpu_hours ?? 0, (b.cost || []).join(", ") || "0", (b.borrowed_cost || []).join(", ") || "0",
+      h("span", {}, invoiceButton(r.tenant, "html"), " ", invoiceButton(r.tenant, "csv"))];
   });
+  const now = new Date();
+  const month = h("input", { type: "month", id: "invoice-month", style: "width: 14em; display: inline-block; margin: 0 .5em", value: `${now.getUTCFullYear()}-${String(now.getUTCMonth() + 1).padStart(2, "0")}` });
   const projects = known.filter((r) => r.project).map((r) => [r.tenant, r.project, r.quota_milli ? (r.quota_milli / 1000).toFixed(1) : "-", ((r.used_milli || 0) / 1000).toFixed(2), ((r.borrowed_milli || 0) / 1000).toFixed(2)]);
   page("Tenants", h("p", { class: "muted", text: "Quota, used, reserved and borrowed in compute units (1 = one A100's dense throughput); cost from the price book." }),
-    table(["tenant", "quota (CU)", "used (CU)", "reserved", "borrowed", "GPU-hours", "cost", "of which borrowed"], rows, "tenants-table"),
+    h("p", {}, h("label", { for: "invoice-month", text: "Invoices for the month (UTC)", style: "display: inline" }), month, " ", h("span", { id: "invoice-status", class: "muted" })),
+    table(["tenant", "quota (CU)", "used (CU)", "reserved", "borrowed", "GPU-hours", "cost", "of which borrowed", "invoice"], rows, "tenants-table"),
     projects.length ? h("h4", { text: "Projects" }) : null, projects.length ? table(["tenant", "project", "quota", "used", "borrowed"], projects, "projects-table") : null);
+}
+
+// a tenant's invoice for the chosen month (/api/invoice, the file `gpupool invoice` writes), downloaded with the
+// signed-in principal's token: a tenant gets its own, finance every tenant's (docs/billing.md, "Invoices")
+function invoiceButton(tenant, fmt) {
+  const b = h("button", { type: "button", class: "invoice outline", style: "padding: .15em .6em; font-size: .85em; width: auto; margin: 0",
+    "data-tenant": tenant, "data-format": fmt, text: fmt.toUpperCase() });
+  b.addEventListener("click", () => downloadInvoice(tenant, fmt));
+  return b;
+}
+
+async function downloadInvoice(tenant, fmt) {
+  const status = document.getElementById("invoice-status");
+  const month = document.getElementById("invoice-month").value;
+  const q = new URLSearchParams({ tenant, month, format: fmt });
+  const resp = await fetch("/api/invoice?" + q, { headers: { Authorization: "Basic " + btoa(session.name + ":" + session.token) } });
+  if (!resp.ok) {
+    let msg = resp.statusText;
+    try { msg = (await resp.json()).error || msg; } catch (e) { /* not JSON */ }
+    status.textContent = `invoice ${tenant} ${month}: ${resp.status} ${msg}`;
+    return;
+  }
+  const found = /filename="([^"]+)"/.exec(resp.headers.get("Content-Disposition") || "");
+  const name = found ? found[1] : `invoice-${tenant}-${month}.${fmt}`;
+  const a = h("a", { href: URL.createObjectURL(await resp.blob()), download: name });
+  document.body.append(a);
+  a.click();
+  a.remove();
+  status.textContent = `${name} downloaded`;
 }
 
 // ---------------------------------------------------------------- jobs and one job
