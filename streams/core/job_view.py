@@ -150,9 +150,11 @@ def _derive(view: JobView, waiting: tuple[Reason, ...]) -> JobView:
         reasons = waiting or (_backing_off(view, cur, failures) if cur.end == "failed" else ())
     else:
         reasons = ()
+    ended = cur.ended_ms if state in TERMINAL else 0
+    if state == "completed" and cur.parts > 1 and cur.attempt:  # a gang ends with its last part
+        ended = max(r.ended_ms for r in _live(view) if r.end == "completed" and r.attempt == cur.attempt)
     return replace(view, state=state, node=cur.node if state != "pending" else "", command_id=cur.command_id,
-                   started_ms=cur.started_ms, ended_ms=cur.ended_ms if state in TERMINAL else 0, reasons=reasons,
-                   failures=failures)
+                   started_ms=cur.started_ms, ended_ms=ended, reasons=reasons, failures=failures)
 
 
 def _runs(view: JobView) -> tuple[Run, ...]:
@@ -273,5 +275,32 @@ def evolve(view: JobView | None, env: Envelope) -> JobView:
         case Rejected() if view.request is not None and env.causation_id != view.request_event_id:
             return _mark(view, env, refused=view.refused + (p.code,))  # about another request, not this job
         case Rejected() if not finished:
-            return _mark(view, env, state="rejected", reasons=p.reasons)
+            return _mark(view, env, state="rejected", reasons=p.reasons, ended_ms=env.event_time_ms)
     return _mark(view, env)
+
+
+# ---------------------------------------------------------------- what the jobs list says of a job (streams/core/rows.py)
+
+
+def exit_of(r: Run) -> str:
+    """A failed run's exit as the jobs list says it: "ExitCode 3", "Signal 9", "OOMKilled"... ("" before exit
+    reasons were recorded)."""
+    if r.code == "ExitCode" and r.exit_code is not None:
+        return f"ExitCode {r.exit_code}"
+    if r.code == "Signal" and r.signal is not None:
+        return f"Signal {r.signal}"
+    return r.code
+
+
+def last_exit(view: JobView) -> str:
+    """Why its last failed run that stands ended ("" when none failed): the latest by its end's time."""
+    failed = [r for r in _live(view) if r.end == "failed"]
+    return exit_of(max(failed, key=lambda r: r.ended_ms)) if failed else ""
+
+
+def retry_at_ms(view: JobView) -> int:
+    """While it waits out a failed run's back-off, when the scheduler tries it again (0: it does not)."""
+    if view.state == "pending" and view.reasons and view.reasons[0].code == "BackOff":
+        at = view.reasons[0].data.get("retry_at_ms", 0)
+        return at if isinstance(at, int) else 0
+    return 0
