@@ -1,29 +1,20 @@
-"""The jobs list (`/api/jobs`, `gpupool jobs`) is a query over the events the sink stored: its state must be the
+"""The jobs list (`/api/jobs`, `gpupool jobs`) is a query over what the sink stored: each job's state as its view's
+fold decided it (gpupool.jobs, from the job view's changelog) and its timeline from the events. Its state must be the
 job's, also when node agents report runs the scheduler has already interrupted. Real scheduler outputs, stored by the
 real sink into an embedded ClickHouse, listed by the API's query."""
 from __future__ import annotations
 
-from collections import defaultdict
-
-import orjson
 import pytest
 
 from agents.scheduler.core import Scheduler
 from agents.scheduler.quota import open_ledger
 from infra.clickhouse import connect
 from infra.config import Config
-from schemas.envelope import encode
 from schemas.events import GpuHealth, JobStarted
-from schemas.routing import route
-from schemas.topics import DECISIONS, JOB_EVENTS, JOB_REQUESTS, JOB_VIEW_CHANGELOG
 from streams.api import jobs_sql
-from streams.codec import JOB_VIEW
-from streams.core import job_view
 from streams.sink import Sink
 from tests.builders import Clock, inventory, job
-from tests.test_sink_exactness import Rec
-
-JOB_TOPICS = (JOB_REQUESTS.name, JOB_EVENTS.name, DECISIONS.name)  # what the worker's job fold reads
+from tests.job_store import Changelog, store as store_envs
 
 
 @pytest.fixture(scope="module")
@@ -37,39 +28,11 @@ def store(tmp_path_factory):
     client.close()
 
 
+_CHANGELOG = Changelog()  # the worker's job table, kept over this module's tests (a job stored in two calls)
+
+
 def _store(sink: Sink, envs, part: int = 0) -> None:
-    """The envelopes as the sink would get them: each on its home topic, on partition `part`, at the next offset."""
-    by_tp: dict[tuple[str, int], list[Rec]] = defaultdict(list)
-    for env in envs:
-        spec, key = route(env)
-        tp = (spec.name, part)
-        by_tp[tp].append(Rec(spec.name, part, len(by_tp[tp]), encode(env), key))
-    for (topic, part), recs in by_tp.items():
-        sink._insert_batch(topic, part, recs)
-    changes = view_changelog(envs, part)
-    if changes:
-        sink._insert_batch(JOB_VIEW_CHANGELOG.name, part, changes)
-
-
-_VIEWS: dict = {}  # the worker's job table, kept over the tests of this module (a job stored in two calls)
-_CHANGES = [0]  # the changelog's next offset: one sequence, as one partition's offsets are for one job
-
-
-def view_changelog(envs, part: int = 0) -> list[Rec]:
-    """The job view's changelog as the worker writes it for these envelopes: each change the fold made (the view
-    after it), at the next offset, on partition `part`."""
-    out = []
-    for env in envs:
-        job_id = getattr(env.payload, "job_id", None)
-        if not job_id or route(env)[0].name not in JOB_TOPICS:
-            continue
-        after = job_view.evolve(_VIEWS.get(job_id), env)
-        if after is not _VIEWS.get(job_id):
-            _VIEWS[job_id] = after
-            out.append(Rec(JOB_VIEW_CHANGELOG.name, part, _CHANGES[0],
-                           orjson.dumps(JOB_VIEW.dump_python(after, mode="json")), job_id.encode()))
-            _CHANGES[0] += 1
-    return out
+    store_envs(sink, _CHANGELOG, envs, part)
 
 
 def _faulted_run():

@@ -132,8 +132,11 @@ def _backing_off(view: JobView, cur: Run, failures: int) -> tuple[Reason, ...]:
 def _derive(view: JobView, waiting: tuple[Reason, ...]) -> JobView:
     """The job's state, node and run from the runs that stand; `waiting`: its reasons if it waits (none: a failed
     run with a retry left says its own)."""
-    if view.state in CLOSED:
-        return view
+    if view.state in CLOSED:  # its state said; its run (where it was when closed) is the runs' however they are read
+        cur = _current(_live(view), _retries(view))[0]
+        return replace(view, node=cur.node if cur is not None else "",
+                       command_id=cur.command_id if cur is not None else "",
+                       started_ms=cur.started_ms if cur is not None else 0)
     cur, ends, failures = _current(_live(view), _retries(view))
     if cur is None:
         state = "pending" if view.request is not None or view.runs or view.interruptions else view.state
@@ -228,7 +231,7 @@ def _interrupted(view: JobView, p: JobInterrupted) -> JobView:
                                    if not r.end and (r.node == p.node or not p.node))
     v = replace(view, runs=runs, superseded=view.superseded + commands, interruptions=view.interruptions + 1)
     if v.state in CLOSED:
-        return v
+        return _derive(v, ())
     ended = [r.end for r in runs if r.command_id in commands and r.command_id not in view.superseded]
     v = _derive(replace(v, preemptions=v.preemptions - ended.count("stopped"),
                         migrations=v.migrations - ended.count("migrated")), p.reasons)
@@ -259,7 +262,7 @@ def evolve(view: JobView | None, env: Envelope) -> JobView:
                                                   "gpu_memory_mib": p.gpu_memory_mib})
             return _mark(view, env, request=req)
         case JobCancelled() if not finished:
-            return _mark(view, env, state="cancelled", ended_ms=env.event_time_ms)
+            return _mark(_derive(replace(view, state="cancelled", ended_ms=env.event_time_ms), ()), env)
         case JobStarted() | JobCheckpointed() | JobCompleted() | JobFailed() | JobStopped():
             return _mark(_report(view, env, p), env)
         case JobInterrupted():
@@ -275,7 +278,8 @@ def evolve(view: JobView | None, env: Envelope) -> JobView:
         case Rejected() if view.request is not None and env.causation_id != view.request_event_id:
             return _mark(view, env, refused=view.refused + (p.code,))  # about another request, not this job
         case Rejected() if not finished:
-            return _mark(view, env, state="rejected", reasons=p.reasons, ended_ms=env.event_time_ms)
+            return _mark(_derive(replace(view, state="rejected", ended_ms=env.event_time_ms), ()), env,
+                         reasons=p.reasons)
     return _mark(view, env)
 
 
