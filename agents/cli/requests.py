@@ -186,14 +186,12 @@ def _at_the_door(event: dict) -> bool:
 def _state_of(c: Client, job: str) -> str:
     """Where the job stands as the jobs list says it -- its view's fold decided it (gpupool.jobs, docs/jobs.md "A
     job's state") -- e.g. "running on node-00"; "" when the API cannot say or has no row of it yet."""
-    try:
-        doc = c.api("/api/jobs", {"job": job}, timeout=10.0)
-    except SystemExit:
+    from agents.cli.views import standing
+
+    row = standing(c, job)
+    if row is None:
         return ""
-    rows = [dict(zip(doc["columns"], r)) for r in doc["rows"]]
-    if not rows:
-        return ""
-    return rows[0]["state"] + (f" on {rows[0]['nodes']}" if rows[0].get("nodes") else "")
+    return row["state"] + (f" on {row['nodes']}" if row.get("nodes") else "")
 
 
 def _job_id(c: Client, job: str) -> str:
