@@ -13,7 +13,12 @@ A failed run ends the job only beyond the retries its request gave (`retries`, d
 retries"): the scheduler requeues a job with a retry left after a back-off, so a failed run within them is like a
 stopped one -- the job waits (the scheduler's BackOff reason, or the view's own words for it until that is read) and
 follows its next run. Failures are counted per placement (a gang's parts failing in one run count once), over the
-runs the scheduler has not superseded, as the scheduler counts them."""
+runs the scheduler has not superseded, as the scheduler counts them.
+
+A cancel (a request) or a rejection (a decision) closes the job unless a run ended it first: the two are on different
+topics, so which came first is said by their times, never by the reading order (the earliest cancel or rejection is
+kept). This fold is the one rule for a job's state: the sink stores each change it makes (gpupool.jobs, from the
+job-view changelog) and the API, the CLI and the dashboard read it there (docs/jobs.md, "A job's state")."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
