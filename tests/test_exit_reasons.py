@@ -163,13 +163,22 @@ def test_history_says_failed_after_n_runs_once_the_retries_are_spent():
     events = FAILED_TWICE + [_place(3, 45000, "ckpt:7"), ev("job.started", 46000, "n1", node="n1", command_id="c3"),
                              ev("job.failed", 50000, "n1", node="n1", reason="CUDA out of memory",
                                 code="OOMKilled", attempt=3)]
-    lines = explain.history_lines("acme/train", events)
+    # how it ended is the jobs list's word (its view's fold: gpupool.jobs), not counted again here
+    row = {"state": "failed", "failures": 3, "retries": 2, "last_exit": "OOMKilled"}
+    assert not any("failed after" in ln for ln in explain.history_lines("acme/train", events))  # no row: no claim
+    lines = explain.history_lines("acme/train", events, standing=row)
     text = "\n".join(lines)
     assert "failed on n1 (attempt 3): killed out of memory (OOMKilled): CUDA out of memory" in text
     assert "        program: python train.py --lr 3e-4 'a b'  (in image localhost/py:3.11)" in lines
     assert lines[-2] == ("  failed after 3 runs (2 retries spent); the last: OOMKilled: killed out of memory "
                          "(OOMKilled): CUDA out of memory")
-    assert "failed after 3 runs" in "\n".join(explain.explain_lines("acme/train", events))
+    assert "failed after 3 runs" in "\n".join(explain.explain_lines("acme/train", events, standing=row))
+    # a retry that made it: the list says completed
+    done = {"state": "completed", "failures": 2, "retries": 2, "last_exit": "Signal 9"}
+    assert explain.history_lines("acme/train", FAILED_TWICE, standing=done)[-2] == "  completed after 2 failed run(s)"
+    waiting = {"state": "pending", "failures": 2, "retries": 2, "last_exit": "Signal 9"}
+    said = "\n".join(explain.explain_lines("acme/train", FAILED_TWICE, standing=waiting))
+    assert "failed after" not in said and "completed after" not in said
 
 
 def test_a_failure_from_before_exit_reasons_reads_as_it_did():

@@ -210,6 +210,18 @@ def test_refolding_from_offset_zero_equals_the_live_tables(stack):
     assert set(jobs) == set(live_jobs) and len(jobs) == 6
     for name in jobs:
         assert jobs[name] == live_jobs[name], name
+    # and the sink stored the same: each job's row of gpupool.jobs (what the API, the CLI and the dashboard read) is
+    # the row the refold makes (docs/jobs.md, "A job's state")
+    from streams.folds.rows import COLUMNS, job_rows
+
+    cols = [c for c in COLUMNS["jobs"] if c != "version"]
+    want = {name: {c: str(v) for c, v in zip(cols, job_rows(view, 0)["jobs"][0][:-1])} for name, view in jobs.items()}
+
+    def stored():
+        rows = stack.query(f"SELECT {', '.join(cols)} FROM gpupool.jobs FINAL")
+        return {r["job_id"]: {c: str(r[c]) for c in cols} for r in rows}
+
+    wait_for(lambda: stored() == want, 30, "gpupool.jobs to hold the refolded views", stack)
 
 
 def test_duplicated_ledger_records_do_not_double_bill(stack):

@@ -225,8 +225,7 @@ def parser() -> argparse.ArgumentParser:
     j = add("jobs", views.cmd_jobs, help="jobs with state, nodes, cards, wait and run time (a tenant: its own)")
     j.add_argument("--tenant")
     j.add_argument("--project")
-    j.add_argument("--state", choices=["pending", "placed", "running", "completed", "failed", "cancelled",
-                                       "rejected"])
+    j.add_argument("--state", choices=["pending", "running", "completed", "failed", "cancelled", "rejected"])
     j.add_argument("--tier", choices=["inference", "online-training", "offline"])
     j.add_argument("--since", help="submitted at or after (ISO time or epoch ms)")
     fmt(j)

@@ -158,35 +158,26 @@ def failure(p: dict) -> str:
     return failure_text(p.get("code"), p.get("reason", ""), p.get("exit_code"), p.get("signal"))
 
 
-def _failed_runs(events: list[dict]) -> list[dict]:
-    """The failed runs' reports, one per placement (a gang's parts failing in one run are one failed run)."""
-    seen, out = set(), []
-    for e in events:
-        if e["kind"] == "job.failed":
-            p = e["payload"]
-            key = p.get("attempt") or p.get("command_id") or id(e)
-            if key not in seen:
-                seen.add(key)
-                out.append(e)
-    return out
-
-
-def ending_lines(events: list[dict], indent: str = "") -> list[str]:
-    """How a job that asked for retries ended: "failed after N runs" once they are spent, "completed after N failed
-    run(s)" when a retry made it; nothing while a retry is left (the BackOff reason says when) and nothing for a job
-    that asked for none (its one job.failed line says it all, as before)."""
-    failed = _failed_runs(events)
-    req = next((e["payload"] for e in events if e["kind"] == "job.requested"), {}) or {}
-    retries = int(req.get("retries") or 0)
-    if not failed or not retries:
+def ending_lines(events: list[dict], indent: str = "", standing: dict | None = None) -> list[str]:
+    """How a job that asked for retries ended, as the jobs list says it (`standing`: its row of /api/jobs -- the job
+    view's fold decided it, docs/jobs.md "A job's state"): "failed after N runs" once they are spent, "completed
+    after N failed run(s)" when a retry made it; nothing while a retry is left (the BackOff reason says when), for a
+    job that asked for none (its one job.failed line says it all), or when the list has no row of it."""
+    if standing is None:
         return []
-    if any(e["kind"] == "job.completed" for e in events):
-        return [f"{indent}completed after {len(failed)} failed run(s)"]
-    if len(failed) <= retries:
+    failures, retries = int(standing.get("failures") or 0), int(standing.get("retries") or 0)
+    if not failures or not retries:
         return []
-    last = failed[-1]["payload"]
-    label = exit_label(last.get("code"), last.get("exit_code"), last.get("signal")) or "failed"
-    return [f"{indent}failed after {len(failed)} runs ({retries} retries spent); the last: {label}: {failure(last)}"]
+    if standing.get("state") == "completed":
+        return [f"{indent}completed after {failures} failed run(s)"]
+    if standing.get("state") != "failed":
+        return []
+    failed = [e for e in events if e["kind"] == "job.failed"]
+    last = failed[-1]["payload"] if failed else {}
+    label = (exit_label(last.get("code"), last.get("exit_code"), last.get("signal")) or standing.get("last_exit")
+             or "failed")
+    words = f": {failure(last)}" if last else ""
+    return [f"{indent}failed after {failures} runs ({retries} retries spent); the last: {label}{words}"]
 
 
 def _unique_reasons(block: list[dict]) -> list[dict]:
@@ -226,15 +217,16 @@ def event_line(block: list[dict], cards: dict[str, dict]) -> list[str]:
 
 
 def explain_lines(job: str, events: list[dict], cards: dict[str, dict] | None = None,
-                  cost: str | None = None) -> list[str]:
-    """`gpupool explain`: the decisions about a job with every reason, a gang's parts in one block."""
+                  cost: str | None = None, standing: dict | None = None) -> list[str]:
+    """`gpupool explain`: the decisions about a job with every reason, a gang's parts in one block; `standing`: its
+    row of the jobs list, which says how it ended."""
     cards = cards or {}
     shown = [e for e in events if e["kind"] in DECISIONS]
     lines = header(job, events)
     for block in blocks(shown):
         lines += event_line(block, cards)
         lines += reason_lines(_unique_reasons(block), "    ")
-    lines += ending_lines(events)
+    lines += ending_lines(events, "", standing)
     lines.append(cost_line(events, cost))
     return lines
 
@@ -304,8 +296,9 @@ WITH_REASONS = {"cmd.place", "cmd.preempt", "job.pending", "job.rejected", "cmd.
 
 
 def history_lines(job: str, events: list[dict], cards: dict[str, dict] | None = None,
-                  cost: str | None = None) -> list[str]:
-    """`gpupool history`: the whole life, like Slurm's sacct, a gang's placement parts in one block."""
+                  cost: str | None = None, standing: dict | None = None) -> list[str]:
+    """`gpupool history`: the whole life, like Slurm's sacct, a gang's placement parts in one block; `standing`: its
+    row of the jobs list, which says how it ended."""
     cards = cards or {}
     lines = [job]
     for block in blocks([e for e in events if e["kind"] in SHOWN_IN_HISTORY]):
@@ -320,6 +313,6 @@ def history_lines(job: str, events: list[dict], cards: dict[str, dict] | None = 
             lines += program_lines(e["payload"], "        ")
         if e["kind"] in WITH_REASONS:
             lines += reason_lines(_unique_reasons(block), "        ")
-    lines += ending_lines(events, "  ")
+    lines += ending_lines(events, "  ", standing)
     lines.append("  " + cost_line(events, cost))
     return lines

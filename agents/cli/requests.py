@@ -146,7 +146,7 @@ def _submit_answer(c: Client, job: str, req, before: list[dict] | None, wait_s: 
     asked = {k: v for k, v in req.model_dump(mode="json").items() if k not in ("job_id", "tenant")}
     first = next((e for e in before if e["kind"] == "job.requested"), None)
     if first is not None and {k: v for k, v in first["payload"].items() if k not in ("job_id", "tenant")} == asked:
-        state = _state_of(before)
+        state = _state_of(c, job)
         print(f"gpupool submit: {job}: the same request is on record already (sending it again changes nothing)"
               + (f"; {state}" if state else ""), file=sys.stderr)
         return 0
@@ -184,16 +184,15 @@ def _at_the_door(event: dict) -> bool:
     return event["kind"] == "job.rejected" and any(r.get("plugin") == "Gateway" for r in event.get("reasons") or ())
 
 
-def _state_of(events: list[dict]) -> str:
-    from agents.cli import explain
+def _state_of(c: Client, job: str) -> str:
+    """Where the job stands as the jobs list says it -- its view's fold decided it (gpupool.jobs, docs/jobs.md "A
+    job's state") -- e.g. "running on node-00"; "" when the API cannot say or has no row of it yet."""
+    from agents.cli.views import standing
 
-    # a later request's refusal under the same id (duplicate_job_id) says nothing of the job
-    last = next((e for e in reversed(events) if e["kind"] in explain.SHOWN_IN_HISTORY
-                 and e["kind"] not in ("usage.accrued", "job.requested")
-                 and not (e["kind"] == "job.rejected" and e["payload"].get("code") == "duplicate_job_id")), None)
-    return explain.summary(last) if last is not None else ""
-
-
+    row = standing(c, job)
+    if row is None:
+        return ""
+    return row["state"] + (f" on {row['nodes']}" if row.get("nodes") else "")
 
 
 def _job_id(c: Client, job: str) -> str:

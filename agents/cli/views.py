@@ -197,6 +197,17 @@ def _cost(c: Client, job: str) -> str | None:
                      f"of it borrowed)" for d in mine)
 
 
+def standing(c: Client, job: str) -> dict | None:
+    """The job's row of the jobs list: where it stands as its view's fold decided it (gpupool.jobs, docs/jobs.md "A
+    job's state"); None when the API cannot say or has no row of it yet."""
+    try:
+        doc = c.api("/api/jobs", {"job": job}, timeout=10.0)
+    except SystemExit:
+        return None
+    rows = [dict(zip(doc["columns"], r)) for r in doc["rows"]]
+    return rows[0] if rows else None
+
+
 def cmd_explain(cfg, args) -> int:
     c = Client(cfg)
     job = _job(c, args.job)
@@ -210,7 +221,7 @@ def cmd_explain(cfg, args) -> int:
     if not any(e["kind"] in explain.DECISIONS for e in events):
         print(f"no scheduling decision recorded for {job} yet (`gpupool history {args.job}` shows what is)")
         return 1
-    print("\n".join(explain.explain_lines(job, events, _cards(c), _cost(c, job))))
+    print("\n".join(explain.explain_lines(job, events, _cards(c), _cost(c, job), standing(c, job))))
     return 0
 
 
@@ -229,7 +240,7 @@ def cmd_history(cfg, args) -> int:
     if not any(e["kind"] in explain.SHOWN_IN_HISTORY for e in doc["events"]):
         print(f"nothing recorded for {job}")
         return 1
-    print("\n".join(explain.history_lines(job, doc["events"], _cards(c), _cost(c, job))))
+    print("\n".join(explain.history_lines(job, doc["events"], _cards(c), _cost(c, job), standing(c, job))))
     return 0
 
 

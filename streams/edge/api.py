@@ -236,7 +236,7 @@ SELECT job_id, tenant, state, tier, project, compute_milli,
        -- why its last failed run ended (ExitCode 3, Signal 9 (SIGKILL), OOMKilled, ...: docs/jobs.md "Exit reasons
        -- and retries"), how many of its runs failed, the retries it asked for, and while it waits out a failed
        -- run's back-off, when it is tried again (epoch ms; 0: not backing off)
-       last_exit, failures, retries, if(state = 'pending', retry_ms, 0) AS retry_at_ms
+       last_exit, failures, retries, retry_at_ms
 FROM (
 SELECT *,
        arraySum(arrayMap(i -> ifNull(if(runs[i].3 = 'job.started',
@@ -244,34 +244,18 @@ SELECT *,
                                                  - runs[i].1, 0), 0), 0),
                          arrayEnumerate(runs))) AS run_ms
 FROM (
-  SELECT job_id, any(tenant_of) AS tenant,
-         -- an end of a run the scheduler interrupted left out too: a node that comes back and reports the old run
-         -- completed or failed does not end the job's new run (job_view's rule)
-         -- (a gang: once every part of one run completed, each part's completion saying the run's parts)
-         multiIf(arrayExists(x -> x.3 = 'job.completed' AND NOT has(superseded, x.2) AND (x.5 <= 1 OR length(
-                     arrayDistinct(arrayMap(y -> y.6, arrayFilter(y -> y.3 = 'job.completed' AND y.4 = x.4
-                                                                  AND NOT has(superseded, y.2), ends)))) >= x.5),
-                             ends), 'completed',
-                 -- a failed run ends the job only beyond the retries it asked for (the scheduler requeues it
-                 -- otherwise): failures counted per placement, a gang's parts of one run once
-                 failures > retries, 'failed',
-                 countIf(kind = 'job.cancelled') > 0, 'cancelled',
-                 countIf(kind = 'job.rejected' AND code != 'duplicate_job_id') > 0, 'rejected',
-                 -- the last of its runs' turns, a start of a run the scheduler interrupted left out: a node
-                 -- agent's late report of a superseded placement is not the job running (job_view.evolve's rule)
-                 -- (a failure is a turn of the placement it ended while that is the latest: a retried run's end)
-                 arrayReverseSort(x -> (x.1, x.2), arrayFilter(x -> NOT (x.3 = 'job.failed' AND NOT has(current, x.4)),
-                                  arrayFilter(x -> NOT (x.3 = 'job.started' AND has(superseded, x.4)),
-                                                               turns)))[1].3 = 'job.started',
-                 'running', countIf(kind = 'cmd.place') > countIf(kind = 'cmd.release'), 'placed', 'pending') AS state,
+  -- the job's state, run, counts and reasons: as its view's fold decided them (gpupool.jobs, written by the sink
+  -- from the job view's changelog: streams/folds/job_view.py), never decided again here
+  SELECT job_id, tenant, state, tier, project, compute_milli, ended_ms, failures, retries, last_exit, retry_at_ms
+  FROM gpupool.jobs FINAL WHERE {inner}
+) AS j
+INNER JOIN (
+  -- its timeline from the events on record: when it was submitted, by whom, where it was placed, and how long its
+  -- runs ran
+  SELECT job_id,
          arrayFlatten(groupArrayIf(JSONExtract(payload, 'commands', 'Array(String)'), kind = 'job.interrupted'))
              AS superseded,
-         groupArrayIf((event_time, offset, kind, command_id),
-                      kind IN ('job.started', 'job.stopped', 'job.interrupted', 'job.failed')) AS turns,
-         -- the command ids of its latest placement (every part of it)
-         groupArrayIf((JSONExtractUInt(payload, 'attempt'), command_id), kind = 'cmd.place') AS placed_cmds,
-         arrayMap(x -> x.2, arrayFilter(x -> x.1 = arrayMax(arrayMap(y -> y.1, placed_cmds)), placed_cmds)) AS current,
-         -- the same turns by log time in ms, each interruption with the runs it ended; a start or stop of a run
+         -- its runs' turns by log time in ms, each interruption with the runs it ended; a start or stop of a run
          -- reported after the interruption that ended it (a node back from the dead) is no turn of the job's
          arrayFilter(x -> NOT (x.3 IN ('job.started', 'job.stopped', 'job.failed') AND has(superseded, x.4) AND NOT arrayExists(
                                    y -> y.3 = 'job.interrupted' AND has(y.5, x.4) AND (y.1, y.2) > (x.1, x.2),
@@ -280,41 +264,16 @@ FROM (
          groupArrayIf((event_time_ms, offset, kind, command_id,
                        if(kind = 'job.interrupted', JSONExtract(payload, 'commands', 'Array(String)'), [])),
                       kind IN ('job.started', 'job.stopped', 'job.interrupted', 'job.failed')) AS turns_ms,
-         argMinIf(JSONExtractString(payload, 'tier'), event_time_ms, kind = 'job.requested') AS tier,
-         argMinIf(JSONExtractString(payload, 'project'), event_time_ms, kind = 'job.requested') AS project,
-         argMinIf(JSONExtractUInt(payload, 'compute_milli'), event_time_ms, kind = 'job.requested') AS compute_milli,
          maxIf(event_time_ms, kind = 'cmd.place') AS last_place_ms,
          groupArrayIf((event_time_ms, node, JSONLength(payload, 'assignments')), kind = 'cmd.place') AS places,
          minIf(event_time_ms, kind IN ('job.requested', 'job.rejected')) AS submitted_ms,
-         -- ended: only a job that has (a failed run with a retry left is no end)
-         if(state IN ('completed', 'failed', 'cancelled', 'rejected'),
-            greatest(maxIf(event_time_ms, kind IN ('job.cancelled', 'job.rejected')),
-                     arrayMax(arrayMap(x -> if(has(superseded, x.2), 0, x.1),
-                                       arrayPushBack(ends, (0, '', '', 0, 0, 0))))),
-            0) AS ended_ms,
-         groupArrayIf((event_time_ms, command_id, kind, JSONExtractUInt(payload, 'attempt'),
-                       JSONExtractUInt(payload, 'parts'), JSONExtractUInt(payload, 'part')),
-                      kind IN ('job.completed', 'job.failed')) AS ends,
-         length(arrayDistinct(arrayMap(x -> if(x.4 > 0, toString(x.4), x.2),
-                                       arrayFilter(x -> x.3 = 'job.failed' AND NOT has(superseded, x.2), ends))))
-             AS failures,
-         argMinIf(JSONExtractUInt(payload, 'retries'), event_time_ms, kind = 'job.requested') AS retries,
-         groupArrayIf((event_time_ms, offset, command_id,
-                       multiIf(code = 'ExitCode', concat('ExitCode ', toString(JSONExtractInt(payload, 'exit_code'))),
-                               code = 'Signal', concat('Signal ', toString(JSONExtractInt(payload, 'signal'))),
-                               code)), kind = 'job.failed') AS fails,
-         arrayReverseSort(x -> (x.1, x.2), arrayFilter(x -> NOT has(superseded, x.3),
-                                                         arrayPushFront(fails, (0, 0, '', ''))))[1].4 AS last_exit,
-         argMaxIf(if(JSONExtractString(payload, 'reasons', 1, 'code') = 'BackOff',
-                     JSONExtractUInt(payload, 'reasons', 1, 'data', 'retry_at_ms'), 0),
-                  (event_time_ms, offset), kind = 'job.pending') AS retry_ms,
          argMinIf(actor, event_time, kind = 'job.requested') AS submitted_by,
-         arrayStringConcat(groupUniqArrayIf(code, kind = 'job.rejected'), ',') AS rejections,
+         arrayStringConcat(groupUniqArrayIf(JSONExtractString(payload, 'code'), kind = 'job.rejected'), ',')
+             AS rejections,
          toUnixTimestamp64Milli(now64(3)) AS now_ms
-  FROM (SELECT *, event_time, JSONExtractString(payload, 'code') AS code,
-               if(position(job_id, '/') > 0, splitByChar('/', job_id)[1], tenant) AS tenant_of
-        FROM gpupool.events FINAL WHERE job_id != '' AND {inner})
-  GROUP BY job_id))
+  FROM gpupool.events FINAL WHERE job_id != '' AND {inner}
+  GROUP BY job_id
+) AS e USING job_id)
 WHERE {outer}
 ORDER BY submitted, job_id
 """
@@ -681,6 +640,9 @@ def jobs_sql(tenant: str | None, params: dict | None = None) -> tuple[str, dict]
     if tenant is not None:
         inner.append("startsWith(job_id, concat({tenant:String}, '/'))")
         qp["tenant"] = tenant
+    if params.get("job"):  # one job: `gpupool submit` says where a repeated request's job stands
+        inner.append("job_id = {job:String}")
+        qp["job"] = params["job"]
     since = _int(params, "since")
     if since is not None:
         outer.append("submitted_ms >= {since:UInt64}")

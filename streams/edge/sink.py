@@ -18,14 +18,17 @@ from infra.config import Config
 from schemas.envelope import DecodeError, decode
 from schemas.routing import at_home
 from schemas.topics import (
-    COMMANDS, DECISIONS, INVENTORY, JOB_EVENTS, JOB_LOGS, JOB_REQUESTS, LEDGER, NODE_CONTROL, TELEMETRY_MINUTES,
+    COMMANDS, DECISIONS, INVENTORY, JOB_EVENTS, JOB_LOGS, JOB_REQUESTS, JOB_VIEW_CHANGELOG, LEDGER, NODE_CONTROL,
+    TELEMETRY_MINUTES,
 )
-from streams.folds.rows import COLUMNS, TABLES, rows_for
+from streams.folds.rows import COLUMNS, TABLES, job_rows, rows_for
 
 log = logging.getLogger("gpupool.sink")
 GROUP = "gpupool-sink"
 SINK_TOPICS = (JOB_REQUESTS.name, JOB_EVENTS.name, DECISIONS.name, COMMANDS.name, LEDGER.name, INVENTORY.name,
-               NODE_CONTROL.name, TELEMETRY_MINUTES.name, JOB_LOGS.name)
+               NODE_CONTROL.name, TELEMETRY_MINUTES.name, JOB_LOGS.name,
+               # the job view's changes: each job's state as its fold decided it (gpupool.jobs, docs/jobs.md)
+               JOB_VIEW_CHANGELOG.name)
 
 
 def log_retention_days(client) -> int | None:
@@ -84,8 +87,30 @@ class SwitchedOff:
         return self.real.command(*a, **kw)
 
 
+def view_rows(msg) -> dict[str, list]:
+    """A record of the job view's changelog: the view the fold wrote (a tombstone: none), as its row of `jobs`,
+    versioned by its offset."""
+    import orjson
+
+    from streams.edge.codec import JOB_VIEW, load_view
+
+    if msg.value is None:
+        return {}
+    return job_rows(load_view(JOB_VIEW, orjson.loads(msg.value)), msg.offset)
+
+
 def batch_rows(topic: str, partition: int, msgs) -> dict[str, list]:
     tables: dict[str, list] = {t: [] for t in COLUMNS}
+    if topic == JOB_VIEW_CHANGELOG.name:
+        for msg in msgs:
+            try:
+                made = view_rows(msg)
+            except Exception:  # noqa: BLE001 - one record's row, never the batch
+                log.exception("no job row for %s:%d:%d: left out", topic, partition, msg.offset)
+                continue
+            for table, rows in made.items():
+                tables[table].extend(rows)
+        return tables
     for msg in msgs:
         try:
             env = decode(msg.value)

@@ -13,7 +13,12 @@ A failed run ends the job only beyond the retries its request gave (`retries`, d
 retries"): the scheduler requeues a job with a retry left after a back-off, so a failed run within them is like a
 stopped one -- the job waits (the scheduler's BackOff reason, or the view's own words for it until that is read) and
 follows its next run. Failures are counted per placement (a gang's parts failing in one run count once), over the
-runs the scheduler has not superseded, as the scheduler counts them."""
+runs the scheduler has not superseded, as the scheduler counts them.
+
+A cancel (a request) or a rejection (a decision) closes the job unless a run ended it first: the two are on different
+topics, so which came first is said by their times, never by the reading order (the earliest cancel or rejection is
+kept). This fold is the one rule for a job's state: the sink stores each change it makes (gpupool.jobs, from the
+job-view changelog) and the API, the CLI and the dashboard read it there (docs/jobs.md, "A job's state")."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -71,6 +76,11 @@ class JobView:
     runs: tuple[Run, ...] = ()  # the runs its nodes reported, in the order their first reports were read
     failures: int = 0  # failed runs (placements) that stand, retried or the last
     backoff: tuple[Reason, ...] = ()  # the scheduler's latest BackOff reasons (read whenever: `_derive` picks them)
+    # the earliest fact that closed it, by its time: a cancel or a rejection ("" none), when, and the rejection's reasons;
+    # a run that ended the job before it (completed, or failed beyond its retries) wins, however the two are read
+    closed: str = ""
+    closed_ms: int = 0
+    closed_reasons: tuple[Reason, ...] = ()
 
     def last_seq(self, source: str) -> int:
         for s, seq in self.applied:
@@ -136,12 +146,45 @@ def _backing_off(view: JobView, cur: Run, failures: int) -> tuple[Reason, ...]:
                    data={"failures": failures, "retries": retries}),)
 
 
-def _derive(view: JobView, waiting: tuple[Reason, ...]) -> JobView:
-    """The job's state, node and run from the runs that stand; `waiting`: its reasons if it waits (none: a failed
-    run with a retry left says its own)."""
+def _closing(view: JobView) -> tuple[str, int, tuple[Reason, ...]]:
+    """(cancelled | rejected | "", when, the rejection's reasons): what closed the job; a view from an older worker's
+    changelog, closed before `closed` was kept, says it in its state."""
+    if view.closed:
+        return view.closed, view.closed_ms, view.closed_reasons
     if view.state in CLOSED:
+        return view.state, view.ended_ms, view.reasons if view.state == "rejected" else ()
+    return "", 0, ()
+
+
+def _close(view: JobView, kind: str, at_ms: int, reasons: tuple[Reason, ...]) -> JobView:
+    """A cancel or a rejection: the earliest of them (by its time, then its name) is what closed the job."""
+    closed, closed_ms, _ = _closing(view)
+    if closed and (closed_ms, closed) <= (at_ms, kind):
         return view
-    cur, ends, failures = _current(_live(view), _retries(view))
+    return replace(view, closed=kind, closed_ms=at_ms, closed_reasons=reasons)
+
+
+def _end_ms(live: list[Run], cur: Run) -> int:
+    """When the run that ended the job ended: a gang's with its last part."""
+    if cur.end == "completed" and cur.parts > 1 and cur.attempt:
+        return max(r.ended_ms for r in live if r.end == "completed" and r.attempt == cur.attempt)
+    return cur.ended_ms
+
+
+def _derive(view: JobView, waiting: tuple[Reason, ...]) -> JobView:
+    """The job's state, node and run from the runs that stand and what closed it, whatever order they were read
+    in; `waiting`: its reasons if it waits (none: a failed run with a retry left says its own)."""
+    live = _live(view)
+    cur, ends, failures = _current(live, _retries(view))
+    closed, closed_ms, closed_reasons = _closing(view)
+    # runs stopped (preempted, drained) or moved (migrated) while it was open count; a superseded run's do not
+    counted = [r.end for r in live if not closed or r.ended_ms < closed_ms]
+    view = replace(view, preemptions=counted.count("stopped"), migrations=counted.count("migrated"))
+    if closed and not (ends and _end_ms(live, cur) <= closed_ms):
+        return replace(view, state=closed, node=cur.node if cur is not None else "",
+                       command_id=cur.command_id if cur is not None else "",
+                       started_ms=cur.started_ms if cur is not None else 0, ended_ms=closed_ms,
+                       reasons=closed_reasons, failures=failures)
     if cur is None:
         state = "pending" if view.request is not None or view.runs or view.interruptions else view.state
         return replace(view, state=state, node="", command_id="", started_ms=0, ended_ms=0, reasons=waiting,
@@ -157,9 +200,9 @@ def _derive(view: JobView, waiting: tuple[Reason, ...]) -> JobView:
         reasons = waiting or (_backing_off(view, cur, failures) if cur.end == "failed" else ())
     else:
         reasons = ()
+    ended = _end_ms(live, cur) if state in TERMINAL else 0
     return replace(view, state=state, node=cur.node if state != "pending" else "", command_id=cur.command_id,
-                   started_ms=cur.started_ms, ended_ms=cur.ended_ms if state in TERMINAL else 0, reasons=reasons,
-                   failures=failures)
+                   started_ms=cur.started_ms, ended_ms=ended, reasons=reasons, failures=failures)
 
 
 def _runs(view: JobView) -> tuple[Run, ...]:
@@ -208,16 +251,14 @@ def _report(view: JobView, env: Envelope, p) -> JobView:
             r = replace(r, end="failed", ended_ms=t, failure=p.reason, attempt=p.attempt, code=p.code or "",
                         exit_code=p.exit_code, signal=p.signal)
         case JobStopped() if not r.end:
-            r = replace(r, end="migrated" if p.reason == "migrated" else "stopped",
+            r = replace(r, end="migrated" if p.reason == "migrated" else "stopped", ended_ms=t,
                         checkpoint=p.checkpoint or r.checkpoint)
     runs[i] = r
     v = replace(view, runs=tuple(runs), progress_ms=progress)
     if r.command_id in view.superseded:
         return v  # a report of a run the scheduler interrupted (a node that came back): not this job's
-    v = replace(v, checkpoint=getattr(p, "checkpoint", "") or view.checkpoint)
-    if r.end != before.end and view.state not in CLOSED:
-        v = replace(v, preemptions=v.preemptions + (r.end == "stopped"),
-                    migrations=v.migrations + (r.end == "migrated"))
+    if not (isinstance(p, JobStopped) and before.end):  # a stop of a run that had ended is stale: no checkpoint
+        v = replace(v, checkpoint=getattr(p, "checkpoint", "") or view.checkpoint)
     # a run that just failed: what the job waited for before it is past (a retry says why it waits now)
     return _derive(v, () if r.end == "failed" != before.end else view.reasons)
 
@@ -232,11 +273,7 @@ def _interrupted(view: JobView, p: JobInterrupted) -> JobView:
     commands = p.commands or tuple(r.command_id for r in _live(replace(view, runs=runs))
                                    if not r.end and (r.node == p.node or not p.node))
     v = replace(view, runs=runs, superseded=view.superseded + commands, interruptions=view.interruptions + 1)
-    if v.state in CLOSED:
-        return v
-    ended = [r.end for r in runs if r.command_id in commands and r.command_id not in view.superseded]
-    v = _derive(replace(v, preemptions=v.preemptions - ended.count("stopped"),
-                        migrations=v.migrations - ended.count("migrated")), p.reasons)
+    v = _derive(v, p.reasons)
     live = _live(v)
     cur = _current(live, _retries(v))[0]
     if cur is not None and cur.end in ("", "completed", "failed") and cur.checkpoint:
@@ -251,7 +288,6 @@ def evolve(view: JobView | None, env: Envelope) -> JobView:
         view = JobView(job_id=job_id or "")
     if job_id != view.job_id or env.seq <= view.last_seq(env.source):
         return view
-    finished = view.state in TERMINAL
     match p:
         case JobRequested() if view.request is None:
             v = _mark(view, env, request=p, request_event_id=env.event_id,
@@ -263,8 +299,8 @@ def evolve(view: JobView | None, env: Envelope) -> JobView:
             req = view.request.model_copy(update={"compute_milli": p.compute_milli,
                                                   "gpu_memory_mib": p.gpu_memory_mib})
             return _mark(view, env, request=req)
-        case JobCancelled() if not finished:
-            return _mark(view, env, state="cancelled", ended_ms=env.event_time_ms)
+        case JobCancelled():
+            return _mark(_derive(_close(view, "cancelled", env.event_time_ms, ()), view.reasons), env)
         case JobStarted() | JobCheckpointed() | JobCompleted() | JobFailed() | JobStopped():
             return _mark(_report(view, env, p), env)
         case JobInterrupted():
@@ -279,6 +315,33 @@ def evolve(view: JobView | None, env: Envelope) -> JobView:
             return _mark(view, env, backoff=backoff)
         case Rejected() if view.request is not None and env.causation_id != view.request_event_id:
             return _mark(view, env, refused=view.refused + (p.code,))  # about another request, not this job
-        case Rejected() if not finished:
-            return _mark(view, env, state="rejected", reasons=p.reasons)
+        case Rejected():
+            return _mark(_derive(_close(view, "rejected", env.event_time_ms, p.reasons), view.reasons), env)
     return _mark(view, env)
+
+
+# ---------------------------------------------------------------- what the jobs list says of a job (streams/folds/rows.py)
+
+
+def exit_of(r: Run) -> str:
+    """A failed run's exit as the jobs list says it: "ExitCode 3", "Signal 9", "OOMKilled"... ("" before exit
+    reasons were recorded)."""
+    if r.code == "ExitCode" and r.exit_code is not None:
+        return f"ExitCode {r.exit_code}"
+    if r.code == "Signal" and r.signal is not None:
+        return f"Signal {r.signal}"
+    return r.code
+
+
+def last_exit(view: JobView) -> str:
+    """Why its last failed run that stands ended ("" when none failed): the latest by its end's time."""
+    failed = [r for r in _live(view) if r.end == "failed"]
+    return exit_of(max(failed, key=lambda r: r.ended_ms)) if failed else ""
+
+
+def retry_at_ms(view: JobView) -> int:
+    """While it waits out a failed run's back-off, when the scheduler tries it again (0: it does not)."""
+    if view.state == "pending" and view.reasons and view.reasons[0].code == "BackOff":
+        at = view.reasons[0].data.get("retry_at_ms", 0)
+        return at if isinstance(at, int) else 0
+    return 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 import orjson
 
 from schemas.envelope import Envelope
+from streams.folds import job_view
 from schemas.events import (
     JobLog, PoolMinute, PriceSet, QuotaBorrowed, QuotaChanged, QuotaRejected, QuotaReturned, QuotaSet, TelemetryMinute,
     UsageAccrued,
@@ -32,6 +33,11 @@ COLUMNS: dict[str, tuple[str, ...]] = {
                  "part", "stream", "seq", "text", "dropped_bytes", "final"),
     "scheduling": ("topic", "partition", "offset", "event_id", "event_time_ms", "kind", "command_id", "job_id", "tenant",
                    "node", "reasons"),
+    # a job as its view (streams/folds/job_view.py) says it, one row per change the fold made; `version` is the change's
+    # offset on the job view's changelog, so the latest change wins (ReplacingMergeTree(version), FINAL)
+    "jobs": ("job_id", "tenant", "project", "tier", "compute_milli", "gpu_memory_mib", "retries", "state", "node",
+             "command_id", "started_ms", "ended_ms", "progress_ms", "checkpoint", "preemptions", "migrations",
+             "interruptions", "failures", "last_exit", "retry_at_ms", "reasons", "version"),
 }
 # Where each table lives: the pool's record in `gpupool`, programs' output in a database of its own (infra/ddl.sql)
 TABLES: dict[str, str] = {t: f"gpupool_logs.{t}" if t == "job_logs" else f"gpupool.{t}" for t in COLUMNS}
@@ -93,3 +99,19 @@ def rows_for(env: Envelope, topic: str, partition: int, offset: int) -> dict[str
         out["scheduling"] = [[*at, env.event_time_ms, p.kind, command_id, job_id, env.tenant or "", node,
                               reasons]]
     return out
+
+
+def job_rows(view: job_view.JobView, version: int) -> dict[str, list]:
+    """The row of `jobs` for one change of a job's view (the job view's changelog record at offset `version`): the
+    state, node, run and reasons the fold decided, never decided again here. A view of no request and no
+    rejection -- a job no one submitted, e.g. only a node's report read so far -- is still a row (the API lists
+    what was submitted)."""
+    r = view.request
+    tenant = view.job_id.split("/", 1)[0] if "/" in view.job_id else r.tenant if r is not None else ""
+    reasons = orjson.dumps([x.model_dump(mode="json") for x in view.reasons]).decode()
+    return {"jobs": [[view.job_id, tenant, r.project if r is not None else "", r.tier.value if r is not None else "",
+                      r.compute_milli if r is not None else 0, r.gpu_memory_mib if r is not None else 0,
+                      r.retries if r is not None else 0, view.state, view.node, view.command_id, view.started_ms,
+                      view.ended_ms, view.progress_ms, view.checkpoint, view.preemptions, view.migrations,
+                      view.interruptions, view.failures, job_view.last_exit(view), job_view.retry_at_ms(view),
+                      reasons, version]]}

@@ -161,3 +161,16 @@ CREATE TABLE IF NOT EXISTS gpupool_logs.job_logs ON CLUSTER '{cluster}' (
 ) ENGINE = ReplicatedReplacingMergeTree('/clickhouse/tables/{shard}/gpupool_logs/job_logs', '{replica}', keep) ORDER BY (job_id, attempt, part, stream, seq)
 TTL stored + INTERVAL 7 DAY
 SETTINGS replicated_deduplication_window = 100000;
+
+-- Each job as the job view's fold decides it (streams/folds/job_view.py): its state, node, run, counts and reasons,
+-- one row per change the fold made, from the job view's changelog (gpupool-job-view-changelog). `version` is the
+-- change's changelog offset: FINAL keeps the latest, so a redelivered or replayed change changes nothing. The API,
+-- the CLI and the dashboard read a job's state here and nowhere else (docs/jobs.md, "A job's state").
+CREATE TABLE IF NOT EXISTS gpupool.jobs ON CLUSTER '{cluster}' (
+    job_id String, tenant String, project String, tier LowCardinality(String), compute_milli UInt64,
+    gpu_memory_mib UInt64, retries UInt32, state LowCardinality(String), node String, command_id String,
+    started_ms UInt64, ended_ms UInt64, progress_ms UInt64, checkpoint String, preemptions UInt32,
+    migrations UInt32, interruptions UInt32, failures UInt32, last_exit String, retry_at_ms UInt64,
+    reasons String, version UInt64
+) ENGINE = ReplicatedReplacingMergeTree('/clickhouse/tables/{shard}/gpupool/jobs', '{replica}', version) ORDER BY job_id
+SETTINGS replicated_deduplication_window = 100000;

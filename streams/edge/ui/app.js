@@ -324,16 +324,17 @@ async function jobLogs(id) {
 }
 
 async function pageJob(id) {
-  const [hist, nodes] = await Promise.all([api("/api/history", { job: id }), api("/api/nodes")]);
+  const [hist, nodes, listed] = await Promise.all([api("/api/history", { job: id }), api("/api/nodes"), api("/api/jobs", { job: id })]);
   const cards = new Map();
   for (const n of nodes.nodes) for (const c of n.cards) cards.set(c.uuid, { ...c, node: n.node });
   const ev = hist.events;
   if (!ev.length) { page("Job " + id, h("p", { text: "nothing recorded for this job" })); return; }
   const req = (ev.find((e) => e.kind === "job.requested") || {}).payload || {};
   const billed = ev.filter((e) => e.kind === "usage.accrued").reduce((a, e) => a + e.payload.gpu_milli_ms, 0);
-  const last = [...ev].reverse().find((e) => ["job.completed", "job.failed", "job.cancelled", "job.rejected", "job.started", "job.stopped", "cmd.place"].includes(e.kind));
+  // where it stands: as its view's fold decided it (gpupool.jobs, docs/jobs.md "A job's state"), never re-derived here
+  const [row] = rowsOf(listed);
   const facts = [["tier", req.tier], ["project", req.project], ["asked", `${req.compute_milli} milli-CU, ${gib(req.gpu_memory_mib || 0)} GPU memory`],
-    ["isolation", req.isolation || "not stated"], ["state (last event)", last ? last.kind : "-"], ["billed so far", (billed / 1e6).toFixed(3) + " GPU-seconds"]];
+    ["isolation", req.isolation || "not stated"], ["state", row ? row.state + (row.nodes ? " on " + row.nodes : "") : "-"], ["billed so far", (billed / 1e6).toFixed(3) + " GPU-seconds"]];
   // placements: one block per placement decision (a gang's parts together)
   const places = new Map();
   for (const e of ev.filter((e) => e.kind === "cmd.place")) {
