@@ -6,17 +6,17 @@ Model preference (seeds 000/002: heterogeneous pool, cost vs performance):
 - training and batch: the fewest cards (one model, fewest parts to synchronise), then the oldest generation that
   does the job, so the newest cards stay free for latency-sensitive services.
 
-Fragmentation is FGD's measure (Weng et al., ATC'23) with this project's CPU/host-memory cap (the `gpupool` policy of
-the simulator's agents/sim/packing.py, evaluated in docs/evaluation.md): for each typical job type t of the workload,
-the free GPU milli of a node that t could use -- on cards with at least t's share free, capped by how many t's the
-node's free CPU and memory can still host -- and everything else counts as fragment; free GPUs behind CPU and memory
+Fragmentation is FGD's measure (Weng et al., ATC'23) with this project's CPU/host-memory cap (the FGD protocol of
+docs/evaluation.md replays this very code through `Scheduler`, agents/sim/live_protocol.py): for each typical job
+type t of the workload, the free GPU milli of a node that t could use -- on cards with at least t's share free,
+capped by how many t's the node's free CPU and memory can still host -- and everything else counts as fragment; free GPUs behind CPU and memory
 that no typical type fits any more count once more in full (lost to every later job, not only the next). Among fitting
 nodes the one whose placement adds the least fragmentation wins. Types weigh their count times how scarce their hosts
 are (see `Workload`), as in the offline policy. Typical types are learned from the requests the scheduler has seen
 (most frequent shapes first, then the shapes that hold most of the GPU demand, so a rare many-card shape is one of
 them). A many-card shape whose hosts the many-card demand oversubscribes (twice their share of the cards or more)
 weighs its cards per job too: there a host card another job breaks is a card of many-card demand with nowhere else to
-go (`oversubscribed_types` of agents/sim/packing.py). Integer arithmetic throughout.
+go. Integer arithmetic throughout.
 """
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ class Workload:
 
     Each typical shape weighs its count times C / S (x 1000, integers): S is the cards on nodes whose inventory could
     host the shape (cards of one model, CPU, host memory), C all cards. A shape only a few nodes can host weighs in
-    proportion to the demand those nodes see (the scarcity weights of `gpupool` in agents/sim/packing.py). The fleet
+    proportion to the demand those nodes see (scarcity weights). The fleet
     comes from the node index (`fleet`); with none known, every shape gets the same multiplier."""
 
     def __init__(self, coverage_pct: int = 95, max_types: int = 12) -> None:
