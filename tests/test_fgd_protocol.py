@@ -152,3 +152,55 @@ def test_arrivals_past_the_last_bucket_are_not_attempted_and_change_nothing(samp
     # On the whole sample the pod list stops below 130 %: nothing is cut.
     seq = fp.arrival_sequence(pods, nodes.gpu_capacity, np.random.default_rng(0))
     assert fp.horizon(pods, seq, nodes.gpu_capacity) == len(seq)
+
+
+# ------------------------------------------------------------- the product row is the live scheduler
+
+
+def test_the_product_row_is_the_live_scheduler_and_nothing_else(sample):
+    """The protocol's `gpupool` row is produced by agents.scheduler.core.Scheduler: handed any other policy object
+    (the simulator's FGD, or a look-alike) it refuses, and the scheduler it was handed is the one that decided."""
+    from agents.scheduler.core import Scheduler
+    from agents.scheduler.quota import open_ledger
+    from agents.sim.packing import FGDPolicy, typical_pods
+
+    nodes, pods = sample
+    for other in (FGDPolicy(typical_pods(pods)), object()):
+        with pytest.raises(TypeError, match="agents.scheduler.core.Scheduler"):
+            fp.run_seed(nodes, pods, fp.PRODUCT, 42, scheduler=other)
+    s = Scheduler(ledger=open_ledger())
+    got = fp.run_seed(nodes, pods, fp.PRODUCT, 42, scheduler=s)
+    # the scheduler handed in is the one that decided: it saw every GPU arrival, and what it holds is what the row
+    # counted as placed (failures were withdrawn: nothing of theirs is held or waits)
+    gpu_arrivals = s.arrivals
+    held = sum(a.milli for rec in s.jobs.values() if rec.state in ("placed", "running")
+               for part in rec.parts for a in part.assignments)
+    assert gpu_arrivals > 0 and not s.pending and held > 0
+    assert sum(1 for rec in s.jobs.values() if rec.state in ("placed", "running")) <= got.attempts - got.failures
+
+
+def test_protocol_replay_decides_what_scheduler_replay_decides_for_the_same_events(sample):
+    """The row's decisions are the live scheduler's: replaying the very events the protocol fed it
+    (`agents.scheduler.core.replay`, the worker's rebuild and the audit's entry) on a fresh Scheduler gives the same
+    outputs, record for record, and the placements the row counted are the cmd.place commands among them."""
+    from agents.scheduler.core import replay
+    from agents.scheduler.quota import open_ledger
+    from agents.sim.live_protocol import run_live
+    from agents.sim.packing import typical_pods
+
+    nodes, pods = sample
+    rng = np.random.default_rng(7)
+    seq = fp.arrival_sequence(pods, nodes.gpu_capacity, rng)
+    priority = rng.permutation(len(nodes.names)).astype(np.int64)
+    outcomes = []
+    run = run_live(nodes, pods, seq, typical_pods(pods), priority, rng, lambda pod, node: outcomes.append(node))
+    assert len(outcomes) == len(seq)
+    kinds = {e.kind for e in run.inputs}
+    assert {"node.inventory", "job.requested", "job.started"} <= kinds
+    _, again = replay(run.inputs, ledger=open_ledger())
+    live = [o for outs in run.outputs for o in outs]
+    assert [o.payload for o in again] == [o.payload for o in live]
+    placed = {o.payload.job_id: (o.payload.node, tuple((a.gpu_uuid, a.milli) for a in o.payload.assignments))
+              for o in again if o.kind == "cmd.place"}
+    assert placed == run.placed and len(placed) == sum(1 for o, pi in zip(outcomes, seq) if o is not None
+                                                        and pods[pi].num_gpu)

@@ -6,17 +6,17 @@ Model preference (seeds 000/002: heterogeneous pool, cost vs performance):
 - training and batch: the fewest cards (one model, fewest parts to synchronise), then the oldest generation that
   does the job, so the newest cards stay free for latency-sensitive services.
 
-Fragmentation is FGD's measure (Weng et al., ATC'23) with this project's CPU/host-memory cap (the `gpupool` policy of
-the simulator's agents/sim/packing.py, evaluated in docs/evaluation.md): for each typical job type t of the workload,
-the free GPU milli of a node that t could use -- on cards with at least t's share free, capped by how many t's the
-node's free CPU and memory can still host -- and everything else counts as fragment; free GPUs behind CPU and memory
+Fragmentation is FGD's measure (Weng et al., ATC'23) with this project's CPU/host-memory cap (the FGD protocol of
+docs/evaluation.md replays this very code through `Scheduler`, agents/sim/live_protocol.py): for each typical job
+type t of the workload, the free GPU milli of a node that t could use -- on cards with at least t's share free,
+capped by how many t's the node's free CPU and memory can still host -- and everything else counts as fragment; free GPUs behind CPU and memory
 that no typical type fits any more count once more in full (lost to every later job, not only the next). Among fitting
 nodes the one whose placement adds the least fragmentation wins. Types weigh their count times how scarce their hosts
 are (see `Workload`), as in the offline policy. Typical types are learned from the requests the scheduler has seen
 (most frequent shapes first, then the shapes that hold most of the GPU demand, so a rare many-card shape is one of
 them). A many-card shape whose hosts the many-card demand oversubscribes (twice their share of the cards or more)
 weighs its cards per job too: there a host card another job breaks is a card of many-card demand with nowhere else to
-go (`oversubscribed_types` of agents/sim/packing.py). Integer arithmetic throughout.
+go. Integer arithmetic throughout.
 """
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ class Workload:
 
     Each typical shape weighs its count times C / S (x 1000, integers): S is the cards on nodes whose inventory could
     host the shape (cards of one model, CPU, host memory), C all cards. A shape only a few nodes can host weighs in
-    proportion to the demand those nodes see (the scarcity weights of `gpupool` in agents/sim/packing.py). The fleet
+    proportion to the demand those nodes see (scarcity weights). The fleet
     comes from the node index (`fleet`); with none known, every shape gets the same multiplier."""
 
     def __init__(self, coverage_pct: int = 95, max_types: int = 12) -> None:
@@ -76,6 +76,8 @@ class Workload:
         self._fleet_version = -1
         self._hosts: Counter = Counter()  # (cards per model, CPU, memory) -> nodes with that inventory
         self._multiplier: dict[tuple, int] = {}
+        self._host_memo: dict[tuple, dict] = {}  # shape -> `_host_cards`, for the current hosts
+        self._total: int | None = None  # `_total_cards`, for the current hosts
         self._per_model: dict[str, tuple[Shape, ...]] = {}
         self._frag: dict[tuple[str, str], tuple] = {}  # (node, card) -> (view, epoch, value)
 
@@ -84,15 +86,30 @@ class Workload:
         if index.hosts_version != self._fleet_version:
             self._fleet_version = index.hosts_version
             self._hosts = Counter(index.hosts.values())
-            self._multiplier, self._per_model = {}, {}
+            self._multiplier, self._per_model, self._host_memo, self._total = {}, {}, {}, None
             self._typical_at = 0  # which shapes join by demand depends on the hosts
             self._epoch += 1
 
     def _host_cards(self, shape: tuple) -> dict:
-        """Per inventory that could host the shape: the cards of all its nodes."""
-        compute, gpu_mem, cpu, host = shape
-        return {inv: sum(c for _, c in inv[0]) * n for inv, n in self._hosts.items()
-                if cpu <= inv[1] and host <= inv[2] and any(cards_needed(compute, gpu_mem, m) <= c for m, c in inv[0])}
+        """Per inventory that could host the shape: the cards of all its nodes. Kept per shape while the hosts are
+        the same (`fleet` clears it); the cards a shape needs are worked out once per card model."""
+        got = self._host_memo.get(shape)
+        if got is None:
+            compute, gpu_mem, cpu, host = shape
+            need: dict[str, int] = {}
+            got = {}
+            for inv, n in self._hosts.items():
+                per_model, inv_cpu, inv_mem = inv
+                if cpu <= inv_cpu and host <= inv_mem:
+                    for m, c in per_model:
+                        k = need.get(m)
+                        if k is None:
+                            k = need[m] = cards_needed(compute, gpu_mem, m)
+                        if k <= c:
+                            got[inv] = sum(c for _, c in per_model) * n
+                            break
+            self._host_memo[shape] = got
+        return got
 
     def _hosting(self, shape: tuple) -> int:
         """Cards on nodes whose inventory could host the shape."""
@@ -101,8 +118,14 @@ class Workload:
     def _cards(self, shape: tuple) -> int:
         """The fewest cards the shape takes on a card model of its hosts that fits it (0: no host)."""
         compute, gpu_mem, _, _ = shape
-        return min((cards_needed(compute, gpu_mem, m) for inv in self._host_cards(shape) for m, c in inv[0]
-                    if cards_needed(compute, gpu_mem, m) <= c), default=0)
+        need = {m: cards_needed(compute, gpu_mem, m) for inv in self._host_cards(shape) for m, _ in inv[0]}
+        return min((need[m] for inv in self._host_cards(shape) for m, c in inv[0] if need[m] <= c), default=0)
+
+    def _total_cards(self) -> int:
+        """All cards of the fleet's hosts (kept while the hosts are the same)."""
+        if self._total is None:
+            self._total = sum(sum(c for _, c in per_model) * n for (per_model, _, _), n in self._hosts.items())
+        return self._total
 
     def _oversubscribed_of(self, typical: list, demand: int) -> dict:
         """The many-card typical shapes whose hosts the many-card demand oversubscribes OVERSUBSCRIBED times or more.
@@ -113,7 +136,7 @@ class Workload:
         if not self._hosts or not demand:
             return {}
         many = [(shape, n * shape[0], self._host_cards(shape)) for shape, n in typical if self._cards(shape) >= 2]
-        total = sum(sum(c for _, c in per_model) * k for (per_model, _, _), k in self._hosts.items())
+        total = self._total_cards()
         out = {}
         for shape, _, hosts_t in many:
             s_t = sum(hosts_t.values())
@@ -130,7 +153,7 @@ class Workload:
     def multiplier(self, shape: tuple) -> int:
         got = self._multiplier.get(shape)
         if got is None:
-            total = sum(sum(c for _, c in per_model) * n for (per_model, _, _), n in self._hosts.items())
+            total = self._total_cards()
             hosting = self._hosting(shape)
             got = self._multiplier[shape] = total * SCARCITY_SCALE // hosting if hosting else SCARCITY_SCALE
         return got

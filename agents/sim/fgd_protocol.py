@@ -22,8 +22,8 @@ from typing import Sequence
 
 import numpy as np
 
+from agents.sim.live_protocol import run_live
 from agents.sim.packing import (
-    DEFAULT_POLICY,
     GPU_MILLI,
     POLICY_NAMES,
     ClusterState,
@@ -35,6 +35,9 @@ from agents.sim.packing import (
     typical_pods,
 )
 
+PRODUCT = "gpupool"  # the product's row: the live scheduler (agents/sim/live_protocol.py), not a policy of packing.py
+DEFAULT_POLICY = PRODUCT
+ALL_POLICIES = (*POLICY_NAMES, PRODUCT)
 TUNE = 1.3
 MAX_X = 130
 DRAW_BATCH = 4096
@@ -154,9 +157,11 @@ def horizon(pods: Sequence[PodRequest], seq: np.ndarray, capacity_milli: int, ma
 
 
 def run_seed(nodes: NodeTable, pods: Sequence[PodRequest], policy_name: str, seed: int,
-             typical=None, whole: bool = False) -> SeedResult:
+             typical=None, whole: bool = False, scheduler=None) -> SeedResult:
     """Replay one seed; the seed drives the order, node priorities and random choices. ``whole``: attempt every
-    arrival, also those past the last bucket (same results, slower; for tests)."""
+    arrival, also those past the last bucket (same results, slower; for tests). The product row (``gpupool``) is the
+    live scheduler (``run_live``; ``scheduler``: the `Scheduler` to feed, a fresh one by default); the anchors are the
+    simulator's policies (agents/sim/packing.py)."""
     rng = np.random.default_rng(seed)
     capacity = nodes.gpu_capacity
     seq = arrival_sequence(pods, capacity, rng)
@@ -164,30 +169,43 @@ def run_seed(nodes: NodeTable, pods: Sequence[PodRequest], policy_name: str, see
         seq = seq[: horizon(pods, seq, capacity)]
     priority = rng.permutation(len(nodes.names)).astype(np.int64)
     typical = typical_pods(pods) if typical is None else typical
-    state = nodes.state()
-    policy = make_policy(policy_name, typical, pods)
-    policy.bind(state)
-    metric = FragTracker(FragIndex(typical, state.model_names, state.gpu_width), state)
-
     n = len(seq)
     arrived = np.empty(n, dtype=np.int64)
     used = np.empty(n, dtype=np.int64)
     frag = np.empty(n, dtype=np.float64)
     free = np.empty(n, dtype=np.int64)
-    total_arrived = total_used = failures = 0
-    for i, pi in enumerate(seq):
-        pod = pods[pi]
-        total_arrived += pod.gpu_demand
-        placement = schedule(state, pod, policy, priority, rng)
-        if placement is None:
-            failures += 1
+    tally = {"i": 0, "arrived": 0, "used": 0, "failures": 0}
+
+    def record(pod: PodRequest, node: int | None) -> None:
+        i = tally["i"]
+        tally["arrived"] += pod.gpu_demand
+        if node is None:
+            tally["failures"] += 1
         else:
-            total_used += pod.gpu_demand
-            metric.refresh(placement.node)
-        arrived[i] = total_arrived
-        used[i] = total_used
-        frag[i] = metric.total_milli
-        free[i] = capacity - total_used
+            tally["used"] += pod.gpu_demand
+            metric.refresh(node)
+        arrived[i], used[i], frag[i] = tally["arrived"], tally["used"], metric.total_milli
+        free[i] = capacity - tally["used"]
+        tally["i"] = i + 1
+
+    if policy_name == PRODUCT:
+        # the product row: the live scheduler, fed the trace's events (agents/sim/live_protocol.py)
+        state = nodes.state()
+        metric = FragTracker(FragIndex(typical, state.model_names, state.gpu_width), state)
+        live = run_live(nodes, pods, seq, typical, priority, rng, record, scheduler=scheduler, state=state)
+        state = live.state
+    else:
+        state = nodes.state()
+        policy = make_policy(policy_name, typical, pods)
+        policy.bind(state)
+        metric = FragTracker(FragIndex(typical, state.model_names, state.gpu_width), state)
+        for pi in seq:
+            pod = pods[pi]
+            placement = schedule(state, pod, policy, priority, rng)
+            record(pod, None if placement is None else placement.node)
+    if tally["i"] != n:
+        raise RuntimeError(f"{tally['i']} of {n} arrivals were decided")
+    failures = tally["failures"]
 
     unit = capacity / 100.0
     x = np.rint(arrived / unit).astype(np.int64)
@@ -293,7 +311,7 @@ def _parser() -> argparse.ArgumentParser:
                                 description="Replay the FGD evaluation protocol on an openb-style trace.")
     p.add_argument("--nodes", required=True, help="node list CSV (sn,cpu_milli,memory_mib,gpu,model)")
     p.add_argument("--pods", required=True, help="pod list CSV (name,cpu_milli,memory_mib,num_gpu,gpu_milli[,gpu_spec])")
-    p.add_argument("--policy", default=DEFAULT_POLICY, choices=POLICY_NAMES)
+    p.add_argument("--policy", default=DEFAULT_POLICY, choices=ALL_POLICIES)
     p.add_argument("--seeds", default="42-51", type=parse_seeds, help="e.g. 42-51 or 42,44")
     p.add_argument("--processes", default=2, type=int, help="worker processes (one seed each)")
     p.add_argument("--json", action="store_true", help="end stdout with one JSON object")

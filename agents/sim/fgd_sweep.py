@@ -146,7 +146,7 @@ def run_cli(argv: list[str]) -> int:
     r = sub.add_parser("run")
     r.add_argument("--fleets", nargs="+", required=True)
     r.add_argument("--workloads", nargs="+", required=True)
-    r.add_argument("--policies", nargs="+", default=["gpupool", "fgd", "bestfit"], choices=fp.POLICY_NAMES)
+    r.add_argument("--policies", nargs="+", default=["gpupool", "fgd", "bestfit"], choices=fp.ALL_POLICIES)
     r.add_argument("--seeds", default="42-51", type=fp.parse_seeds)
     r.add_argument("--processes", default=2, type=int)
     r.add_argument("--out", required=True)

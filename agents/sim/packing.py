@@ -1,8 +1,8 @@
 """The offline simulator's node-scoring packing policies over a vectorised cluster state.
 
-Used by the FGD-protocol replay (agents/sim/fgd_protocol.py); the live scheduler does not import this module: its
-score (agents/scheduler/scoring.py) applies the `gpupool` policy's terms to its own typical job shapes in pure
-integer Python. FGD's measure itself (``TypicalPod``, ``FragIndex``, ``fragmentation``) lives in
+Used by the FGD-protocol replay (agents/sim/fgd_protocol.py) for the anchors' rows: the product's row is the live
+scheduler itself (agents/sim/live_protocol.py feeds it the trace's events); nothing of its policy is copied here.
+FGD's measure itself (``TypicalPod``, ``FragIndex``, ``fragmentation``) lives in
 streams/folds/fgd_measure.py, shared with the cluster metrics.
 
 Pure module: stdlib + numpy only, no I/O, no clock, no global random state.
@@ -21,8 +21,6 @@ Policies (``make_policy(name, ...)``):
 * ``fgd``     – Fragmentation Gradient Descent (Weng et al., ATC'23) as the
   FGD protocol describes it: typical-pod set, fragmentation measure, sigmoid
   score and FGD's own GPU choice.
-* ``gpupool`` – the product policy (default); see ``GpupoolPolicy``.  ``gpupool-cap``,
-  ``gpupool-cap-stranded`` and ``gpupool-cap-scarce`` are its ablations.
 """
 
 from __future__ import annotations
@@ -35,21 +33,7 @@ import numpy as np
 
 from streams.folds.fgd_measure import GPU_MILLI, FragIndex, TypicalPod
 
-DEFAULT_POLICY = "gpupool"
-# The product policy and its ablations:
-# name -> (scarcity weights, stranded GPUs counted again, typical set also covers the GPU demand,
-#          multi-GPU types on oversubscribed hosts weigh their GPU count too).
-GPUPOOL_VARIANTS = {
-    "gpupool": (True, True, "pressure", True),  # demand types whose hosts are under pressure (``with_demand_types``),
-    # multi-GPU types whose hosts the multi-GPU demand oversubscribes weigh x GPUs per pod (``oversubscribed_types``)
-    "gpupool-demand": (True, True, "pressure", False),  # the product policy before oversubscription (at 5fd82cc)
-    "gpupool-demand-all": (True, True, "all", False),  # every demand type (ablation)
-    "gpupool-count": (True, True, None, False),  # the product policy before demand coverage (typical set by count)
-    "gpupool-cap": (False, False, None, False),  # the product policy before scarcity and stranding
-    "gpupool-cap-stranded": (False, True, None, False),
-    "gpupool-cap-scarce": (True, False, None, False),
-}
-POLICY_NAMES = ("random", "bestfit", "fgd", *GPUPOOL_VARIANTS)
+POLICY_NAMES = ("random", "bestfit", "fgd")  # the anchors; the product row is the live scheduler
 
 # BestFit normalisers from the FGD artifact: the largest node's CPU and GPU.
 BESTFIT_CPU_NORM = 128_000
@@ -133,46 +117,6 @@ def typical_pods(
         chosen.append(TypicalPod(cpu, milli, num, frozenset(models) or None, n, mem))
         covered += n
     return tuple(chosen)
-
-
-# A type joins the typical set by its GPU demand only when that demand is at least this share of the GPUs that could
-# host it (its hosts are under pressure from it); see ``with_demand_types``.
-DEMAND_PRESSURE = 0.1
-
-
-def with_demand_types(pods: Iterable[PodRequest], typical: Sequence[TypicalPod], coverage: float = 0.95,
-                      state: "ClusterState | None" = None,
-                      pressure: float = DEMAND_PRESSURE) -> tuple[TypicalPod, ...]:
-    """``typical`` plus the GPU types that, taken by GPU demand (count x GPUs x milli) largest first, cover
-    ``coverage`` of the workload's GPU demand; each added type weighs its count, as FGD's types do. With ``state``,
-    only those whose demand share is at least ``pressure`` times the share of the fleet's GPUs that could host them
-    (d_t >= pressure * S_t / C): where a type's hosts are most of the fleet (openb's 8-GPU types fit 80 % of its
-    GPUs) keeping nodes whole for it costs the common types more than it saves (openb mix, 10 seeds: -0.1 point).
-
-    FGD's set covers 95 % of the *pods*. A type of 8-GPU pods can be 1 % of the pods and 10 % of the GPUs, and is
-    then invisible to the measure: nothing keeps the 4- and 8-GPU nodes whole for it, and a one-GPU pod breaks the
-    last of them as readily as any other node (openb multigpu20 on the mostly 2-GPU fleet: the first 4-GPU pod
-    failed at 60 % of capacity arrived instead of FGD's 112 %)."""
-    have = {(t.cpu_milli, t.gpu_milli, t.num_gpu, t.models) for t in typical}
-    every = sorted((t for t in typical_pods(pods, coverage=1.0) if t.num_gpu),
-                   key=lambda t: (-t.weight * t.num_gpu * t.gpu_milli, t.cpu_milli, t.gpu_milli, t.num_gpu,
-                                  tuple(sorted(t.models or ()))))
-    total = sum(t.weight * t.num_gpu * t.gpu_milli for t in every)
-    fleet = int(state.gpu_count.sum()) if state is not None else 0
-    out, covered = list(typical), 0
-    for t in every:
-        if covered >= coverage * total:
-            break
-        d = t.weight * t.num_gpu * t.gpu_milli
-        covered += d
-        if (t.cpu_milli, t.gpu_milli, t.num_gpu, t.models) in have:
-            continue
-        if state is not None:
-            hosts = host_gpus(t, state)
-            if not hosts or d * fleet < pressure * total * hosts:
-                continue  # no host (no policy places it), or hosts with room to spare
-        out.append(t)
-    return tuple(out)
 
 
 # ------------------------------------------------------------------- cluster state
@@ -439,260 +383,14 @@ class FGDPolicy(Policy):
         return (int(pick[0]),)
 
 
-SCARCITY_SCALE = 1000
-
-
-def host_gpus(t: TypicalPod, state: ClusterState) -> int:
-    """GPUs on the nodes that could host a pod of type ``t`` were they empty."""
-    ok = (state.cpu_total >= t.cpu_milli) & (state.mem_total >= t.memory_mib) & (state.gpu_count >= t.num_gpu)
-    allowed = state.allowed(t.models) if t.num_gpu else None
-    if allowed is not None:
-        ok &= allowed
-    return int(state.gpu_count[ok].sum())
-
-
-# A multi-GPU type weighs its GPU count too where the multi-GPU demand its hosts see is at least this many times what
-# they hold (their share of the fleet's GPUs); see ``oversubscribed_types``.
-OVERSUBSCRIBED = 2
-
-
-def host_mask(t: TypicalPod, state: ClusterState) -> np.ndarray:
-    """Bool per node: could it host a pod of type ``t`` were it empty?"""
-    ok = (state.cpu_total >= t.cpu_milli) & (state.mem_total >= t.memory_mib) & (state.gpu_count >= t.num_gpu)
-    allowed = state.allowed(t.models) if t.num_gpu else None
-    return ok & allowed if allowed is not None else ok
-
-
-def oversubscribed_types(typical: Sequence[TypicalPod], state: ClusterState, demand_milli: int,
-                         factor: int = OVERSUBSCRIBED) -> frozenset[TypicalPod]:
-    """The multi-GPU types whose hosts the workload's multi-GPU demand oversubscribes ``factor`` times or more.
-
-    Each multi-GPU typical type u spreads its GPU demand d_u (count x GPUs x milli) evenly over the GPUs of its hosts
-    (S_u GPUs). The load on t's hosts is what falls on them, sum_u d_u * |H_u & H_t| / S_u; t is oversubscribed when
-    load / D >= factor * S_t / C (D: the workload's GPU demand, ``demand_milli``; C: the fleet's GPUs), i.e. its hosts
-    would see at least ``factor`` times their share of the demand from multi-GPU pods alone. A type is judged by the
-    load on its hosts, not by its own demand: on a fleet of mostly 2-GPU nodes the 32-core 4-GPU type's own demand is
-    0.3 of its hosts' share, but the 8-GPU pods want the 4- and 8-GPU nodes it shares with them six times over, and
-    the 4-GPU nodes only it fits are where it has to go."""
-    multi = [t for t in typical if t.num_gpu > 1]
-    masks = {t: host_mask(t, state) for t in multi}
-    hosts = {t: int(state.gpu_count[masks[t]].sum()) for t in multi}
-    fleet = int(state.gpu_count.sum())
-    out = set()
-    for t in multi:
-        if not hosts[t] or not demand_milli:
-            continue
-        # load = sum_u d_u * shared_u / S_u = num / den, compared exactly: load * C >= factor * D * S_t.
-        num, den = 0, 1
-        for u in multi:
-            if hosts[u]:
-                shared = int(state.gpu_count[masks[u] & masks[t]].sum())
-                num, den = num * hosts[u] + u.weight * u.num_gpu * u.gpu_milli * shared * den, den * hosts[u]
-        if num * fleet >= factor * demand_milli * hosts[t] * den:
-            out.add(t)
-    return frozenset(out)
-
-
-def scarcity_weights(typical: Sequence[TypicalPod], state: ClusterState) -> dict[TypicalPod, int]:
-    """Integer weight per type: its popularity times C / S_t.
-
-    A pod of type t can only land on the nodes able to host it, which hold S_t
-    of the cluster's C GPUs; so each such node sees C / S_t times the average
-    arrival rate of t, and what a node loses for t weighs in that proportion.
-    A type every node can host keeps FGD's weight (times a constant); a type
-    only a few nodes can host (the 120-core 8-GPU pods of openb fit only its
-    39 G3 nodes) weighs as much as its demand on those nodes really is.
-    """
-    total = int(state.gpu_count.sum())
-    out: dict[TypicalPod, int] = {}
-    for t in typical:
-        s = host_gpus(t, state)
-        out[t] = t.weight * SCARCITY_SCALE * total // s if s else 0
-    return out
-
-
-class GpupoolPolicy(Policy):
-    """Product policy: FGD's score over a measure that knows CPU, memory and scarcity.
-
-    Three changes to FGD's fragmentation measure; the typical-pod set, the
-    sigmoid score, the GPU choice by lowest resulting measure and ties by node
-    priority are FGD's.
-
-    1. **Capacity cap.** FGD asks, per typical type t, "does t fit on this
-       node at all?" and then counts every GPU with free >= m_t as usable by t.
-       A node whose CPU (or memory) hosts only n more pods of t can give t at
-       most n * k_t GPUs; the rest is stranded for t like a too-small share.
-       So usable_t = min(free milli on GPUs >= m_t, n * k_t * 1000), with
-       n = min(free CPU // cpu_t, free memory // mem_t) (mem_t: the type's
-       median memory request).
-    2. **Scarcity weights** (``scarcity``): each type weighs its popularity
-       times C / S_t (``scarcity_weights``), so nodes that are the only home of
-       a type are not given away to work that fits anywhere.
-    3. **Stranded GPUs** (``stranded``): free GPUs on a node whose free CPU
-       and memory no GPU typical type fits any more are lost to every future
-       pod, not only to the next one, which is all the expected measure
-       prices.  The GPU milli a placement leaves stranded this way (after
-       minus before) is subtracted from the score's fragmentation decrease
-       once more, in full.  Without it the cap makes filling an already
-       CPU-starved node look free, and such nodes end with GPUs behind
-       exhausted CPU (openb multigpu variants: ~40 % more than FGD at 90 %).
-       Residues smaller than every share are not counted again: the measure
-       already counts them for every type.
-
-    4. **Demand types** (``demand_pods``): FGD's typical set covers 95 % of
-       the pods, so a type of 8-GPU pods that is 1 % of the pods and 10 % of
-       the GPUs is invisible and nothing keeps 8-GPU nodes whole for it. The
-       types covering 95 % of the GPU demand join the set (weighted by their
-       count) where their demand is at least a tenth of the GPUs that could
-       host them (``with_demand_types``).
-
-    5. **Oversubscribed hosts** (``oversubscribed``): a multi-GPU type whose
-       hosts the workload's multi-GPU demand oversubscribes (at least twice
-       their share of the fleet, ``oversubscribed_types``) weighs its GPU
-       count too. There every host GPU another pod breaks is a GPU of
-       multi-GPU demand that has nowhere else to go, and a lost pod of t loses
-       k_t GPUs, not one: a count weight prices a 4-GPU node kept whole as one
-       arrival's worth, and the capped measure lets a small pod take a
-       CPU-limited 4-GPU node for almost nothing (older-2gpu x multigpu50).
-
-    ``scarcity=False, stranded=False`` is the earlier product policy
-    (``gpupool-cap``); the other two combinations are ablations.
-    """
-
-    name = "gpupool"
-
-    def __init__(self, typical: Sequence[TypicalPod], scarcity: bool = True, stranded: bool = True,
-                 demand_pods: Sequence[PodRequest] = (), oversubscribed: bool = False) -> None:
-        self.typical = tuple(typical)
-        self.scarcity = scarcity
-        self.stranded = stranded
-        self.demand_pods = demand_pods
-        self.oversubscribed = oversubscribed
-
-    def bind(self, state):
-        super().bind(state)
-        if self.demand_pods:
-            self.typical = with_demand_types(self.demand_pods, self.typical, state=state)
-        self.index = FragIndex(self.typical, state.model_names, state.gpu_width)
-        gpu_types = [t for t in self.typical if t.num_gpu > 0]
-        if self.scarcity:
-            weights = scarcity_weights(self.typical, state)
-        else:
-            weights = {t: t.weight for t in self.typical}
-        if self.oversubscribed and self.demand_pods:
-            for t in oversubscribed_types(self.typical, state, sum(p.gpu_demand for p in self.demand_pods)):
-                weights[t] *= t.num_gpu
-        self.weight_total = max(1, sum(weights.values()))
-        self._m = np.array([t.gpu_milli for t in gpu_types], dtype=np.int64)
-        self._k = np.array([t.num_gpu for t in gpu_types], dtype=np.int64)
-        self._cpu = np.array([t.cpu_milli for t in gpu_types], dtype=np.int64)
-        self._mem = np.array([t.memory_mib for t in gpu_types], dtype=np.int64)
-        self._w = np.array([weights[t] for t in gpu_types], dtype=np.int64)
-        self._u = np.searchsorted(self.index.thresholds, self._m)
-        self._allowed = np.array(
-            [[t.models is None or name in t.models for t in gpu_types] for name in state.model_names],
-            dtype=bool).reshape(len(state.model_names), len(gpu_types))
-        self.cnt, self.ssum = self.index.gpu_stats(state.gpu_free)
-        self.node_scaled = self._scaled(state.gpu_free_sum, self.cnt, self.ssum, state.model_idx,
-                                        state.cpu_free, state.mem_free)
-
-    def _scaled(self, gfree, cnt, ssum, model, cpu, mem) -> np.ndarray:
-        """W * capped fragmentation; leading axes broadcast, types are the last."""
-        if not len(self._w):
-            return gfree * self.weight_total
-        big = np.int64(1 << 40)
-        pods_cpu = np.where(self._cpu > 0, cpu[..., None] // np.maximum(self._cpu, 1), big)
-        pods_mem = np.where(self._mem > 0, mem[..., None] // np.maximum(self._mem, 1), big)
-        cap = np.minimum(pods_cpu, pods_mem) * self._k * GPU_MILLI
-        usable = np.minimum(ssum[..., self._u], cap)
-        fits = self._allowed[model] & (cnt[..., self._u] >= self._k)
-        return gfree * self.weight_total - (self._w * fits * usable).sum(axis=-1)
-
-    def placed(self, node):
-        st = self.state
-        c, s = self.index.gpu_stats(st.gpu_free[node])
-        self.cnt[node], self.ssum[node] = c, s
-        self.node_scaled[node] = self._scaled(st.gpu_free_sum[node], c, s, st.model_idx[node],
-                                              st.cpu_free[node], st.mem_free[node])
-
-    # -- GPUs stranded behind host resources
-
-    def host_fits(self, cpu: np.ndarray, mem: np.ndarray, model: np.ndarray) -> np.ndarray:
-        """Per node: could any GPU typical type still fit its free CPU and memory (and model)?"""
-        fit = (cpu[:, None] >= self._cpu) & (mem[:, None] >= self._mem) & self._allowed[model]
-        return fit.any(axis=1)
-
-    def stranded_increase(self, nodes: np.ndarray, pod: PodRequest) -> np.ndarray:
-        """GPU milli the pod would leave free behind host CPU/memory no GPU type fits, after minus before."""
-        st = self.state
-        model = st.model_idx[nodes]
-        free = st.gpu_free_sum[nodes]
-        before = free * ~self.host_fits(st.cpu_free[nodes], st.mem_free[nodes], model)
-        after = (free - pod.gpu_demand) * ~self.host_fits(st.cpu_free[nodes] - pod.cpu_milli,
-                                                          st.mem_free[nodes] - pod.memory_mib, model)
-        return after - before
-
-    # -- scoring
-
-    def _best_after(self, nodes: np.ndarray, pod: PodRequest) -> tuple[np.ndarray, np.ndarray | None]:
-        """Per node: W * measure after the best GPU choice, and that choice (None for whole GPUs)."""
-        st, ix = self.state, self.index
-        cpu = st.cpu_free[nodes] - pod.cpu_milli
-        mem = st.mem_free[nodes] - pod.memory_mib
-        if not pod.is_sharing:
-            k = pod.num_gpu
-            after = self._scaled(st.gpu_free_sum[nodes] - k * GPU_MILLI, self.cnt[nodes] - k,
-                                 self.ssum[nodes] - k * ix.usable(np.array(GPU_MILLI)),
-                                 st.model_idx[nodes], cpu, mem)
-            return after, None
-        m = pod.gpu_milli
-        f = st.gpu_free[nodes]
-        # The measure after the share depends on the node and the chosen GPU's free milli only: evaluate each
-        # distinct (node, free) pair once (padded slots and equal GPUs are most of the grid), then spread back.
-        rows, cols = np.nonzero(f >= m)
-        pairs, back = np.unique(rows * (GPU_MILLI + 1) + f[rows, cols], return_inverse=True)
-        r, fv = pairs // (GPU_MILLI + 1), pairs % (GPU_MILLI + 1)
-        fv2 = fv - m
-        thr = ix.thresholds
-        cnt = self.cnt[nodes][r] - (fv[:, None] >= thr) + (fv2[:, None] >= thr)
-        ssum = self.ssum[nodes][r] - ix.usable(fv) + ix.usable(fv2)
-        val = self._scaled(st.gpu_free_sum[nodes][r] - m, cnt, ssum, st.model_idx[nodes][r], cpu[r], mem[r])
-        per = np.full(f.shape, np.iinfo(np.int64).max)
-        per[rows, cols] = val[back.reshape(-1)]
-        pick = per.argmin(axis=1)  # lowest index among equals
-        return per[np.arange(len(nodes)), pick], pick
-
-    def score(self, pod, nodes, rng):
-        after, _ = self._best_after(nodes, pod)
-        delta = (self.node_scaled[nodes] - after) / self.weight_total
-        if self.stranded:
-            delta = delta - self.stranded_increase(nodes, pod)
-        return sigmoid_score(delta)
-
-    def gpus(self, pod, node, rng):
-        if not pod.is_sharing:
-            return default_gpus(self.state, pod, node)
-        _, pick = self._best_after(np.array([node]), pod)
-        return (int(pick[0]),)
-
-
 def make_policy(name: str, typical: Sequence[TypicalPod] = (), pods: Sequence[PodRequest] = ()) -> Policy:
-    """Build a policy by name; FGD-style policies need the typical-pod set, and ``gpupool`` the pods too (its set
-    also covers the GPU demand: ``with_demand_types``)."""
+    """Build an anchor's policy by name; FGD needs the typical-pod set."""
     if name == "random":
         return RandomPolicy()
     if name == "bestfit":
         return BestFitPolicy()
     if name == "fgd":
         return FGDPolicy(typical)
-    if name in GPUPOOL_VARIANTS:
-        scarcity, stranded, demand, oversubscribed = GPUPOOL_VARIANTS[name]
-        policy = GpupoolPolicy(typical, scarcity=scarcity, stranded=stranded,
-                               demand_pods=pods if demand == "pressure" else (), oversubscribed=oversubscribed)
-        if demand == "all" and pods:
-            policy.typical = with_demand_types(pods, typical)
-        policy.name = name
-        return policy
     raise ValueError(f"unknown policy {name!r}; choose from {', '.join(POLICY_NAMES)}")
 
 

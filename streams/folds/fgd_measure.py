@@ -1,5 +1,5 @@
 """FGD's fragmentation measure (Weng et al., USENIX ATC'23) for one node: shared by the cluster metrics
-(streams/folds/cluster_metrics.py) and the offline simulator's packing policies (agents/sim/packing.py).
+(streams/folds/cluster_metrics.py) and the offline simulator's anchor policies (agents/sim/packing.py).
 
 Pure module: stdlib + numpy only. Capacity arithmetic is integral (CPU in milli-cores, memory in MiB, GPU in
 milli-GPU, 1000 = one whole GPU); the measure is kept as an integer scaled by the total typical-pod weight so that
