@@ -173,10 +173,10 @@ def test_the_product_row_is_the_live_scheduler_and_nothing_else(sample):
     # the scheduler handed in is the one that decided: it saw every GPU arrival, and what it holds is what the row
     # counted as placed (failures were withdrawn: nothing of theirs is held or waits)
     gpu_arrivals = s.arrivals
-    held = sum(a.milli for rec in s.jobs.values() if rec.state in ("placed", "running")
+    held = sum(a.milli for rec in s.jobs.values() if rec.phase in ("placed", "running")
                for part in rec.parts for a in part.assignments)
     assert gpu_arrivals > 0 and not s.pending and held > 0
-    assert sum(1 for rec in s.jobs.values() if rec.state in ("placed", "running")) <= got.attempts - got.failures
+    assert sum(1 for rec in s.jobs.values() if rec.phase in ("placed", "running")) <= got.attempts - got.failures
 
 
 def test_protocol_replay_decides_what_scheduler_replay_decides_for_the_same_events(sample):
