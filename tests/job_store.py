@@ -14,6 +14,19 @@ from streams.edge.codec import JOB_VIEW
 from streams.folds import job_view
 from tests.test_sink_exactness import Rec
 
+def chdb_sink(path):
+    """A sink writing into an embedded ClickHouse under `path`, with no broker: (its client, the sink)."""
+    from infra.clickhouse import connect
+    from infra.config import Config
+    from streams.edge.sink import Sink
+
+    client = connect(f"chdb://{path / 'clickhouse'}")
+    sink = Sink(Config(home=path, kafka=None, clickhouse=f"chdb://{path / 'clickhouse'}", kafka_port=0, web_port=0),
+                None)
+    sink.client = client
+    return client, sink
+
+
 JOB_TOPICS = (JOB_REQUESTS.name, JOB_EVENTS.name, DECISIONS.name)  # what the worker's job fold reads
 
 

@@ -13,8 +13,6 @@ import pytest
 from hypothesis import HealthCheck, find, given, settings
 from hypothesis import strategies as st
 
-from infra.clickhouse import connect
-from infra.config import Config
 from schemas.envelope import envelope
 from schemas.events import (
     Assignment, JobCancelled, JobCompleted, JobFailed, JobInterrupted, JobPending, JobStarted, JobStopped, PlaceJob,
@@ -25,9 +23,8 @@ from schemas.topics import DECISIONS, JOB_EVENTS, JOB_REQUESTS
 from streams.edge.api import jobs_sql
 from streams.folds import job_view
 from streams.folds.rows import COLUMNS, job_rows
-from streams.edge.sink import Sink
 from tests.builders import job
-from tests.job_store import Changelog, store
+from tests.job_store import Changelog, chdb_sink, store
 
 JOB_COLUMNS = [c for c in COLUMNS["jobs"] if c != "version"]
 _ids = itertools.count()
@@ -35,11 +32,7 @@ _ids = itertools.count()
 
 @pytest.fixture(scope="module")
 def pool(tmp_path_factory):
-    path = tmp_path_factory.mktemp("onerule")
-    client = connect(f"chdb://{path / 'clickhouse'}")
-    sink = Sink(Config(home=path, kafka=None, clickhouse=f"chdb://{path / 'clickhouse'}", kafka_port=0, web_port=0),
-                None)
-    sink.client = client
+    client, sink = chdb_sink(tmp_path_factory.mktemp("onerule"))
     yield client, sink, Changelog()
     client.close()
 

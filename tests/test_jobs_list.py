@@ -8,22 +8,16 @@ import pytest
 
 from agents.scheduler.core import Scheduler
 from agents.scheduler.quota import open_ledger
-from infra.clickhouse import connect
-from infra.config import Config
 from schemas.events import GpuHealth, JobStarted
 from streams.edge.api import jobs_sql
 from streams.edge.sink import Sink
 from tests.builders import Clock, inventory, job
-from tests.job_store import Changelog, store as store_envs
+from tests.job_store import Changelog, chdb_sink, store as store_envs
 
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
-    path = tmp_path_factory.mktemp("jobsch")
-    client = connect(f"chdb://{path / 'clickhouse'}")
-    sink = Sink(Config(home=path, kafka=None, clickhouse=f"chdb://{path / 'clickhouse'}", kafka_port=0, web_port=0),
-                None)
-    sink.client = client
+    client, sink = chdb_sink(tmp_path_factory.mktemp("jobsch"))
     yield client, sink
     client.close()
 
