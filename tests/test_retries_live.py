@@ -44,7 +44,10 @@ def test_a_failed_run_is_retried_after_its_back_off_stopped_with_its_tiers_grace
     # 1. its process dies: requeued, waiting out the back-off, with the exit and when it is retried
     with control.open("a") as f:
         f.write(f"fail:{JOB}\n")
-    row = wait_for(lambda: (s := _state(stack)).get("failures") == 1 and s, 60, "the failure listed", stack)
+    # the list is the job view's fold (gpupool.jobs): it reads the node's failure and the scheduler's BackOff decision
+    # (which says when) in whichever order they come, so the row says when the job is retried once both are read
+    row = wait_for(lambda: (s := _state(stack)).get("failures") == 1 and (s["state"] != "pending" or s["retry_at_ms"])
+                   and s, 60, "the failure listed with its retry time", stack)
     if row["state"] == "pending":  # (the back-off may already be over when the list is read)
         assert row["retry_at_ms"] > 0, row
     (backoff,) = wait_for(lambda: [p for p in _events(stack, "job.pending") if p["reasons"][0]["code"] == "BackOff"],
