@@ -1,5 +1,5 @@
 """The README holds on a fresh machine (#36 item 4): every command of its "Using it" block is run as written, in
-order, by bash in the repository, against a stack of its own (`gpupool up` to `gpupool down`, a fresh home, free
+order, by bash (in a directory holding the checkout's .venv), against a stack of its own (`gpupool up` to `gpupool down`, a fresh home, free
 ports). Only the README's placeholders are filled: JOB with the job the first submit printed, RES with the
 reservation `reserve book` printed. Each command must succeed and say what it did; the job it submits runs its
 program, whose output `logs JOB -f` prints before it returns."""
@@ -62,8 +62,11 @@ def env(tmp_path, libs_home):
             pass
 
 
-def test_every_command_of_the_readme_runs_on_a_fresh_stack(env):
+def test_every_command_of_the_readme_runs_on_a_fresh_stack(env, tmp_path):
     assert (REPO / ".venv/bin/gpupool").exists(), "make test installs the project into .venv"
+    cwd = tmp_path / "user"  # a user's directory holding the checkout's .venv: what the commands write stays here
+    cwd.mkdir()
+    (cwd / ".venv").symlink_to(REPO / ".venv")
     found: dict[str, str] = {}
     said = []
     for cmd in readme_commands((REPO / "README.md").read_text()):
@@ -71,7 +74,7 @@ def test_every_command_of_the_readme_runs_on_a_fresh_stack(env):
             cmd = cmd.replace(" JOB", " " + found["JOB"])
         if "RES" in cmd:
             cmd = cmd.replace("RES", found["RES"])
-        out = subprocess.run(["bash", "-c", cmd], env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+        out = subprocess.run(["bash", "-c", cmd], env=env, cwd=cwd, capture_output=True, text=True, timeout=300)
         said.append((cmd, out.returncode, out.stdout[-1500:], out.stderr[-1500:]))
         print(f"$ {cmd}\n{out.stdout}{out.stderr}")  # shown with -s, or when the test fails
         assert out.returncode == 0, said[-1]
