@@ -8,7 +8,8 @@ are the real ones. One interval of each tenant runs across the month boundary. F
 invoice's total equals `billing --cost` for the same period to the minor unit, and equals the bill computed here
 from the records and the price book; the two months' GPU time adds up to the whole of it; currencies are kept
 apart; a tenant gets its own invoice and never another's; the HTML page is rendered by Chromium (a screenshot in
-docs/invoice.png, and a PDF printed from it). A job run now is invoiced for the current period too."""
+docs/invoice.png with GPUPOOL_SHOTS_DIR=docs, and a PDF printed from it). A job run now is invoiced for the
+current period too."""
 from __future__ import annotations
 
 import base64
@@ -238,7 +239,8 @@ def test_the_html_invoice_in_a_browser(pool, tmp_path):
         assert b.eval("document.querySelectorAll('table.lines tbody tr').length") == len(
             [r for r in recs if r["record"] in ("line", "total")])
         assert not b.errors, b.errors
-        shot = b.screenshot(REPO / "docs" / "invoice.png")
+        # docs/invoice.png is this screenshot: GPUPOOL_SHOTS_DIR=docs writes it there (a plain run leaves the checkout)
+        shot = b.screenshot(Path(os.environ.get("GPUPOOL_SHOTS_DIR") or tmp_path) / "invoice.png")
         pdf = base64.b64decode(b.send("Page.printToPDF", printBackground=False)["data"])
     png = shot.read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
