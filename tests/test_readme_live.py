@@ -1,6 +1,6 @@
 """The README holds on a fresh machine (#36 item 4): every command of its "Using it" block is run as written, in
-order, by bash (in a directory holding the checkout's .venv), against a stack of its own (`gpupool up` to `gpupool down`, a fresh home, free
-ports). Only the README's placeholders are filled: JOB with the job the first submit printed, RES with the
+order, by bash (in a directory holding the checkout's .venv), against a stack of its own (`gpupool up` to `gpupool
+down`, a fresh home, free ports). Only the README's placeholders are filled: JOB with the job the first submit printed, RES with the
 reservation `reserve book` printed. Each command must succeed and say what it did; the job it submits runs its
 program, whose output `logs JOB -f` prints before it returns."""
 from __future__ import annotations
