@@ -25,7 +25,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from streams.edge.api import SCHEDULER_SEQ, priced_usage, redact
+from streams.edge.api import SCHEDULER_SEQ, priced_usage, redact, usage_where
 
 FORMAT = "gpupool-evidence/1"
 SIGNED = ("manifest.json", "manifest.sig")
@@ -86,6 +86,9 @@ def _write(out: Path, name: str, columns: list[str], rows: list[list]) -> dict:
     (out / f"{name}.json").write_bytes(orjson.dumps([dict(zip(columns, r)) for r in rows], default=str,
                                                     option=orjson.OPT_INDENT_2))
     return {"rows": len(rows), "columns": columns}
+
+
+MICRO_PER_GPU_HOUR_DIVISOR = 3_600_000_000  # milli-GPU x ms in one GPU-hour: numerator // this = micro-units
 
 
 def _window(alias: str, since: int | None, until: int | None) -> str:
@@ -178,19 +181,24 @@ def write_pack(client, tenant: str, out: Path, since: int | None, until: int | N
     sections["usage"] = _write(out, "usage", ["start", "end", *cols[2:]],
                                [[iso(r[0]), iso(r[1]), *r[2:]] for r in rows])
 
-    where = f"tenant = {{t:String}} AND {_window('end_ms', since, until)}"
+    # The money: billing's one rule (streams/edge/api.py usage_where, priced_usage): intervals overlapping the period,
+    # clipped to it. Each line carries its exact numerator (GPU milli-ms x micro-units per GPU-hour, a string: it
+    # outgrows JSON's integers) and a total is one division of the summed numerators -- so a reviewer adding the
+    # lines gets `gpupool billing --cost` for the same period to the micro-unit, not a sum of rounded lines.
+    where, bp = usage_where(tenant, None, since, until)
     cols, rows = client.sql(
         "SELECT project, gpu_model, borrowed, currency, round(sum(gpu_milli_ms) / 3.6e9, 6) AS gpu_hours, "
         "toInt64(intDiv(sum(toInt128(gpu_milli_ms) * micro_per_gpu_hour), 3600000000)) AS cost_micro, "
+        "toString(sum(toInt128(gpu_milli_ms) * micro_per_gpu_hour)) AS numerator, "
         "round(sumIf(gpu_milli_ms, NOT priced) / 3.6e9, 6) AS unpriced_gpu_hours, uniqExact(job_id) AS jobs "
-        f"FROM ({priced_usage(where)}) GROUP BY project, gpu_model, borrowed, currency "
-        "ORDER BY project, gpu_model, borrowed, currency", p)
+        f"FROM ({priced_usage(where, since, until)}) GROUP BY project, gpu_model, borrowed, currency "
+        "ORDER BY project, gpu_model, borrowed, currency", bp)
     sections["cost"] = _write(out, "cost", cols, rows)
 
     totals = {"gpu_hours": round(sum(r[4] for r in rows), 6),
               "borrowed_gpu_hours": round(sum(r[4] for r in rows if r[2]), 6),
               # money per currency, never summed across currencies (docs/billing.md, "Currency")
-              "cost_micro": {cur: sum(r[5] for r in rows if r[3] == cur)
+              "cost_micro": {cur: sum(int(r[6]) for r in rows if r[3] == cur) // MICRO_PER_GPU_HOUR_DIVISOR
                              for cur in sorted({r[3] for r in rows if r[3]})}}
     jobs = {r[2] for r in client.sql(f"SELECT event_time_ms, kind, job_id FROM gpupool.events FINAL WHERE {mine} "
                                      f"AND kind = 'job.requested' AND {_window('event_time_ms', since, until)}",

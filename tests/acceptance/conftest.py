@@ -12,11 +12,13 @@ import json
 import os
 import shutil
 import time
+from importlib import resources
 from pathlib import Path
 
 import pytest
 
 from agents.acceptance import EIGHT, GROUPS
+from agents.client import price_rows
 from agents.node.runner import passable_roots
 from agents.stack import Stack
 from tests.live import quotas, wait_for
@@ -93,7 +95,7 @@ def pytest_sessionfinish(session, exitstatus):
 def pool(tmp_path_factory, broker_mode, libs_home):
     """The stack: broker, worker, the main simulated fleet (groups 1, 2 and 4) and one agent per fault node (group
     3), each with a control file for faults; principals: admin (operator), alice (acme), bob (globex), fin
-    (finance), aud (auditor); quotas for both tenants."""
+    (finance), aud (auditor); quotas for both tenants; the shipped price book."""
     s = Stack(home=tmp_path_factory.mktemp("acceptance") / "gpupool", libs_home=libs_home,
               bootstrap=os.environ["GPUPOOL_KAFKA"] if broker_mode == "env" else None)
     # jobs that carry a command run as real processes, as the job user (65534 under root): their directories where
@@ -114,6 +116,8 @@ def pool(tmp_path_factory, broker_mode, libs_home):
                                    ("aud", "auditor", None)):
             s.add_user(name, role, tenant)
         quotas(s, "acme", "globex", compute=200_000)
+        # the shipped price book, as `gpupool up` loads it: the cost-allocation pack (group 4) carries real money
+        s.client().send(price_rows(resources.files("infra").joinpath("prices.yaml").read_text()))
         wait_for(lambda: s.stats()["scheduler"]["nodes"] == 8, 90, "the eight acceptance nodes", s)
         yield s
     finally:

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 from schemas.events import QuotaSet
 from tests.acceptance.conftest import HERE, answers
@@ -85,7 +86,9 @@ def test_permissions_are_enforced_and_recorded(pool, evidence):
 def test_the_export_supports_a_cost_allocation_review(pool, evidence, tmp_path):
     out = tmp_path / "acme-pack"
     env = {**os.environ, **pool.env, "GPUPOOL_USER": "aud"}
-    made = subprocess.run([sys.executable, "-m", "agents.audit", "export", "--tenant", "acme", "--out", str(out)],
+    until = time.time_ns() // 1_000_000  # one period for the pack and the bill, while jobs may still be running
+    made = subprocess.run([sys.executable, "-m", "agents.audit", "export", "--tenant", "acme", "--out", str(out),
+                           "--to", str(until)],
                           env=env, capture_output=True, text=True, timeout=300)
     assert made.returncode == 0, made.stdout + made.stderr
     check = subprocess.run([sys.executable, "-m", "agents.audit", "verify-export", str(out), "--pubkey",
@@ -94,9 +97,14 @@ def test_the_export_supports_a_cost_allocation_review(pool, evidence, tmp_path):
     assert check.returncode == 0 and "OK" in check.stdout, check.stdout
     summary = json.loads((out / "summary.json").read_text())
     cost = json.loads((out / "cost.json").read_text())
-    billed = pool.client("fin").rows("/api/billing", {"tenant": "acme", "cost": "1", "by": "tenant"})
-    bill = dict(zip(billed[0], billed[1][0]))
-    assert sum(r["cost_micro"] for r in cost) == summary["cost_micro"] == bill["cost_micro"]
+    billed = pool.client("fin").rows("/api/billing", {"tenant": "acme", "cost": "1", "by": "tenant",
+                                                      "until": str(until)})
+    bill = {r["currency"]: r["cost_micro"] for r in (dict(zip(billed[0], row)) for row in billed[1]) if r["currency"]}
+    # money per currency, never summed across currencies (the shipped price book is in USD); the reviewer adds the
+    # lines' exact numerators and divides once, as the bill does
+    in_pack = {cur: sum(int(r["numerator"]) for r in cost if r["currency"] == cur) // 3_600_000_000
+               for cur in {r["currency"] for r in cost} if cur}
+    assert in_pack == summary["cost_micro"] == bill and bill.get("USD", 0) > 0, (in_pack, summary["cost_micro"], bill)
     assert summary["verification"]["ok"] is True
     text = "".join(p.read_text() for p in out.iterdir() if p.suffix in (".csv", ".json"))
     assert "globex" not in text and "bob" not in text
@@ -104,7 +112,7 @@ def test_the_export_supports_a_cost_allocation_review(pool, evidence, tmp_path):
     evidence.table("cost allocation in the pack (micro-units)", list(cost[0]) if cost else [],
                    [list(r.values()) for r in cost])
     evidence.note(f"verify-export with the pool's public key: {check.stdout.strip().splitlines()[-1]}; "
-                  f"pack total {summary['cost_micro']} micro-units = billing --cost {bill['cost_micro']}; "
+                  f"pack total {summary['cost_micro']} micro-units = billing --cost {bill}; "
                   f"the replay verification over the period: {'OK' if summary['verification']['ok'] else 'FAILED'}")
     evidence.series("GPU-hours per project and model in the pack", "GPU-hours",
                     [(f"{r['project']} {r['gpu_model']}{' borrowed' if r['borrowed'] else ''}", r["gpu_hours"])
