@@ -177,9 +177,10 @@ class JobRequested(Frozen):
     tenant: Ident
     project: Ident = "default"
     tier: Tier = Tier.OFFLINE
-    # What the user asks for: compute units (milli-CU) and GPU memory, never a card model.
-    compute_milli: Pos
-    gpu_memory_mib: Pos
+    # What the user asks for: compute units (milli-CU) and GPU memory, never a card model. Both 0: a CPU-only job
+    # (data preparation, evaluation, a tokenizer): no card, only the host's CPU and memory (`cpu_only`).
+    compute_milli: NonNeg
+    gpu_memory_mib: NonNeg
     cpu_milli: NonNeg = 1000
     memory_mib: NonNeg = 1024
     gang: bool = True  # several cards: all or nothing
@@ -202,6 +203,15 @@ class JobRequested(Frozen):
 
     @model_validator(mode="after")
     def _mig_needs_mig(self):
+        if (self.compute_milli == 0) != (self.gpu_memory_mib == 0):
+            raise ValueError("compute_milli and gpu_memory_mib: both positive (a GPU job), or both 0 (a CPU-only job)")
+        if self.cpu_only:
+            if not self.cpu_milli:
+                raise ValueError("a CPU-only job (compute_milli 0) asks for CPU: cpu_milli > 0")
+            if self.isolation not in (None, "shared") or self.service_id is not None or \
+                    self.reservation_id is not None:
+                raise ValueError("a CPU-only job (compute_milli 0) has no card: no isolation, service or "
+                                 "reservation")
         if self.isolation == "mig" and not self.constraints.mig_allowed:
             raise ValueError("isolation 'mig' with constraints.mig_allowed false: no slice could serve it")
         why = program_problem(self.command, self.env, self.workdir, self.volumes, self.image)
@@ -219,8 +229,13 @@ class JobRequested(Frozen):
 
     @property
     def isolation_asked(self) -> str:
-        """What isolation the job gets: as asked, else its tier's default."""
-        return self.isolation or DEFAULT_ISOLATION[self.tier]
+        """What isolation the job gets: as asked, else its tier's default (a CPU-only job: the host, shared)."""
+        return self.isolation or ("shared" if not self.compute_milli else DEFAULT_ISOLATION[self.tier])
+
+    @property
+    def cpu_only(self) -> bool:
+        """No card asked for: the job takes only a node's CPU and host memory."""
+        return not self.compute_milli
 
 
 class JobCancelled(Frozen):

@@ -186,14 +186,12 @@ def test_protocol_replay_decides_what_scheduler_replay_decides_for_the_same_even
     from agents.scheduler.core import replay
     from agents.scheduler.quota import open_ledger
     from agents.sim.live_protocol import run_live
-    from agents.sim.packing import typical_pods
 
     nodes, pods = sample
     rng = np.random.default_rng(7)
     seq = fp.arrival_sequence(pods, nodes.gpu_capacity, rng)
-    priority = rng.permutation(len(nodes.names)).astype(np.int64)
     outcomes = []
-    run = run_live(nodes, pods, seq, typical_pods(pods), priority, rng, lambda pod, node: outcomes.append(node))
+    run = run_live(nodes, pods, seq, lambda pod, node: outcomes.append(node))
     assert len(outcomes) == len(seq)
     kinds = {e.kind for e in run.inputs}
     assert {"node.inventory", "job.requested", "job.started"} <= kinds
@@ -202,5 +200,7 @@ def test_protocol_replay_decides_what_scheduler_replay_decides_for_the_same_even
     assert [o.payload for o in again] == [o.payload for o in live]
     placed = {o.payload.job_id: (o.payload.node, tuple((a.gpu_uuid, a.milli) for a in o.payload.assignments))
               for o in again if o.kind == "cmd.place"}
-    assert placed == run.placed and len(placed) == sum(1 for o, pi in zip(outcomes, seq) if o is not None
-                                                        and pods[pi].num_gpu)
+    # every pod the row counted as placed, CPU-only ones too, is a cmd.place of the scheduler
+    assert placed == run.placed and len(placed) == sum(1 for o in outcomes if o is not None)
+    assert any(not pods[pi].num_gpu for pi in seq) and all(not a for j, (_, a) in placed.items()
+                                                           if not pods[seq[int(j[1:])]].num_gpu)

@@ -103,24 +103,24 @@ def test_live_weights_scale_with_how_scarce_a_shapes_hosts_are():
 
 
 def test_a_rare_many_card_shape_is_typical_because_it_holds_the_gpu_demand():
-    """95 one-card requests and 5 eight-card ones: by count the 8-card shape is 5 % (left out at 95 % coverage), by
-    cards it is 40 of 135. It is a typical shape, so breaking the only 8-card node for a one-card job is priced."""
+    """198 one-card requests and 2 eight-card ones: by count the 8-card shape is 1 % (left out at 99 % coverage), by
+    cards it is 16 of 214. It is a typical shape, so breaking the only 8-card node for a one-card job is priced."""
     views, index = {}, NodeIndex()
-    for name, cards in (("small", 2), ("big", 8)):
+    for name, cards in (("small", 2), ("small2", 2), ("small3", 2), ("big", 8)):
         views[name] = node_view.evolve(None, envelope(inventory(name, gpus=cards), source=f"{name}/inv", seq=1,
                                                       time_ms=1))
         index.update(views[name])
     w = Workload()
-    for i in range(95):
+    for i in range(198):
         w.observe(job(f"s{i}", compute=1000))
-    for i in range(5):
+    for i in range(2):
         w.observe(job(f"b{i}", compute=8000))
     assert sorted(s.cards for s in w.shapes("A100-80GB")) == [1]  # no fleet known: no pressure to judge
-    w.fleet(index)  # 8 of the 10 cards could host the 8-card shape; its 40 of 135 cards of demand are >= 1/10 of 8
+    w.fleet(index)  # 8 of the 14 cards could host the 8-card shape; its 16 of 214 cards of demand are >= 1/10 of 8/14
     assert sorted(s.cards for s in w.shapes("A100-80GB")) == [1, 8]
     got = place(index, views, job("new", compute=1000), w)
-    assert isinstance(got, Placement) and got.node == "small"
-    forced = place(index, views, job("new", compute=1000), w, exclude=frozenset({"small"}))
+    assert isinstance(got, Placement) and got.node.startswith("small")
+    forced = place(index, views, job("new", compute=1000), w, exclude=frozenset({"small", "small2", "small3"}))
     assert isinstance(forced, Placement) and forced.node == "big"
     # the 8-card shape loses the big node's other 7 cards: a fragmentation increase, where the small node's is not
     assert forced.reasons[0].data["frag_delta_milli"] > 0 >= got.reasons[0].data["frag_delta_milli"]

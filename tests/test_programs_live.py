@@ -121,6 +121,26 @@ def test_a_programs_output_is_its_tenants_to_read_and_no_one_elses(pool, roots):
         assert other.returncode == 1 and "step" not in other.stdout + other.stderr, other
 
 
+def test_a_cpu_only_job_runs_its_program_with_no_card(pool, roots):
+    """A CPU-only job (`--compute 0 --memory-gib 0`: data preparation beside the GPU work) runs as a real process with
+    no device (CUDA_VISIBLE_DEVICES empty, NVIDIA_VISIBLE_DEVICES void), completes, its output reaches `logs`, the
+    scheduler says where and why (HostFit), and no GPU time is billed for it."""
+    code = "import os\nprint('devices', repr(os.environ['CUDA_VISIBLE_DEVICES']), os.environ['NVIDIA_VISIBLE_DEVICES'])"
+    out = cli(pool, "submit", "--compute", "0", "--memory-gib", "0", "--cpu", "2000", "--job-id", "prep", "--",
+              need_python3(), "-c", code, user="alice")
+    job = out.strip()
+    assert job == "acme/prep", out
+    wait_for(lambda: state(pool, job) == "completed", 90, "the CPU-only job to complete", pool)
+    node, text = run_log(roots, job, 1)
+    assert node in NODES and text == "devices '' void\n"
+    place = next(p for p in job_events(pool, job) if p.kind == "job.started")
+    assert place.node == node
+    explained = cli(pool, "explain", "prep", user="alice")
+    assert "HostFit" in explained and "CPU-only" in explained, explained
+    billed = cli(pool, "billing", "--by", "job", user="alice")
+    assert "acme/prep" not in billed, billed
+
+
 def test_each_exit_reason_reaches_job_failed(pool, roots):
     py = need_python3()
     cases = {

@@ -105,7 +105,8 @@ def parser() -> argparse.ArgumentParser:
                    "`command:`; '-' for stdin; flags given here win over its keys; docs/jobs.md)")
     s.add_argument("--project", help="default: default")
     s.add_argument("--tier", choices=["inference", "online-training", "offline"], help="default: offline")
-    s.add_argument("--compute", type=int, help="compute units in milli-CU (1000 = one A100); required")
+    s.add_argument("--compute", type=int, help="compute units in milli-CU (1000 = one A100); required; 0 with "
+                   "--memory-gib 0: a CPU-only job (no card, only --cpu and --host-memory-mib)")
     s.add_argument("--memory-gib", type=float, help="GPU memory; required")
     s.add_argument("--cpu", type=int, help="host milli-CPU (default 1000); a gang over several nodes gets this much "
                    "for each part, on each node (docs/jobs.md, \"Gangs\")")

@@ -515,6 +515,8 @@ class Scheduler:
             return
         r = rec.request
         for pl in rec.parts:  # one usage line per node: billing is by node, model and data center
+            if not pl.assignments:
+                continue  # a CPU-only job holds no card: no GPU time to bill (the price book prices GPU time)
             milli = sum(a.milli for a in pl.assignments)
             cu, _ = held(pl.assignments, lambda uuid, node=pl.node: self.card_model(node, uuid), r.compute_milli)
             inv = self.nodes[pl.node].inventory

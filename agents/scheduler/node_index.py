@@ -45,6 +45,7 @@ def _keys(v: NodeView) -> tuple:
                 whole[c.model] = whole.get(c.model, 0) + 1
     for name, n in whole.items():
         keys.add(("whole", name, n))
+    keys.add(("host",))  # every schedulable node: where a CPU-only job may go
     keys = sorted(keys)
     if mig_free or any(c.mig_enabled and v.free_mig_slices(c) and _free_compute_slices(c) and
                        c.uuid not in v.unhealthy and c.uuid not in v.mig_pending for c in v.cards()):
@@ -231,6 +232,21 @@ class NodeIndex:
         for k in range(cards, self.models.get(model_name, 0) + 1):
             yield from self.buckets.get(("whole", model_name, k), ())
 
+    def whole_nodes_spread(self, model_name: str, cards: int) -> Iterator[str]:
+        """Nodes with at least `cards` completely free cards of this model: one of each count of free cards in turn
+        (fewest first), so a bounded sample sees the tight nodes and the whole ones alike."""
+        its = [iter(self.buckets[key]) for key in (("whole", model_name, k)
+                                                   for k in range(cards, self.models.get(model_name, 0) + 1))
+               if key in self.buckets]
+        while its:
+            alive = []
+            for it in its:
+                n = next(it, None)
+                if n is not None:
+                    yield n
+                    alive.append(it)
+            its = alive
+
     def whole_free(self, model_name: str) -> Iterator[tuple[str, int]]:
         """(node, completely free cards of this model) for every node that has any."""
         for k in range(1, self.models.get(model_name, 0) + 1):
@@ -239,6 +255,10 @@ class NodeIndex:
 
     def mig_nodes(self) -> Iterator[str]:
         yield from self.buckets.get(("mig",), ())
+
+    def host_nodes(self) -> Iterator[str]:
+        """Every schedulable node, in the order their views last changed (a CPU-only job's candidates)."""
+        yield from self.buckets.get(("host",), ())
 
 
 def cards_needed(compute_milli: int, gpu_memory_mib: int, model_name: str) -> int:

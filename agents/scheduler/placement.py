@@ -7,6 +7,7 @@ reasons there is none.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 
 from agents.scheduler import topology
 from agents.scheduler.node_index import NodeIndex, cards_needed
@@ -172,7 +173,7 @@ def _may_fit(v: NodeView, job: JobRequested) -> bool:
     return False
 
 
-DEFAULT_CANDIDATES = 8  # fitting nodes scored per job (kube-scheduler scores a sample of feasible nodes too)
+DEFAULT_CANDIDATES = 32  # fitting nodes scored per job (kube-scheduler scores a sample of feasible nodes too)
 
 
 def _rejects(v: NodeView, job: JobRequested, skip_host: bool = False) -> tuple[str, str] | None:
@@ -359,6 +360,22 @@ def _mig_could_hold(job: JobRequested, models: list[str]) -> bool:
     return False
 
 
+def _closed(rejected: dict, name: str, barred: frozenset[str]) -> None:
+    """A node closed to this job by preemption: freed for a stronger claim, or claimed by a job nominated ahead."""
+    rejected.setdefault(("Preemption", "FreedForStronger" if name in barred else "NominatedForOther"), []).append(name)
+
+
+def _unplaced(index: NodeIndex, views: dict[str, NodeView], job: JobRequested, rejected: dict, seen: set
+              ) -> "Unschedulable":
+    """What the job saw, the nodes closed to it aside (claimed by a nominated job, freed for a stronger claim): a
+    waiting job is not explained afresh only because that set moved (core.Scheduler._unplaced)."""
+    closed = sum(len(v) for k, v in rejected.items() if k[0] == "Preemption")
+    saw = (tuple(sorted((k, tuple(v)) for k, v in rejected.items() if k[0] != "Preemption")), len(seen) - closed,
+           len(views), len(index.down))
+    return Unschedulable(explain=lambda never: _unschedulable(index, views, job, rejected, seen, never).reasons,
+                         seen=saw)
+
+
 _NO_CONSTRAINTS = JobRequested.model_fields["constraints"].default
 
 
@@ -378,6 +395,8 @@ def place(index: NodeIndex, views: dict[str, NodeView], job: JobRequested, workl
     if barred:
         exclude = exclude | barred
     workload.fleet(index)
+    if job.cpu_only:
+        return _place_host(index, views, job, workload, k, prefer, exclude, barred)
     models = allowed_models(index, job)
     rejected: dict[tuple[str, str], list[str]] = {}
     fits: list[tuple[int, int, int, str, tuple[Assignment, ...]]] = []
@@ -390,8 +409,7 @@ def place(index: NodeIndex, views: dict[str, NodeView], job: JobRequested, workl
     def consider(name: str, rank: int, order: list[str], order_key: str | None) -> None:
         seen.add(name)
         if name in exclude:
-            rejected.setdefault(("Preemption", "FreedForStronger" if name in barred else "NominatedForOther"),
-                                []).append(name)
+            _closed(rejected, name, barred)
             return
         v = views[name]
         outcome = None
@@ -442,9 +460,15 @@ def place(index: NodeIndex, views: dict[str, NodeView], job: JobRequested, workl
         n = cards_needed(job.compute_milli, job.gpu_memory_mib, m)
         if n == 1 and iso == "mig":
             continue  # a hardware slice only: the MIG nodes below
-        nodes = (index.whole_nodes(m, 1) if iso == "exclusive" else index.share_nodes(
-            m, share_for(job.compute_milli, model(m)), job.gpu_memory_mib)) if n == 1 else (
-            index.whole_nodes(m, n) if job.gang else ())
+        if n == 1 and iso != "exclusive" and share_for(job.compute_milli, model(m)) < 1000:
+            # a share of one card: the nodes with such a card, tightest card first
+            nodes = index.share_nodes(m, share_for(job.compute_milli, model(m)), job.gpu_memory_mib)
+        elif n == 1 or job.gang:
+            # whole cards: one node of each count of free cards in turn, so the sample holds the nodes a few cards
+            # from full and the untouched ones alike and the score, not the walk, decides which one breaks
+            nodes = index.whole_nodes_spread(m, n)
+        else:
+            nodes = ()
         for name in nodes:
             if len(fits) >= k:
                 break
@@ -474,13 +498,67 @@ def place(index: NodeIndex, views: dict[str, NodeView], job: JobRequested, workl
         carve = _carve(index, views, job, models, exclude)
         if carve is not None:
             return carve
-    # what it saw, the nodes closed to it aside (claimed by a nominated job, freed for a stronger claim): a waiting
-    # job is not explained afresh only because that set moved (core.Scheduler._unplaced)
-    closed = sum(len(v) for k, v in rejected.items() if k[0] == "Preemption")
-    saw = (tuple(sorted((k, tuple(v)) for k, v in rejected.items() if k[0] != "Preemption")), len(seen) - closed,
-           len(views), len(index.down))
-    return Unschedulable(explain=lambda never: _unschedulable(index, views, job, rejected, seen, never).reasons,
-                         seen=saw)
+    return _unplaced(index, views, job, rejected, seen)
+
+
+CPU_ONLY_CANDIDATES = 64  # nodes a CPU-only job scores at most (it stops at the first that strands nothing)
+
+
+def host_delta(v: NodeView, job: JobRequested, workload: Workload) -> int:
+    """Fragmentation a CPU-only job adds to a node: the CPU and host memory it takes can leave the node's free cards
+    unusable by the typical jobs (capped by how many of them the host can still hold) or stranded behind a host no
+    typical job fits. Never negative; 0: it strands nothing."""
+    cpu, mem = v.free_cpu_memory()
+    by_model: dict[str, list[int]] = {}
+    for c in v.card_free():
+        if c.healthy and not c.mig:
+            by_model.setdefault(c.model, []).append(c.milli)
+    delta = 0
+    for name, free in by_model.items():
+        if not any(free):
+            continue
+        shapes = workload.shapes(name)
+        delta += fragmentation(free, cpu - job.cpu_milli, mem - job.memory_mib, shapes) - \
+            fragmentation(free, cpu, mem, shapes)
+    return delta
+
+
+def _place_host(index: NodeIndex, views: dict[str, NodeView], job: JobRequested, workload: Workload, k: int,
+                prefer: str | None, exclude: frozenset[str], barred: frozenset[str]) -> "Placement | Unschedulable":
+    """A CPU-only job: the node whose free cards its CPU and memory strand least (`host_delta`), among up to
+    CPU_ONLY_CANDIDATES schedulable nodes with the host room, the first that strands nothing at once."""
+    rejected: dict[tuple[str, str], list[str]] = {}
+    seen: set[str] = set()
+    best = None
+    scored = 0
+    names = chain([prefer] if prefer in views else (), index.host_nodes())
+    for name in names:
+        if name in seen:
+            continue
+        seen.add(name)
+        if name in exclude:
+            _closed(rejected, name, barred)
+            continue
+        v = views[name]
+        why = _rejects(v, job)
+        if why is not None:
+            rejected.setdefault(why, []).append(name)
+            continue
+        delta = host_delta(v, job, workload)
+        scored += 1
+        if best is None or delta < best[0]:
+            best = (delta, name)
+        if best[0] <= 0 or scored >= max(k, CPU_ONLY_CANDIDATES):
+            break
+    if best is not None:
+        delta, name = best
+        w = max(1, workload.weight)
+        return Placement((Part(name, (), job.cpu_milli, job.memory_mib),), (Reason(
+            code="Placed", plugin="HostFit", nodes=(name,),
+            message=f"CPU-only: {job.cpu_milli} milli-CPU, {job.memory_mib} MiB; best of {scored} node(s) scored: "
+                    f"fragmentation {delta // w:+d} milli-GPU (the cards its CPU and memory leave unusable)",
+            data={"candidates": scored, "frag_delta_milli": delta // w, "cpu_only": True}),))
+    return _unplaced(index, views, job, rejected, seen)
 
 
 def _carve(index: NodeIndex, views: dict[str, NodeView], job: JobRequested, models: list[str],

@@ -12,9 +12,11 @@ type t of the workload, the free GPU milli of a node that t could use -- on card
 capped by how many t's the node's free CPU and memory can still host -- and everything else counts as fragment; free GPUs behind CPU and memory
 that no typical type fits any more count once more in full (lost to every later job, not only the next). Among fitting
 nodes the one whose placement adds the least fragmentation wins. Types weigh their count times how scarce their hosts
-are (see `Workload`), as in the offline policy. Typical types are learned from the requests the scheduler has seen
-(most frequent shapes first, then the shapes that hold most of the GPU demand, so a rare many-card shape is one of
-them). A many-card shape whose hosts the many-card demand oversubscribes (twice their share of the cards or more)
+are (see `Workload`). Typical types are learned from the requests the scheduler has seen: a type is a request's
+compute, GPU memory and CPU, with the median host memory of its requests (FGD's typical type is its CPU and GPU
+request); the most frequent types up to 99 % of the requests (at most 64), then the types that hold most of the GPU
+demand, so a rare many-card type is one of them. A CPU-only type (no card) counts every free card as a fragment,
+as FGD counts a type that cannot use the node's GPUs. A many-card shape whose hosts the many-card demand oversubscribes (twice their share of the cards or more)
 weighs its cards per job too: there a host card another job breaks is a card of many-card demand with nowhere else to
 go. Integer arithmetic throughout.
 """
@@ -64,7 +66,7 @@ class Workload:
     proportion to the demand those nodes see (scarcity weights). The fleet
     comes from the node index (`fleet`); with none known, every shape gets the same multiplier."""
 
-    def __init__(self, coverage_pct: int = 95, max_types: int = 12) -> None:
+    def __init__(self, coverage_pct: int = 99, max_types: int = 64) -> None:
         self.counts: Counter = Counter()
         self.total = 0
         self.coverage_pct = coverage_pct
@@ -72,7 +74,8 @@ class Workload:
         self._typical: tuple = ()
         self._oversubscribed: dict[tuple, int] = {}  # shape -> its fewest cards per job
         self._typical_at = 0
-        self._epoch = 0  # changes whenever the typical set or the fleet's hosts do
+        self._epoch = 0  # changes whenever the weighed typical shapes do (a new typical set, new host weights)
+        self._signature: tuple = ()  # the weighed typical shapes of this epoch
         self._fleet_version = -1
         self._hosts: Counter = Counter()  # (cards per model, CPU, memory) -> nodes with that inventory
         self._multiplier: dict[tuple, int] = {}
@@ -80,6 +83,9 @@ class Workload:
         self._total: int | None = None  # `_total_cards`, for the current hosts
         self._per_model: dict[str, tuple[Shape, ...]] = {}
         self._frag: dict[tuple[str, str], tuple] = {}  # (node, card) -> (view, epoch, value)
+        # (compute, GPU memory, CPU) -> Counter of the host memory its requests asked: a type's host memory is their
+        # median (FGD's typical type is its CPU and GPU request; host memory only caps how many fit a host)
+        self._host_memory: dict[tuple, Counter] = {}
 
     def fleet(self, index) -> None:
         """Take the hosts of this node index (a no-op while its inventories are unchanged)."""
@@ -87,8 +93,7 @@ class Workload:
             self._fleet_version = index.hosts_version
             self._hosts = Counter(index.hosts.values())
             self._multiplier, self._per_model, self._host_memo, self._total = {}, {}, {}, None
-            self._typical_at = 0  # which shapes join by demand depends on the hosts
-            self._epoch += 1
+            self._typical_at = 0  # which shapes join by demand depends on the hosts: the set is worked out again
 
     def _host_cards(self, shape: tuple) -> dict:
         """Per inventory that could host the shape: the cards of all its nodes. Kept per shape while the hosts are
@@ -183,14 +188,29 @@ class Workload:
         return value
 
     def observe(self, r: JobRequested) -> None:
-        self.counts[(r.compute_milli, r.gpu_memory_mib, r.cpu_milli, r.memory_mib)] += 1
+        key = (r.compute_milli, r.gpu_memory_mib, r.cpu_milli)
+        self.counts[key] += 1
+        got = self._host_memory.get(key)
+        if got is None:
+            got = self._host_memory[key] = Counter()
+        got[r.memory_mib] += 1
         self.total += 1
+
+    def _shape_of(self, key: tuple, n: int) -> tuple:
+        """A type's shape: its (compute, GPU memory, CPU) and the median (the lower one) of its requests' host memory."""
+        seen = 0
+        for mem, c in sorted(self._host_memory[key].items()):
+            seen += c
+            if seen * 2 >= n:
+                return (*key, mem)
+        raise AssertionError("a type's host-memory counts add up to its count")
 
     def _refresh(self) -> None:
         # Recomputed when the workload has grown by a quarter: cheap, and a function of the input alone.
         if self.total and (not self._typical_at or self.total * 4 >= self._typical_at * 5):
             out, covered = [], 0
-            for shape, n in sorted(self.counts.items(), key=lambda kv: (-kv[1], kv[0])):
+            counts = {self._shape_of(k, n): n for k, n in self.counts.items()}
+            for shape, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])):
                 if covered * 100 >= self.coverage_pct * self.total or len(out) >= self.max_types:
                     break
                 out.append((shape, n))
@@ -200,9 +220,9 @@ class Workload:
             # Only where that demand is at least a tenth of the cards that could host the shape (multiplier = C / S
             # x 1000): d / D >= S / C / 10. Hosts with room to spare are not worth keeping whole for it.
             have, added = {shape for shape, _ in out}, 0
-            demand = sum(n * shape[0] for shape, n in self.counts.items())
+            demand = sum(n * shape[0] for shape, n in counts.items())
             covered = 0
-            for shape, n in sorted(self.counts.items(), key=lambda kv: (-kv[1] * kv[0][0], kv[0])):
+            for shape, n in sorted(counts.items(), key=lambda kv: (-kv[1] * kv[0][0], kv[0])):
                 if covered * 100 >= self.coverage_pct * demand or added >= self.max_types or not shape[0]:
                     break
                 covered += n * shape[0]
@@ -212,7 +232,13 @@ class Workload:
                     added += 1
             self._oversubscribed = self._oversubscribed_of(out, demand)
             self._typical, self._typical_at, self._per_model = tuple(out), self.total, {}
-            self._epoch += 1
+            # What the weighed shapes are: results kept under the epoch stay valid while it is the same. A changed
+            # inventory (a node added, a host's CPU taken by other work) most often leaves every weight as it was.
+            signature = tuple((shape, n * self.multiplier(shape) * self._oversubscribed.get(shape, 1))
+                              for shape, n in self._typical)
+            if signature != self._signature:
+                self._signature = signature
+                self._epoch += 1
 
     def shapes(self, model_name: str) -> tuple[Shape, ...]:
         self._refresh()
@@ -222,7 +248,7 @@ class Workload:
             out = []
             for shape, n in self._typical:
                 compute, mem, cpu, host = shape
-                cards = max(-(-compute // m.cu_milli), -(-mem // m.memory_mib))
+                cards = max(-(-compute // m.cu_milli), -(-mem // m.memory_mib))  # 0: a CPU-only job
                 milli = min(1000, share_for(compute, m)) if cards == 1 else 1000
                 weight = n * self.multiplier(shape) * (cards if shape in self._oversubscribed else 1)
                 out.append(Shape(milli, cards, cpu, host, weight))
@@ -241,7 +267,7 @@ def fragmentation(free: list[int], cpu: int, mem: int, shapes: tuple[Shape, ...]
     host_fits = False
     for t in shapes:
         host = cpu >= t.cpu_milli and mem >= t.memory_mib
-        host_fits = host_fits or host
+        host_fits = host_fits or (host and t.cards > 0)  # a CPU-only type on the host does not use its cards
         i = bisect_left(free, t.milli)  # cards from i on have at least the type's share free
         if len(free) - i >= t.cards and host:
             n = min(cpu // t.cpu_milli if t.cpu_milli else _BIG, mem // t.memory_mib if t.memory_mib else _BIG)

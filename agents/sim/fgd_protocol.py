@@ -192,7 +192,7 @@ def run_seed(nodes: NodeTable, pods: Sequence[PodRequest], policy_name: str, see
         # the product row: the live scheduler, fed the trace's events (agents/sim/live_protocol.py)
         state = nodes.state()
         metric = FragTracker(FragIndex(typical, state.model_names, state.gpu_width), state)
-        live = run_live(nodes, pods, seq, typical, priority, rng, record, scheduler=scheduler, state=state)
+        live = run_live(nodes, pods, seq, record, scheduler=scheduler, state=state)
         state = live.state
     else:
         state = nodes.state()

@@ -7,16 +7,16 @@ open ledger the simulations use (no quota: the protocol has one tenant and nothi
 
 - one `node.inventory` per trace node, with the trace's CPU, memory and GPU count (cards built as the fleet simulator
   builds them, `agents.node.fleet.card_uuid`);
-- per GPU pod of the arrival sequence, the user's `job.requested` (its CPU, memory, cards or share, see
-  `request_of`). Typical shapes are learned from these requests as they arrive (`scoring.Workload`), never from the
-  trace as a whole. The scheduler's `cmd.place` is answered by the node agent's `job.started`;
+- per pod of the arrival sequence, the user's `job.requested` (its CPU, memory, cards or share, or no card at all,
+  see `request_of`). Typical shapes are learned from these requests as they arrive (`scoring.Workload`), never from
+  the trace as a whole. The scheduler's `cmd.place` is answered by the node agent's `job.started`;
 - a request no node takes is withdrawn by its user at once (`job.cancelled`): the protocol does not retry failures.
   The protocol's pods never leave, so no run completes.
 
 Which node and cards each pod got is read from the `cmd.place` the scheduler emitted; those placements are mirrored
 into the protocol's `ClusterState` only to measure allocation and FGD's fragmentation the same way for every row.
 
-Two things of the trace have no job in the product and are said explicitly:
+What the trace says that the product says otherwise, explicitly:
 
 - **Cards.** openb's `gpu_milli` is a share of whichever card the pod lands on: the protocol's GPUs are
   interchangeable (the three dev traces name no model in `gpu_spec`). The product's requests are in milli-CU of a
@@ -24,10 +24,11 @@ Two things of the trace have no job in the product and are said explicitly:
   gives no ground for. So every card is of one model, `LIVE_MODEL`, unknown to schemas/gpu_models.py, i.e. the
   default profile (400 milli-CU, 16 GiB): a k-GPU pod asks k x 400 milli-CU, a share of m milli asks the compute
   whose share on that card is exactly m (`share_for`). A pod that names models is refused (`ValueError`).
-- **CPU-only pods** (13 % of openb's pods) are not GPU jobs: `compute_milli` must be positive. They still take CPU and
-  memory of GPU nodes in the protocol, so they are placed as the cluster's other scheduler would place them -- with
-  FGD's rule, the protocol's anchor, on the mirrored state -- and the node's agent then reports its inventory with
-  that CPU and memory gone (what is left to the pool), a fresh `node.inventory`.
+- **CPU-only pods** (13 % of openb's pods) are the product's CPU-only jobs (`compute_milli` 0: data preparation,
+  evaluation, tokenizers beside the GPU work): the scheduler places them too, on the node whose free cards their
+  CPU and memory strand least (placement.host_delta). Until this round they were placed by FGD's rule outside the
+  scheduler; the copy of the policy (GpupoolPolicy, deleted) had placed them by its own measure, which was most of
+  its margin over FGD (docs/evaluation.md).
 - **One node per pod.** A protocol pod runs on one node; every node is its own rack and data center, so no gang of
   the product spans two nodes (`Constraints.max_spread` would say the same per request, at the cost of the
   scheduler's per-shape caches, which skip constrained requests).
@@ -42,7 +43,7 @@ import numpy as np
 from agents.node.fleet import card_uuid
 from agents.scheduler.core import Scheduler, replay
 from agents.scheduler.quota import open_ledger
-from agents.sim.packing import GPU_MILLI, ClusterState, FGDPolicy, PodRequest, choose
+from agents.sim.packing import GPU_MILLI, ClusterState, PodRequest
 from schemas.envelope import Envelope, envelope
 from schemas.events import GpuCard, JobCancelled, JobRequested, JobStarted, NodeInventory, Tier
 from schemas.gpu_models import model as gpu_model
@@ -55,12 +56,15 @@ CPU_PODS = "sim/cpu-pods"  # the source of the inventories that CPU-only pods sh
 
 
 def request_of(job_id: str, pod: PodRequest) -> JobRequested:
-    """The user's request for one GPU pod of the trace: its CPU and memory, and k whole cards or a share of one."""
+    """The user's request for one pod of the trace: its CPU and memory, and k whole cards, a share of one, or no
+    card at all (a CPU-only job)."""
     if pod.models:
         raise ValueError(f"{job_id}: a pod that names card models ({'|'.join(sorted(pod.models))}) has no request "
                          f"in the live replay (its cards are one model, {LIVE_MODEL})")
     m = gpu_model(LIVE_MODEL)
-    if pod.num_gpu > 1 or pod.gpu_milli == GPU_MILLI:
+    if not pod.num_gpu:
+        compute = 0
+    elif pod.num_gpu > 1 or pod.gpu_milli == GPU_MILLI:
         compute = pod.num_gpu * m.cu_milli
     else:
         compute = max(1, pod.gpu_milli * m.cu_milli // GPU_MILLI)
@@ -94,13 +98,11 @@ class _Feed:
     """The input side of the replay: yields the next record once the scheduler's answer to the last is known
     (`replay` calls `answered` with each record's outputs before it asks for the next)."""
 
-    def __init__(self, nodes, pods: Sequence[PodRequest], seq: np.ndarray, state: ClusterState, cpu_policy,
-                 priority: np.ndarray, rng: np.random.Generator, run: LiveRun, on_arrival) -> None:
-        self.nodes, self.pods, self.seq, self.state = nodes, pods, seq, state
-        self.cpu_policy, self.priority, self.rng, self.run = cpu_policy, priority, rng, run
+    def __init__(self, nodes, pods: Sequence[PodRequest], seq: np.ndarray, state: ClusterState, run: LiveRun,
+                 on_arrival) -> None:
+        self.nodes, self.pods, self.seq, self.state, self.run = nodes, pods, seq, state, run
         self.on_arrival = on_arrival  # (pod, node index or None), after each arrival's answer
         self.node_of = {name: i for i, name in enumerate(nodes.names)}
-        self.cpu_held: dict[int, tuple[int, int]] = {}  # node -> CPU, memory of the CPU-only pods on it
         self.seqs: dict[str, int] = {}
         self.now = T0_MS
         self.last: list[Envelope] = []
@@ -122,13 +124,9 @@ class _Feed:
             yield self.env(inventory(name, nodes.cpu_milli[i], nodes.memory_mib[i], nodes.gpu_count[i]),
                            f"{name}/inventory")
         for k, pi in enumerate(self.seq):
-            pod = self.pods[pi]
-            if pod.num_gpu:
-                yield from self.gpu_pod(f"p{k:06d}", pod)
-            else:
-                yield from self.cpu_pod(pod)
+            yield from self.pod(f"p{k:06d}", self.pods[pi])
 
-    def gpu_pod(self, job: str, pod: PodRequest) -> Iterator[Envelope]:
+    def pod(self, job: str, pod: PodRequest) -> Iterator[Envelope]:
         yield self.env(request_of(job, pod), f"sim/user/{job}")
         out = self.last
         if not out:  # a request is always answered (placed, pending or rejected): none means its step raised
@@ -146,44 +144,24 @@ class _Feed:
         p = place[0]
         node = self.node_of[p.node]
         gpus = tuple(int(a.gpu_uuid.rsplit("-", 1)[1]) for a in p.assignments)
-        if len(place) > 1 or any(a.milli != pod.gpu_milli for a in p.assignments):
+        if len(place) > 1 or len(gpus) != pod.num_gpu or any(a.milli != pod.gpu_milli for a in p.assignments):
             raise RuntimeError(f"{job}: placed as {place}, not on one node as {pod.num_gpu} x {pod.gpu_milli} milli")
         self.state.place(node, pod, gpus)
-        self.cpu_policy.placed(node)
         self.run.placed[job] = (p.node, tuple((a.gpu_uuid, a.milli) for a in p.assignments))
         self.on_arrival(pod, node)
         yield self.env(JobStarted(job_id=job, node=p.node, command_id=p.command_id), f"{p.node}/job/{job}")
 
-    def cpu_pod(self, pod: PodRequest) -> Iterator[Envelope]:
-        """A CPU-only pod: placed by FGD's rule on the mirrored state; the node's agent then reports what is left."""
-        pick = choose(self.state, pod, self.cpu_policy, self.priority, self.rng)
-        if pick is None:
-            self.on_arrival(pod, None)
-            return
-        i = pick.node
-        self.state.place(i, pod, ())
-        self.cpu_policy.placed(i)
-        cpu, mem = self.cpu_held.get(i, (0, 0))
-        cpu, mem = self.cpu_held[i] = (cpu + pod.cpu_milli, mem + pod.memory_mib)
-        self.on_arrival(pod, i)
-        name = self.nodes.names[i]
-        yield self.env(inventory(name, self.nodes.cpu_milli[i] - cpu, self.nodes.memory_mib[i] - mem,
-                                 self.nodes.gpu_count[i]), f"{name}/inventory")
 
-
-def run_live(nodes, pods: Sequence[PodRequest], seq: np.ndarray, typical, priority: np.ndarray,
-             rng: np.random.Generator, on_arrival, scheduler: Scheduler | None = None,
+def run_live(nodes, pods: Sequence[PodRequest], seq: np.ndarray, on_arrival, scheduler: Scheduler | None = None,
              state: ClusterState | None = None) -> LiveRun:
     """Replay the arrivals `seq` through a live `Scheduler` (a fresh one unless given); `on_arrival(pod, node)` after
-    each arrival's outcome (node index, None: it failed). CPU-only pods are placed with FGD's rule over `typical`."""
+    each arrival's outcome (node index, None: it failed). Every pod is a job of the product, CPU-only pods too."""
     s = Scheduler(ledger=open_ledger()) if scheduler is None else scheduler
     if not isinstance(s, Scheduler):
         raise TypeError(f"the product row is the live scheduler (agents.scheduler.core.Scheduler), not {type(s)!r}")
     state = nodes.state() if state is None else state
-    cpu_policy = FGDPolicy(typical)
-    cpu_policy.bind(state)
     run = LiveRun(state)
-    feed = _Feed(nodes, pods, seq, state, cpu_policy, priority, rng, run, on_arrival)
+    feed = _Feed(nodes, pods, seq, state, run, on_arrival)
     replay(feed, scheduler=s, on_outputs=feed.answered)
     run.scheduler = s
     return run
