@@ -15,8 +15,8 @@ from streams.folds import node_view
 from tests.builders import Clock, inventory, job
 
 
-def cpu_job(job_id="c1", cpu=8000, mem=16 * 1024, **kw):
-    return JobRequested(job_id=job_id, tenant="t1", compute_milli=0, gpu_memory_mib=0, cpu_milli=cpu, memory_mib=mem,
+def cpu_job(job_id="c1", cpu=8000, mem=16 * 1024, tenant="t1", **kw):
+    return JobRequested(job_id=job_id, tenant=tenant, compute_milli=0, gpu_memory_mib=0, cpu_milli=cpu, memory_mib=mem,
                         **kw)
 
 
@@ -148,3 +148,42 @@ def test_a_fleet_change_that_moves_no_weight_keeps_the_scorers_results():
     index.update(d)  # a node no typical job fits: the type's hosts are a smaller share of the cards
     w.fleet(index)
     assert w.version() != before
+
+
+def test_one_tenants_cpu_only_jobs_are_bounded_by_its_quota_and_not_anothers():
+    """CPU-only jobs charge no GPU quota; what keeps one tenant's many of them from taking every host's CPU (and
+    stranding the cards other tenants' jobs need) is CPU_PER_CU milli-CPU per milli-CU of its quota's cap. acme has
+    1,000 milli-CU (16,000 milli-CPU of CPU-only work); its third 8-core job waits with the reason and the numbers,
+    globex's job is placed meanwhile, and acme's waiting job is placed once one of its own ends. The tally is what
+    `rebuilt` derives afresh."""
+    from agents.scheduler.holdings import rebuilt
+    from agents.scheduler.quota import CPU_PER_CU
+    from schemas.events import QuotaSet
+
+    clock = Clock()
+    s = Scheduler()
+    for name in ("a", "b"):
+        s.step(clock.env(inventory(name, gpus=2, cpu_milli=64_000), f"{name}/inventory"))
+    for tenant in ("acme", "globex"):
+        s.step(clock.env(QuotaSet(tenant=tenant, gpu_milli=1000, overcommit_pct=100), f"in/admin/{tenant}"))
+    assert 1000 * CPU_PER_CU == 16_000
+    placed = {}
+    for i in range(3):
+        out = s.step(clock.env(cpu_job(f"acme/c{i}", cpu=8000, tenant="acme"), f"u/acme/c{i}"))
+        placed.update({o.payload.job_id: o.payload for o in out if o.kind == "cmd.place"})
+        waiting = [o.payload for o in out if o.kind == "job.pending"]
+    assert sorted(placed) == ["acme/c0", "acme/c1"]
+    (w,) = waiting
+    why = next(r for r in w.reasons if r.code == "CpuOnlyCapExceeded")
+    assert (why.plugin, why.data["used_cpu_milli"], why.data["cap_cpu_milli"]) == ("Quota", 16_000, 16_000)
+    assert s.h.host_cpu == {"acme": 16_000}
+    out = s.step(clock.env(cpu_job("globex/g0", cpu=8000, tenant="globex"), "u/globex/g0"))
+    assert [o.payload.job_id for o in out if o.kind == "cmd.place"] == ["globex/g0"]
+    assert s.h.state() == rebuilt(s.h.nodes, s.h.jobs).state()
+    p = placed["acme/c0"]
+    s.step(clock.env(JobStarted(job_id=p.job_id, node=p.node, command_id=p.command_id), f"{p.node}/job/{p.job_id}"))
+    out = s.step(clock.env(JobCompleted(job_id=p.job_id, node=p.node, command_id=p.command_id),
+                           f"{p.node}/job/{p.job_id}", dt=1000))
+    out += s.step(clock.env(job("x", tenant="globex", compute=100), "u/x", dt=s.full_cycle_ms))  # a later cycle
+    assert "acme/c2" in [o.payload.job_id for o in out if o.kind == "cmd.place"]
+    assert s.h.host_cpu == {"acme": 16_000, "globex": 8000}

@@ -33,7 +33,7 @@ from agents.scheduler.preemption import (
     NODE_FILTERS, Plan, PreemptionConfig, Room, Shape, Victim, disruption_order, filters_key, fits, least_disruptive,
     placed, plan_gang, plan_over, protected, quiet_until, released,
 )
-from agents.scheduler.quota import Admission, Ledger, held
+from agents.scheduler.quota import CPU_PER_CU, Admission, Ledger, held
 from agents.scheduler.reservations import LIVE, Book, Booking
 from agents.scheduler.scoring import Workload
 from agents.scheduler.victims import LazyVictims
@@ -1175,9 +1175,24 @@ class Scheduler:
             return Admission(False, False, (Reason(
                 code="Reserved", plugin="Quota", message=f"on reservation {rid}",
                 data={"request_milli": holding[0] if holding else rec.request.compute_milli}),))
+        r = rec.request
+        if r.cpu_only:
+            # no card, so no GPU quota to charge: its CPU is bounded by the tenant's quota instead (CPU_PER_CU
+            # milli-CPU per milli-CU of the borrowing cap), or one tenant's CPU-only jobs could take every host's CPU
+            # and strand the cards other tenants' jobs need. No quota in force (the open ledger): no bound.
+            q = self.ledger.tenant_quota(r.tenant)
+            if q is not None:
+                cap = q.gpu_milli * q.overcommit_pct // 100 * CPU_PER_CU
+                used = self.h.host_cpu.get(r.tenant, 0)
+                if used + r.cpu_milli > cap:
+                    return Admission(True, False, (Reason(
+                        code="CpuOnlyCapExceeded", plugin="Quota", message=(
+                            f"{r.tenant}'s CPU-only jobs hold {used} milli-CPU; this one's {r.cpu_milli} would pass "
+                            f"{cap} ({CPU_PER_CU} milli-CPU per milli-CU of its quota's cap): it waits for one to "
+                            f"end"), data={"used_cpu_milli": used, "request_cpu_milli": r.cpu_milli,
+                                           "cap_cpu_milli": cap}),))
         need, mem = holding if holding else (None, None)
         kept = self._quota_kept(rec)
-        r = rec.request
         # a retried queue asks the same question for many jobs of one account and shape: answered once while the
         # ledger and the pool's capacity stand still (the answer depends on nothing else)
         key = (r.tenant, r.project, r.compute_milli, r.gpu_memory_mib, need, mem, self.index.capacity_milli,

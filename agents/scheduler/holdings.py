@@ -355,6 +355,9 @@ class Holdings:
         self.sums: dict[tuple[str, str | None], Sums] = {}  # (tenant, project or None) -> holders' sums per group
         self.train_held: dict[tuple[str, str], int] = {}  # (job, node) -> milli-GPU a non-inference job holds
         self.train_milli = 0
+        # tenant -> milli-CPU its CPU-only jobs' parts hold (they charge no GPU quota: core.Scheduler._admit bounds
+        # this by the tenant's quota instead, so one tenant's CPU-only jobs cannot take every host's CPU)
+        self.host_cpu: dict[str, int] = {}
         self.cap: dict[str, int] = {}  # node -> milli-GPU it gives the pool (pool_milli)
         self.cap_milli = 0
         # the nodes whose views changed, in order (the last VIEW_LOG of them; view_base: the sequence number of the
@@ -595,6 +598,7 @@ class Holdings:
         rec.held_milli += cu
         rec.held_memory_mib += mem
         self._sum(rec, cu, mem, 1)
+        self._host(rec, p.cpu_milli, 1)
         if first:
             if rec.hold is None:
                 rank = TIER_RANK[rec.request.tier]
@@ -618,6 +622,7 @@ class Holdings:
         for part in mine:
             cu, mem = held(part.assignments, models.__getitem__, rec.request.compute_milli)
             self._sum(rec, cu, mem, -1)
+            self._host(rec, part.cpu_milli, -1)
         if rec.hold is None:
             self._train(rec, p.node, 0)
         rest = tuple(part for part in rec.parts if part.node != p.node)
@@ -640,7 +645,19 @@ class Holdings:
 
     def _drop(self, rec: JobRecord) -> None:
         self._sum(rec, rec.held_milli, rec.held_memory_mib, -1)
+        for part in rec.parts:
+            self._host(rec, part.cpu_milli, -1)
         self._ended(rec)
+
+    def _host(self, rec: JobRecord, cpu_milli: int, sign: int) -> None:
+        """The tally of CPU-only jobs' CPU per tenant (`host_cpu`)."""
+        if rec.request.cpu_only:
+            t = rec.request.tenant
+            left = self.host_cpu.get(t, 0) + sign * cpu_milli
+            if left:
+                self.host_cpu[t] = left
+            else:
+                self.host_cpu.pop(t, None)
 
     def _sum(self, rec: JobRecord, milli: int, memory: int, sign: int) -> None:
         r, g = rec.request, rec.group
@@ -802,7 +819,8 @@ class Holdings:
                 dict(self.pending_of),
                 set(self.stopping), set(self.running),
                 {k: (s.milli, s.memory) for k, s in self.sums.items() if any(s.milli) or any(s.memory)},
-                self.train_milli, dict(self.train_held), self.cap_milli, self.index.capacity_milli,
+                self.train_milli, dict(self.train_held), dict(self.host_cpu), self.cap_milli,
+                self.index.capacity_milli,
                 {k: dict(v) for k, v in self.index.buckets.items() if v})
 
 
@@ -852,6 +870,7 @@ def rebuilt(nodes: dict[str, node_view.NodeView], jobs: dict[str, JobRecord], pa
             models = {g.uuid: g.model for g in nodes[part.node].cards()}
             cu, mem = held(part.assignments, models.__getitem__, rec.request.compute_milli)
             h._sum(rec, cu, mem, 1)
+            h._host(rec, part.cpu_milli, 1)
             if rec.hold is None:
                 h._train(rec, part.node, sum(a.milli for a in part.assignments))
     return h

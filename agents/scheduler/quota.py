@@ -18,6 +18,12 @@ from schemas.events import Assignment, JobRequested, QuotaBorrowed, QuotaChanged
 from schemas.gpu_models import MIG_COMPUTE_SLICES, GpuModel, mig_profile, model, share_for
 
 
+# What a tenant's CPU-only jobs may hold at once: this many milli-CPU per milli-CU of its quota's borrowing cap
+# (16: sixteen cores per A100's worth of compute, the host CPU per card of a DGX A100 / H100). They charge no GPU quota
+# (no card); this bound is what keeps them within the tenant's share of the hosts (core.Scheduler._admit).
+CPU_PER_CU = 16
+
+
 def held(assignments: Iterable[Assignment], card_model: Callable[[str], str],
          asked_milli: int | None = None) -> tuple[int, int]:
     """What a placement holds, in the quota's units: (milli-CU, GPU memory MiB). A whole card (a 1000-milli slice)
