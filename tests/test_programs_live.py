@@ -136,7 +136,7 @@ def test_a_cpu_only_job_runs_its_program_with_no_card(pool, roots):
     place = next(p for p in job_events(pool, job) if p.kind == "job.started")
     assert place.node == node
     explained = cli(pool, "explain", "prep", user="alice")
-    assert "HostFit" in explained and "CPU-only" in explained, explained
+    assert "HostFit" in explained and f"cmd.place  {node}: CPU-only, 2000 milli-CPU" in explained, explained
     billed = cli(pool, "billing", "--by", "job", user="alice")
     assert "acme/prep" not in billed, billed
 

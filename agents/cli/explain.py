@@ -80,7 +80,8 @@ def _part(e: dict, cards: dict[str, dict]) -> str:
     share = sum(a["milli"] for a in p["assignments"])
     models = sorted({cards.get(a["gpu_uuid"], {}).get("model", "") for a in p["assignments"]} - {""})
     migs = [a["mig_profile"] for a in p["assignments"] if a.get("mig_profile")]
-    what = f"MIG {', '.join(migs)}" if migs else f"{len(p['assignments'])} card(s), {share} milli-GPU"
+    what = f"MIG {', '.join(migs)}" if migs else f"{len(p['assignments'])} card(s), {share} milli-GPU" \
+        if p["assignments"] else f"CPU-only, {p.get('cpu_milli', 0)} milli-CPU, {p.get('memory_mib', 0)} MiB"
     return f"{p['node']}: {what}" + (f" ({', '.join(models)})" if models else "")
 
 
