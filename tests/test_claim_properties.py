@@ -242,3 +242,18 @@ def test_quota_freed_for_a_waiting_job_is_not_taken_back_by_its_victims():
     assert got == [("PlaceJob", "j1"), ("PlaceJob", "j2"), ("PreemptJob", "j1"), ("PreemptJob", "j2"),
                    ("PlaceJob", "j3")]
     assert s.jobs["j3"].phase == "running" and s.jobs["j1"].phase == s.jobs["j2"].phase == "pending"
+
+
+def test_two_reclaims_in_one_cycle_stop_only_what_brings_the_account_within_quota():
+    """Found by the multi-node property's search in CI (2026-12-07): four 1-card nodes full of offline shares of
+    tenants a and b; b's inference work then borrows (2,500 milli-CU held on a quota of 2,000). In one cycle two of
+    a's requeued jobs each reclaimed from b -- j19 (1,000) and j21 (250) -- each plan counting b's whole overage, so
+    b went 750 below its quota; j21, back within it, then stopped a's j7 by tier: j7 stopped j21 and j21 stopped j7.
+    Work already told to stop counts as gone when a later plan asks whether a reclaim victim stands beyond quota."""
+    O, I = Tier.OFFLINE, Tier.INFERENCE
+    reqs = [("a", O, (250, 10), 0)] * 8 + [("b", O, (250, 10), 0)] * 4 + [("a", O, (250, 10), 0)] * 4 + [
+        ("b", I, (250, 10), 0), ("b", I, (1000, 40), 0), ("b", I, (1000, 40), 0), ("a", I, (1000, 40), 0),
+        ("b", I, (250, 10), 0)]
+    log = storm_free([(1, 0)] * 4, {"b": (2000, 150)}, reqs)[2]
+    reclaimed = [p.job_id for _, p in log if isinstance(p, PreemptJob) and p.reasons[0].data.get("rule") == "reclaim"]
+    assert reclaimed == ["j19"]

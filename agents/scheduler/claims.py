@@ -328,11 +328,19 @@ class Search:
         same = [jobs[c.job_id] for c in chosen if jobs[c.job_id].request.tenant == tenant] + [rec]
         gone = tuple((o.request.tenant, o.request.project, o.group, o.arrival, -o.held_milli, -o.held_memory_mib)
                      for o in same)
+        # the account's work already told to stop (an earlier plan's victims, a drain's) is gone too: two plans of
+        # one cycle must not each count the same overage and stop twice what brings the account back within quota
+        # (the second victim would then stand within it, come back and stop its preemptor by tier: a storm)
+        ids = {o.request.job_id for o in same}
+        stopping = tuple((o.request.tenant, o.request.project, o.group, o.arrival, -o.held_milli, -o.held_memory_mib)
+                         for o in (jobs.get(j) for j in self.h.stopping)
+                         if o is not None and o.request.tenant == tenant and o.request.job_id not in ids
+                         and o.migration is None)
         for i, o in enumerate(same):
             c = chosen[[x.job_id for x in chosen].index(o.request.job_id)] if o is not rec else v
             if c.rule != "reclaim":
                 continue
-            others = gone[:i] + gone[i + 1:]
+            others = gone[:i] + gone[i + 1:] + stopping
             if not may_stop(key, self.victim_claim(o, mine, others)):
                 return False
         return True
