@@ -1907,7 +1907,11 @@ class Scheduler:
                 f[1] += sign * o.held_memory_mib
 
         def admitted() -> bool:
-            return not self.ledger.admit(r, self.index.capacity_milli, need, mem, freed=freed).blocked
+            # within its quota, not borrowing: a job that stopped its own account's work to borrow would itself be
+            # reclaimed by another tenant's, whose victim came back and stopped it again (a storm:
+            # test_claim_properties.py::test_a_job_that_reclaims_its_own_accounts_work_to_borrow_is_not_reclaimed...)
+            got = self.ledger.admit(r, self.index.capacity_milli, need, mem, freed=freed)
+            return not got.blocked and not got.borrowed
 
         for v in sorted(cands, key=disruption_order):
             if v.rule == "reclaim" and not search.valid(chosen, v, key):
