@@ -126,7 +126,7 @@ def test_incremental_index_equals_rebuilt(first, ops, early):
             whole = {name for name, v in f.views.items() if v.schedulable and sum(
                 1 for c in v.card_free() if c.model == m and c.healthy and not c.mig and c.milli == 1000
                 and c.memory_mib == model(m).memory_mib) >= n}
-            assert set(f.index.whole_nodes(m, n)) == whole
+            assert set(f.index.whole_nodes_spread(m, n)) == whole
 
 
 @settings(max_examples=60, deadline=None)

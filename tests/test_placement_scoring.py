@@ -63,14 +63,14 @@ def test_score_prefers_less_fragmentation_over_tightest_fit():
 
 def test_index_moves_nodes_between_buckets():
     views, index = _views(("x", (0, 0)))
-    assert list(index.whole_nodes("A100-80GB", 2)) == ["x"]
+    assert list(index.whole_nodes_spread("A100-80GB", 2)) == ["x"]
     v = views["x"]
     cmd = PlaceJob(command_id="c", job_id="j", tenant="t", node="x",
                    assignments=(Assignment(gpu_uuid=v.inventory.gpus[0].uuid, milli=1000, memory_mib=1024),))
     v = node_view.evolve(v, envelope(cmd, source="s2", seq=1, time_ms=3))
     index.update(v)
-    assert list(index.whole_nodes("A100-80GB", 2)) == []
-    assert list(index.whole_nodes("A100-80GB", 1)) == ["x"]
+    assert list(index.whole_nodes_spread("A100-80GB", 2)) == []
+    assert list(index.whole_nodes_spread("A100-80GB", 1)) == ["x"]
     assert index.capacity_milli == 2000
 
 

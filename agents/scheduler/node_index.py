@@ -227,11 +227,6 @@ class NodeIndex:
             if milli >= need_milli and mem >= need_memory_mib:
                 yield from self.buckets[("share", model_name, milli, mem)]
 
-    def whole_nodes(self, model_name: str, cards: int) -> Iterator[str]:
-        """Nodes with at least `cards` completely free cards of this model, fewest spare first."""
-        for k in range(cards, self.models.get(model_name, 0) + 1):
-            yield from self.buckets.get(("whole", model_name, k), ())
-
     def whole_nodes_spread(self, model_name: str, cards: int) -> Iterator[str]:
         """Nodes with at least `cards` completely free cards of this model: one of each count of free cards in turn
         (fewest first), so a bounded sample sees the tight nodes and the whole ones alike."""
