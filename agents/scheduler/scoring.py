@@ -16,7 +16,8 @@ are (see `Workload`). Typical types are learned from the requests the scheduler 
 compute, GPU memory and CPU, with the median host memory of its requests (FGD's typical type is its CPU and GPU
 request); the most frequent types up to 99 % of the requests (at most 64), then the types that hold most of the GPU
 demand, so a rare many-card type is one of them. A CPU-only type (no card) counts every free card as a fragment,
-as FGD counts a type that cannot use the node's GPUs. A many-card shape whose hosts the many-card demand oversubscribes (twice their share of the cards or more)
+as FGD counts a type that cannot use the node's GPUs. A many-card shape whose hosts the many-card demand
+oversubscribes (twice their share of the cards or more)
 weighs its cards per job too: there a host card another job breaks is a card of many-card demand with nowhere else to
 go. Integer arithmetic throughout.
 """
@@ -197,7 +198,7 @@ class Workload:
         self.total += 1
 
     def _shape_of(self, key: tuple, n: int) -> tuple:
-        """A type's shape: its (compute, GPU memory, CPU) and the median (the lower one) of its requests' host memory."""
+        """A type's shape: its (compute, GPU memory, CPU) and the (lower) median of its requests' host memory."""
         seen = 0
         for mem, c in sorted(self._host_memory[key].items()):
             seen += c
