@@ -82,7 +82,7 @@ test: kafka browser podman nginx prometheus
 # the fast target: unit, property and scenario tests, no broker and no browser (tests/conftest.py fails a test that
 # starts either without the `broker` mark); its property tests draw a quarter of their examples (tests/conftest.py).
 # `make test` stays the whole suite, every example; .ci/run calls that.
-check: $(STAMP) podman prometheus
+check: $(STAMP) podman prometheus nginx
 	GPUPOOL_CHECK=1 $(BIN)/python -m pytest -q -p no:cacheprovider -n auto --ignore=tests/acceptance --ignore=tests/test_demo.py -m "not chaos and not broker" tests
 
 # the fault tests of docs/reliability.md: a local 3-broker KRaft cluster, two workers, kill -9, a broker down,

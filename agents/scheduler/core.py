@@ -29,9 +29,10 @@ from agents.scheduler.holdings import (
 from agents.scheduler.node_index import cards_needed
 from agents.scheduler.placement import DEFAULT_CANDIDATES, MigPlan, Placement, Unschedulable, place
 from agents.scheduler.placement import allowed_models, fit_cards
+from agents.scheduler.plan import Plan as TrialPlan
 from agents.scheduler.preemption import (
     NODE_FILTERS, Plan, PreemptionConfig, Room, Shape, Victim, disruption_order, filters_key, fits, least_disruptive,
-    placed, plan_gang, plan_over, protected, quiet_until, released,
+    plan_gang, plan_over, protected, quiet_until,
 )
 from agents.scheduler.quota import CPU_PER_CU, Admission, Ledger, held
 from agents.scheduler.reservations import LIVE, Book, Booking
@@ -97,18 +98,54 @@ class Attempt:
 
 
 class Statement:
-    """What one cycle emits, committed once (Volcano's and KAI's Statement: the session's operations reach the
-    outside world only at `commit`). Each command is applied to the holdings as it is made -- the cycle's later
-    jobs see it, as a Statement's operations change the session at once -- and the envelopes wait in `out` until
-    `commit` hands them, in order, to the step's outputs."""
-    __slots__ = ("out", "cause", "_into")
+    """One cycle's session (Volcano's and KAI's Statement; docs/scheduler.md, "A cycle"). Two layers:
 
-    def __init__(self, into: list[Envelope], cause: Envelope):
+    - Commands. Each is applied to the holdings as it is made -- the cycle's later jobs see it, as a Statement's
+      operations change the session at once -- and its envelope waits in `out` until `commit` hands them, in order,
+      to the step's outputs: what a cycle emits reaches the outside world once, at its end.
+    - Trials. `plan` (plan.py) holds operations tried on the node views without touching the holdings -- a
+      defragmentation's moves, node by node -- each logging its inverse; `checkpoint()` and `rollback(cp)` bound a
+      trial, and a trial is always rolled back before a command is made (`_emit` refuses one while a trial is in
+      force), so an abandoned trial emits nothing and leaves nothing. Rolling back past a command is refused: the
+      command is already in the holdings, as a committed KAI operation is in the cache.
+
+    The holdings the cycle runs over are a snapshot: while it runs they take the cycle's own commands and changes
+    and no fact (`Holdings.frozen`)."""
+    __slots__ = ("out", "cause", "_into", "_nodes", "_plan")
+
+    def __init__(self, into: list[Envelope], cause: Envelope, nodes):
         self.out: list[Envelope] = []
         self.cause = cause
         self._into = into
+        self._nodes = nodes
+        self._plan: TrialPlan | None = None  # made on the first trial: most cycles try nothing
+
+    @property
+    def plan(self) -> TrialPlan:
+        p = self._plan
+        if p is None:
+            p = self._plan = TrialPlan(self._nodes)
+        return p
+
+    @property
+    def trying(self) -> bool:
+        """Whether a trial's operations are in force."""
+        return self._plan is not None and self._plan.open
+
+    def checkpoint(self) -> tuple[int, int]:
+        """(envelopes made so far, the plan's checkpoint)."""
+        return len(self.out), self.plan.checkpoint()
+
+    def rollback(self, cp: tuple[int, int]) -> None:
+        """Undo the trial operations made after `cp`; refused if anything was emitted since (it is in the
+        holdings)."""
+        if len(self.out) != cp[0]:
+            raise RuntimeError(f"rollback past {len(self.out) - cp[0]} emitted envelope(s): they are in the holdings")
+        self.plan.rollback(cp[1])
 
     def commit(self) -> None:
+        if self.trying:
+            raise RuntimeError(f"a trial of {len(self.plan.ops)} operation(s) was left in the plan at commit")
         self._into.extend(self.out)
         self.out = []
 
@@ -131,6 +168,7 @@ class Scheduler:
     # the operator's port range for gangs' rendezvous (first, last): the ticks carry it (SchedulerTick
     # .rendezvous_ports), so every replay chooses the same ports (_rendezvous)
     rendezvous_ports: tuple[int, int] = DEFAULT_RENDEZVOUS_PORTS
+    _stmt: Statement | None = None  # the cycle's statement while a cycle runs (`_cycle`), else None
 
     def __init__(self, *, ledger: Ledger | None = None, preemption: PreemptionConfig | None = None,
                  candidates: int = DEFAULT_CANDIDATES, full_cycle_ms: int | None = None,
@@ -231,6 +269,8 @@ class Scheduler:
                        correlation_id=getattr(payload, "job_id", None))
         out.append(env)
         if env.is_command:
+            if self._stmt is not None and self._stmt.trying:
+                raise RuntimeError(f"{env.kind} made while a trial is in the plan: roll it back first")
             if self._unsettled:
                 self._settle_for(getattr(payload, "job_id", ""))
             self.h.apply(env)
@@ -853,8 +893,20 @@ class Scheduler:
         is left waiting, its reasons said (`_leave_waiting`). Everything the cycle emits goes into one `Statement`,
         which is committed once, at the end, to the step's outputs."""
         self.cycle += 1
-        stmt = Statement(out, cause)
-        self._reservation_windows(stmt.out, cause)
+        h = self.h
+        stmt = self._stmt = Statement(out, cause, h.nodes)
+        h.frozen = True  # a snapshot: no fact is folded into the holdings until the cycle ends
+        try:
+            self._session(stmt, only)
+        finally:
+            h.frozen = False
+            self._stmt = None
+        stmt.commit()
+        self._end_settled()  # the places are needed in this cycle only
+
+    def _session(self, stmt: Statement, only: JobRecord | None) -> None:
+        """The cycle's body over its statement: the queue, and each job through the actions."""
+        self._reservation_windows(stmt.out, stmt.cause)
         queue, full = self._open(only)
         failed: dict[tuple, list[tuple[tuple[int, ...], tuple]]] = {}  # kind -> (need, (result, quiet)), in order
         h = self.h
@@ -879,8 +931,6 @@ class Scheduler:
                     break
             else:
                 self._leave_waiting(stmt, attempt, failed)
-        stmt.commit()
-        self._end_settled()  # the places are needed in this cycle only
 
     def _open(self, only: JobRecord | None) -> tuple[list[tuple[tuple, JobRecord]], bool]:
         """The cycle's queue, in order, taken at its start: `only` alone when nothing moved since the last full
@@ -1793,7 +1843,7 @@ class Scheduler:
         """Defragmentation (defrag.py), after allocate and before preempt: when the job's block of cards is free in
         total but not in one place, move checkpointable low-tier work off one node (`cmd.migrate`: checkpoint, stop,
         resume on the planned node) so that node holds it; the job is nominated there. True when it waits on moves."""
-        plan = defrag.plan(self, rec, self._claimed_from(rec))
+        plan = defrag.plan(self, rec, self._claimed_from(rec), self._stmt.plan if self._stmt is not None else None)
         if plan is None:
             return False
         r = rec.request
@@ -1950,7 +2000,21 @@ class Scheduler:
         on: dict[str, list[str]] = {}
         for v in chosen:
             on.setdefault(v.node, []).append(v.job_id)
-        return any(fits(released(self.nodes[n], ids), rec.request) for n, ids in sorted(on.items()))
+        trial = self._trial()
+        for n, ids in sorted(on.items()):
+            cp = trial.checkpoint()
+            for j in ids:
+                trial.evict(n, j)
+            ok = fits(trial[n], rec.request)
+            trial.rollback(cp)
+            if ok:
+                return True
+        return False
+
+    def _trial(self) -> TrialPlan:
+        """Where a trial runs: the cycle's plan (`Statement.plan`), or a fresh one over the node views when no cycle
+        runs (an input's own handling). The caller rolls back what it tried."""
+        return self._stmt.plan if self._stmt is not None else TrialPlan(self.nodes)
 
     def _account_holders(self, tenant: str) -> list[str]:
         """Jobs of this tenant holding capacity (holds aside), in node order then job order (the victim index)."""
@@ -1995,7 +2059,8 @@ class Scheduler:
 
     def _freed_by_stops(self, rec: JobRecord) -> tuple[str, tuple[str, ...]] | None:
         """A node where `rec` fits once the jobs stopping there are gone and the jobs nominated to it have taken
-        their share: (node, the stopping jobs), or None. Tried on scratch views, like any preemption plan."""
+        their share: (node, the stopping jobs), or None. Tried on the cycle's plan (each node's trial rolled back),
+        like any preemption plan, or by arithmetic where nobody else waits for the node."""
         if not self.stopping:
             return None
         stopping: dict[str, list[str]] = {}
@@ -2013,12 +2078,17 @@ class Scheduler:
                         Room(view, rec.request).fits_without(stopping[node]):
                     return node, tuple(stopping[node])
                 continue
-            view = released(self.nodes[node], stopping[node])
+            trial = self._trial()
+            cp = trial.checkpoint()
+            for j in stopping[node]:
+                trial.evict(node, j)
             for o in sorted(claims[node], key=lambda o: o.arrival):
-                fit = fit_cards(view, o.request)
+                fit = fit_cards(trial[node], o.request)
                 if not isinstance(fit, str):
-                    view = placed(view, o.request, fit)
-            if fits(view, rec.request):
+                    trial.place(node, o.request, fit)
+            ok = fits(trial[node], rec.request)
+            trial.rollback(cp)
+            if ok:
                 return node, tuple(stopping[node])
         return None
 

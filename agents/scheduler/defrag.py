@@ -8,8 +8,15 @@ that the node is left with the block. Among the nodes that can be cleared so, th
 wins (fewest jobs, then least compute held, then node order). Moves are within a disruption budget: at most
 `PreemptionConfig.migrations_per_hour` moves of one tenant's work in any hour of log time.
 
+Each node is tried on the cycle's plan (plan.py, the Statement's trials): a mover is evicted from the node and
+placed on its target there, so the next mover's placement sees the targets as the moves chosen so far leave them; a
+mover that finds no target, or whose quota would not take it back, is rolled back to the checkpoint taken before it;
+and every node's trial is rolled back once it is judged, the cheapest kept as an `Opening`. Nothing is emitted here:
+the scheduler emits the winning opening's moves (core.Scheduler._defragment) after the trial is rolled back.
+
 The fragmentation said in the reason is the free whole cards of that model stranded on nodes with fewer than the
-job needs, in milli-GPU, before and after the plan. Pure: it reads the scheduler's state and returns a plan.
+job needs, in milli-GPU, before and after the opening. Pure: it reads the scheduler's state and the plan, and
+returns an opening.
 """
 from __future__ import annotations
 
@@ -17,7 +24,8 @@ from dataclasses import dataclass
 
 from agents.scheduler.node_index import cards_needed
 from agents.scheduler.placement import Placement, allowed_models, place
-from agents.scheduler.preemption import fits, placed, protected, released
+from agents.scheduler.plan import Plan
+from agents.scheduler.preemption import fits, protected
 from agents.scheduler.quota import held
 from schemas.events import TIER_RANK, Assignment, Tier
 from schemas.gpu_models import model
@@ -34,7 +42,7 @@ class Move:
 
 
 @dataclass(frozen=True)
-class Plan:
+class Opening:
     node: str  # the node left with the block
     model: str
     moves: tuple[Move, ...]
@@ -68,14 +76,17 @@ def _stranded(free: dict[str, int], n: int) -> int:
     return sum(k for k in free.values() if k < n) * 1000
 
 
-def plan(s, rec, exclude: frozenset[str] = frozenset()) -> Plan | None:
-    """The least-work plan that opens a block for `rec` on one node, or None (not a fragmentation case, no movable
-    work, or the budget is spent). `s`: the scheduler (its node views, jobs, index, workload, configuration)."""
+def plan(s, rec, exclude: frozenset[str] = frozenset(), trial: Plan | None = None) -> Opening | None:
+    """The least-work opening of a block for `rec` on one node, or None (not a fragmentation case, no movable work,
+    or the budget is spent). `s`: the scheduler (its node views, jobs, index, workload, configuration); `trial`: the
+    cycle's plan the nodes are tried on (a fresh one over the node views without), left as it was found."""
     cfg = s.preemption
     r = rec.request
     if cfg.migrations_per_hour <= 0 or r.tier == Tier.OFFLINE or rec.nominated is not None:
         return None
-    best: Plan | None = None
+    if trial is None:
+        trial = Plan(s.nodes)
+    best: Opening | None = None
     for m in allowed_models(s.index, r):
         n = cards_needed(r.compute_milli, r.gpu_memory_mib, m)
         if n < 2 and r.isolation_asked != "exclusive":
@@ -89,9 +100,11 @@ def plan(s, rec, exclude: frozenset[str] = frozenset()) -> Plan | None:
         for name, view in s.nodes.items():
             if name in exclude or sum(1 for g in view.cards() if g.model == m) < n:
                 continue
-            p = _clear(s, rec, view, m, n, free, exclude)
+            cp = trial.checkpoint()
+            p = _clear(s, rec, trial, view, m, n, free, exclude)
+            trial.rollback(cp)
             if p is not None and (best is None or p.cost < best.cost):
-                best = Plan(p.node, m, p.moves, before, p.frag_after_milli)
+                best = Opening(p.node, m, p.moves, before, p.frag_after_milli)
     return best
 
 
@@ -112,8 +125,10 @@ def _readmitted(s, rec, o, part) -> bool:
     return not s.ledger.admit(q, s.index.capacity_milli, cu, mem, freed=freed).blocked
 
 
-def _clear(s, rec, view, m: str, n: int, free: dict[str, int], exclude) -> Plan | None:
-    """Moves that leave `view`'s node with room for `rec`, least work first; None when it cannot be cleared."""
+def _clear(s, rec, trial: Plan, view, m: str, n: int, free: dict[str, int], exclude) -> Opening | None:
+    """Moves that leave `view`'s node with room for `rec`, least work first, tried on `trial` (each mover evicted
+    from the node and placed on its target; a mover that cannot move rolled back); None when it cannot be
+    cleared. The caller rolls the trial back."""
     r = rec.request
     budget: dict[str, int] = {}
     movers = []
@@ -132,7 +147,6 @@ def _clear(s, rec, view, m: str, n: int, free: dict[str, int], exclude) -> Plan 
     movers.sort(key=lambda o: (o.held_milli, o.request.job_id))
     chosen: list[Move] = []
     used = frozenset(exclude) | {view.node}
-    scratch = dict(s.nodes)  # the targets as the moves chosen so far leave them: several moves may share one
     for o in movers:
         t = o.request.tenant
         if t not in budget:
@@ -142,16 +156,19 @@ def _clear(s, rec, view, m: str, n: int, free: dict[str, int], exclude) -> Plan 
         # a job in its quiet window (reclaimed or preempted a moment ago) may not take a node preemption freed for a
         # claim as strong as its weakest (`Scheduler._barred`): a move there would leave it waiting FreedForStronger
         barred = s._barred(o, False) if s._quiet(o) is not None else frozenset()
-        got = place(s.index, scratch, o.request, s.workload, s.candidates, exclude=used | barred)
-        if not isinstance(got, Placement) or len(got.parts) != 1:
+        cp = trial.checkpoint()
+        trial.evict(view.node, o.request.job_id)
+        # the targets as the moves chosen so far leave them (several moves may share one); the node itself excluded
+        got = place(s.index, trial, o.request, s.workload, s.candidates, exclude=used | barred)
+        if not isinstance(got, Placement) or len(got.parts) != 1 or not _readmitted(s, rec, o, got.parts[0]):
+            # no target, or its quota (lowered since it started) would not take it back: the move would be a stop
+            trial.rollback(cp)
             continue
-        if not _readmitted(s, rec, o, got.parts[0]):
-            continue  # its quota (lowered since it started) would not take it back: the move would be a stop
         part = got.parts[0]
-        scratch[part.node] = placed(scratch[part.node], o.request, part.assignments)
+        trial.place(part.node, o.request, part.assignments)
         budget[t] -= 1
         chosen.append(Move(o.request.job_id, part.node, part.assignments, o.held_milli))
-        after = released(view, [c.job_id for c in chosen])
+        after = trial[view.node]
         if fits(after, r):
             new = dict(free)
             new[view.node] = _whole_free(after, m)
@@ -159,5 +176,5 @@ def _clear(s, rec, view, m: str, n: int, free: dict[str, int], exclude) -> Plan 
                 target = s.nodes[mv.to_node]
                 whole = {c.uuid for c in target.card_free() if c.model == m and c.milli == 1000}
                 new[mv.to_node] = new.get(mv.to_node, 0) - len({a.gpu_uuid for a in mv.assignments} & whole)
-            return Plan(view.node, m, tuple(chosen), 0, _stranded(new, n))
+            return Opening(view.node, m, tuple(chosen), 0, _stranded(new, n))
     return None

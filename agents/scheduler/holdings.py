@@ -341,6 +341,10 @@ class ExpireFreed(NamedTuple):
 class Holdings:
     """The scheduler's node views and job records, and everything derived from them; `apply` is the only write."""
 
+    # While a cycle runs (core.Scheduler._cycle) the holdings are its snapshot: they take the cycle's own commands and
+    # changes, and a fact (a node's inventory, a job's start, ...) is refused -- no input is folded mid-cycle.
+    frozen = False
+
     def __init__(self) -> None:
         self.nodes: dict[str, node_view.NodeView] = {}
         self.jobs: dict[str, JobRecord] = {}
@@ -508,6 +512,8 @@ class Holdings:
         if own is not None:
             own(self, env)
             return
+        if self.frozen and not env.is_command:
+            raise RuntimeError(f"{env.kind} folded during a cycle: a cycle runs over a snapshot of the holdings")
         p = env.payload
         match p:
             case NodeInventory() | NodeCordon() | NodeLiveness() | GpuHealth() | NodeRemoved() | NodeAdmitted():
