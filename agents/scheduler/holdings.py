@@ -58,7 +58,7 @@ def group(tier: Tier, reserved: bool) -> int:
     return (2 - TIER_RANK[tier]) * 2 + (1 if reserved else 0)
 
 
-@dataclass
+@dataclass(slots=True)
 class JobRecord:
     request: JobRequested
     arrival: int
@@ -599,7 +599,10 @@ class Holdings:
         cu, mem = held(p.assignments, models.__getitem__, rec.request.compute_milli)
         if first:
             rec.parts, rec.held_milli, rec.held_memory_mib = (), 0, 0
-        rec.parts += (p,)
+        # the record keeps the command without its reasons: they went out with it (the job's events, `explain`),
+        # and nothing here reads them again -- a few Reason models per placed job are most of what a job costs
+        # to hold (#35 item 3)
+        rec.parts += (p.model_copy(update={"reasons": ()}) if p.reasons else p,)
         rec.placement, rec.node = rec.parts[0], rec.parts[0].node
         rec.held_milli += cu
         rec.held_memory_mib += mem
