@@ -226,3 +226,35 @@ def test_intern_gives_one_object_per_key_and_starts_again_past_its_bound(monkeyp
     fresh = idx.intern(("fourth",))  # a fourth: the table starts again
     assert idx.why_cache == {} and fresh.key == ("fourth",)
     assert idx.intern((1000, 40960, (), "shared")) is not a
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, len(NODES) - 1), min_size=1, max_size=5), st.lists(op, min_size=5, max_size=80),
+       st.integers(1, 40), st.sampled_from((0, 1024, 64 * 1024)))
+def test_the_gang_memo_equals_a_read_of_the_whole_fleet(first, ops, every, host_mem):
+    """What a gang reads of the fleet (placement._gang_avail: per node, the whole cards one part could take) is kept
+    and brought up to date from the nodes that changed since (#35 item 1): after any sequence of placements,
+    releases, faults, cordons and new nodes, read every few steps, it equals a read of every node afresh -- also
+    when more nodes changed than the change window keeps (node_index.CHANGES_KEPT, made small here)."""
+    from agents.scheduler import node_index, placement
+    f = Fleet()
+    f.index.views = f.views  # the views the index is kept in step with, as Holdings sets it
+    for i in dict.fromkeys(first):
+        f.add(i)
+    gang = job("g", compute=4000, mem_gib=320, gang=True, memory_mib=host_mem)
+    keep = node_index.CHANGES_KEPT
+    node_index.CHANGES_KEPT = 6
+    try:
+        for n, o in enumerate(ops):
+            f.step(o)
+            if n % every:
+                continue
+            for m in ("A100-80GB", "H100-80GB", "H200"):
+                key = ("gang", m, gang.cpu_milli, gang.memory_mib)
+                got = dict(placement._gang_avail(f.index, f.views, gang, m, key))
+                fresh = NodeIndex()
+                for v in f.views.values():
+                    fresh.update(v)
+                assert got == placement._gang_avail(fresh, f.views, gang, m, key), (m, n)
+    finally:
+        node_index.CHANGES_KEPT = keep

@@ -349,6 +349,7 @@ class Holdings:
         self.nodes: dict[str, node_view.NodeView] = {}
         self.jobs: dict[str, JobRecord] = {}
         self.index = NodeIndex()
+        self.index.views = self.nodes  # the views it indexes, view for view (`_fold` updates it with each)
         self.victims = VictimIndex()
         self.held_by_tier: dict[int, int] = {}  # tier rank -> jobs holding capacity (holds aside)
         self.pending: set[str] = set()  # jobs in phase "pending": the cycle's queue
@@ -848,6 +849,7 @@ def rebuilt(nodes: dict[str, node_view.NodeView], jobs: dict[str, JobRecord], pa
     `nominated`) and what preemption freed for whom (`Holdings.freed_for`)."""
     h = Holdings()
     h.nodes, h.jobs = dict(nodes), jobs
+    h.index.views = h.nodes
     for j, (closed, tier, cycle, tenant) in (parked or {}).items():
         h.parked[j] = (closed, tier, cycle, tenant)
         h.parked_by.setdefault(closed, {})[j] = None

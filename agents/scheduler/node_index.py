@@ -65,6 +65,7 @@ def _share_entry(model_name: str, milli: int, memory_mib: int) -> tuple[int, int
 
 
 INTERNED_MAX = 4096
+CHANGES_KEPT = 16384  # NodeIndex.changes: a memo older than the window is made again from the whole fleet
 
 
 class Interned:
@@ -107,6 +108,16 @@ class NodeIndex:
     hosts_version: int = 0
     _with_model: tuple[int, dict[str, frozenset[str]]] = (-1, {})  # (hosts_version, model -> nodes with such cards)
     _view: dict[str, NodeView] = field(default_factory=dict)  # node -> the view `update` was last given
+    # the nodes whose view `update` took, in order -- the last CHANGES_KEPT of them; changes_base: the position of
+    # the first kept -- so a memo over the whole fleet is brought up to date by the nodes changed since it was made
+    changes: list[str] = field(default_factory=list)
+    changes_base: int = 0
+    # (gang part's model, CPU, memory per part) -> (position in `changes`, {node: whole cards of the model one part
+    # could take there}): placement._gang_avail's memo of every node that can give a gang part something
+    gang_avail: dict[tuple, tuple[int, dict[str, int]]] = field(default_factory=dict)
+    # the node views this index is kept in step with, view for view (`Holdings.nodes`: every view it holds was given
+    # to `update`); a memo over the whole fleet is read only for these views, never for a trial's or a copy's
+    views: object = None
 
     def intern(self, key: tuple) -> "Interned":
         """One object per distinct key, to key the per-view memos by: a nested tuple is hashed afresh at every look
@@ -144,6 +155,11 @@ class NodeIndex:
         if self._view.get(v.node) is v:
             return  # the very view it was given last (a fold that changed nothing: a preemption command)
         self._view[v.node] = v
+        changes = self.changes
+        changes.append(v.node)
+        if len(changes) > CHANGES_KEPT:
+            del changes[:CHANGES_KEPT // 2]
+            self.changes_base += CHANGES_KEPT // 2
         self.fit_cache.pop(v.node, None)
         self.free_at_cache.pop(v.node, None)
         self.why_cache.pop(v.node, None)
@@ -241,6 +257,24 @@ class NodeIndex:
                     yield n
                     alive.append(it)
             its = alive
+
+    def changed_since(self, position: int) -> list[str] | None:
+        """The nodes whose view changed since `position` (a value of `position_now`), oldest first, repeats
+        included; None when the window no longer reaches back that far."""
+        if position < self.changes_base:
+            return None
+        return self.changes[position - self.changes_base:]
+
+    @property
+    def position_now(self) -> int:
+        return self.changes_base + len(self.changes)
+
+    def whole_cards(self, node: str, model_name: str) -> int:
+        """How many completely free cards of this model the node has (0 when it is in no such bucket)."""
+        for k in self.keys.get(node, ()):
+            if k[0] == "whole" and k[1] == model_name:
+                return k[2]
+        return 0
 
     def whole_free(self, model_name: str) -> Iterator[tuple[str, int]]:
         """(node, completely free cards of this model) for every node that has any."""

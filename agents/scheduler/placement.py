@@ -636,19 +636,19 @@ def _gang(index: NodeIndex, views: dict[str, NodeView], job: JobRequested, model
             continue
         cpu_part, mem_part = job.cpu_milli, job.memory_mib  # host CPU and memory are per part, as asked
         key = ("gang", m, cpu_part, mem_part)
-        avail: dict[str, int] = {}
-        for name, _k in index.whole_free(m):
-            if name in exclude:
-                continue
-            v = views[name]
-            known = _known(index, v, cache[0], cache[1]) if cache is not None else None
-            usable = known.get(key) if known is not None else None
-            if usable is None:
+        if cache is not None and views is index.views:
+            avail = _gang_avail(index, views, job, m, key)
+            if exclude:
+                avail = {name: u for name, u in avail.items() if name not in exclude}
+        else:  # constraints (what a node gives depends on the job), or views other than the index's (a trial)
+            avail = {}
+            for name, _k in index.whole_free(m):
+                if name in exclude:
+                    continue
+                v = views[name]
                 usable = 0 if _rejects(v, job, skip_host=True) else gang_room(v, job, m, cpu_part, mem_part)
-                if known is not None:
-                    known[key] = usable
-            if usable > 0:
-                avail[name] = usable
+                if usable > 0:
+                    avail[name] = usable
         if sum(avail.values()) < n:
             continue
         for level in ("rack", "datacenter", "any"):
@@ -676,6 +676,34 @@ def _gang(index: NodeIndex, views: dict[str, NodeView], job: JobRequested, model
                                  "isolation_asked": job.isolation_asked}),
                     _topology_reason(index, views, parts, m)))
     return None
+
+
+def _gang_avail(index: NodeIndex, views: dict[str, NodeView], job: JobRequested, m: str, key: tuple
+                ) -> dict[str, int]:
+    """{node: whole cards of model m that one part of a gang (CPU and memory per part as in `key`) could take
+    there}, for every node that could take one: what a gang without constraints reads of the fleet. A function of
+    each node's view alone, so it is kept (`NodeIndex.gang_avail`) and brought up to date from the nodes whose view
+    changed since (`NodeIndex.changed_since`) -- a gang reads the nodes that changed, not the fleet (#35 item 1). Not
+    to be written to: the caller copies it to filter it."""
+    memo = index.gang_avail.get(key)
+    since = index.changed_since(memo[0]) if memo is not None else None
+    _, _, cpu_part, mem_part = key
+    if since is None:
+        avail: dict[str, int] = {}
+        todo = (name for name, _k in index.whole_free(m))
+    else:
+        avail = memo[1]
+        todo = dict.fromkeys(since)
+    for name in todo:
+        v = views.get(name)
+        usable = 0 if v is None or not index.whole_cards(name, m) or _rejects(v, job, skip_host=True) \
+            else gang_room(v, job, m, cpu_part, mem_part)
+        if usable > 0:
+            avail[name] = usable
+        else:
+            avail.pop(name, None)
+    index.gang_avail[key] = (index.position_now, avail)
+    return avail
 
 
 def _mixed_gang(index: NodeIndex, views: dict[str, NodeView], job: JobRequested, models: list[str],
