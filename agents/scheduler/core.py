@@ -263,9 +263,11 @@ class Scheduler:
 
     # ---------------------------------------------------------------- emitting
 
-    def _emit(self, out: list[Envelope], payload, cause: Envelope) -> None:
+    def _emit(self, out: list[Envelope], payload, cause: Envelope, causation: str = "") -> None:
+        """`causation`: the event id the output names as its cause when not the input being handled (`_judge`)."""
         self.out_seq += 1
-        env = envelope(payload, source=SOURCE, seq=self.out_seq, time_ms=self.now_ms, causation_id=cause.event_id,
+        env = envelope(payload, source=SOURCE, seq=self.out_seq, time_ms=self.now_ms,
+                       causation_id=causation or cause.event_id,
                        correlation_id=getattr(payload, "job_id", None))
         out.append(env)
         if env.is_command:
@@ -452,7 +454,7 @@ class Scheduler:
                 else:
                     self.arrivals += 1
                     self.h.apply(Unpark(p.job_id))  # a forgotten job's id again: an old entry says nothing of it
-                    rec = JobRecord(request=p, arrival=self.arrivals)
+                    rec = JobRecord(request=p, arrival=self.arrivals, request_event=env.event_id)
                     self.h.add_job(rec)
                     self.workload.observe(p)
                     self._typical()
@@ -860,7 +862,7 @@ class Scheduler:
         self._emit(out, Rejected(job_id=rec.request.job_id, code="unsatisfiable", reasons=(Reason(
             code="Unsatisfiable", plugin="Admission",
             message="Requested node configuration is not available: no node of the pool could ever hold it"),)
-            + why), env)
+            + why), env, rec.request_event)  # caused by its request, even when judged later (a tick, a node's loss)
         return True
 
     def _judge_pending(self, out: list[Envelope], env: Envelope, job_ids) -> None:

@@ -62,6 +62,10 @@ def group(tier: Tier, reserved: bool) -> int:
 class JobRecord:
     request: JobRequested
     arrival: int
+    # the event id of the request that made the record: a decision about that request made later names it as its
+    # cause (a rejection judged once the fleet settled or shrank), as job_view tells a rejection of this job from
+    # one of another request under the same id by its cause
+    request_event: str = ""
     # where the scheduler's placement bookkeeping has the job (PHASES; `Holdings.set_phase` writes it): not the job's
     # state as users see it, which streams/folds/job_view.py alone decides from the job's events
     phase: str = "pending"
