@@ -489,7 +489,7 @@ def place(index: NodeIndex, views: dict[str, NodeView], job: JobRequested, workl
             reasons.append(_topology_reason(index, views, parts, fit_model(views[name], fit)))
         return Placement(parts, tuple(reasons))
     if job.gang:
-        gang = _gang(index, views, job, models, exclude, (workload, version) if shape is not None else None)
+        gang = _gang(index, views, job, models, exclude, shape is not None)
         if gang is None and job.tier == Tier.OFFLINE and len(models) > 1:
             gang = _mixed_gang(index, views, job, models, exclude)
         if gang is not None:
@@ -625,10 +625,11 @@ def group_by(level: str, names, views: dict[str, NodeView]) -> list[list[str]]:
 
 
 def _gang(index: NodeIndex, views: dict[str, NodeView], job: JobRequested, models: list[str],
-          exclude: frozenset[str] = frozenset(), cache: tuple[Workload, int] | None = None) -> Placement | None:
+          exclude: frozenset[str] = frozenset(), unconstrained: bool = False) -> Placement | None:
     """All or nothing over several nodes: the fewest parts inside one rack, else one data center, else anywhere --
-    as far as the job's max_spread allows. `cache` (a job without constraints): what each node can give a part is
-    kept per view in the index's fit cache, so the next gang reads the nodes that did not change."""
+    as far as the job's max_spread allows. `unconstrained` (a job without constraints): what each node can give a
+    part is a function of its view alone, kept in the index and read again only for the nodes that changed
+    (`_gang_avail`)."""
     limit = "nvlink" if job.constraints.interconnect == "nvlink" else job.constraints.max_spread
     for m in models:
         n = cards_needed(job.compute_milli, job.gpu_memory_mib, m)
@@ -636,7 +637,7 @@ def _gang(index: NodeIndex, views: dict[str, NodeView], job: JobRequested, model
             continue
         cpu_part, mem_part = job.cpu_milli, job.memory_mib  # host CPU and memory are per part, as asked
         key = ("gang", m, cpu_part, mem_part)
-        if cache is not None and views is index.views:
+        if unconstrained and views is index.views:
             avail = _gang_avail(index, views, job, m, key)
             if exclude:
                 avail = {name: u for name, u in avail.items() if name not in exclude}

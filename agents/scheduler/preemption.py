@@ -22,7 +22,7 @@ from agents.scheduler import topology
 from agents.scheduler.node_index import NodeIndex, cards_needed
 from agents.scheduler.placement import _NO_CONSTRAINTS, FILTERS, _card_allowed, fit_cards, gang_room, group_by
 from schemas.envelope import envelope
-from schemas.events import JobRequested, PlaceJob, ReleaseJob
+from schemas.events import JobRequested, ReleaseJob
 from schemas.gpu_models import model, share_for
 from streams.folds import node_view
 
@@ -91,14 +91,6 @@ def released(view: node_view.NodeView, job_ids) -> node_view.NodeView:
         view = node_view.evolve(view, envelope(ReleaseJob(command_id=f"trial-{i}", job_id=j, node=view.node),
                                                source="preemption-trial", seq=i + 1, time_ms=0))
     return view
-
-
-def placed(view: node_view.NodeView, job: JobRequested, fit) -> node_view.NodeView:
-    """A scratch view with `job` holding `fit` (assignments) on it."""
-    return node_view.evolve(view, envelope(
-        PlaceJob(command_id=f"trial-{job.job_id}", job_id=job.job_id, tenant=job.tenant, node=view.node,
-                 assignments=fit, cpu_milli=job.cpu_milli, memory_mib=job.memory_mib),
-        source="placement-trial", seq=len(view.allocations) + 1, time_ms=0))
 
 
 def plan_for(job: JobRequested, nodes: list[node_view.NodeView], candidates: dict[str, list[Victim]]) -> Plan | None:
